@@ -1,0 +1,32 @@
+"""outcore: fine-tune language models larger than the memory that trains them.
+
+The public API is imported lazily so that ``import outcore`` (and the CLI's
+``--help``) stay fast and never import torch before it is needed.
+"""
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it (relative to this package)
+_LAZY = {
+    "FinetuneConfig": ".recipes.config",
+    "load_config": ".recipes.config",
+    "finetune": ".recipes.full_finetune",
+    "OutcoreError": ".errors",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .errors import OutcoreError
+    from .recipes.config import FinetuneConfig, load_config
+    from .recipes.full_finetune import finetune
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'outcore' has no attribute {name!r}")

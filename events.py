@@ -1,0 +1,97 @@
+"""Events the trainers emit and the UIs render.
+
+Plain dataclasses with no torch import: ``tui/`` renders these without ever
+touching a tensor (ARCHITECTURE.md §1, §4 step 5). Trainers build them only at
+log intervals, because filling ``loss`` costs a host sync (``.item()``).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class TierStats:
+    """Occupancy and traffic of one memory tier (DEVICE, HOST or NVME)."""
+
+    held_bytes: int = 0  # bytes resident in the tier now
+    budget_bytes: int = 0  # the tier's budget (0 = unbounded / not managed)
+    read_bytes: int = 0  # bytes read from the tier since the run started
+    written_bytes: int = 0  # bytes written into the tier since the run started
+    read_gbps: float = 0.0  # bandwidth over the last step
+    write_gbps: float = 0.0
+
+
+@dataclass
+class RunStarted:
+    """Sent once before the first step."""
+
+    run_name: str
+    model: str
+    n_params: int
+    n_trainable: int
+    total_steps: int
+    output_dir: str
+    method: str = "full"
+    optim: str = "adamw"
+    plan_table: str | None = None  # the MemoryPlan table, when there is one
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StepEvent:
+    """One optimizer step (sent every ``log_every`` steps)."""
+
+    step: int  # 1-based index of the step just finished
+    total_steps: int
+    loss: float
+    lr: float
+    tokens_per_s: float
+    step_s: float  # wall seconds of this step
+    elapsed_s: float  # wall seconds since the first step started
+    rss_bytes: int  # process RSS now
+    ram_bytes: int = 0  # total RAM of the machine
+    grad_norm: float | None = None
+    device_bytes: int | None = None  # CUDA memory allocated, when on CUDA
+    device_total_bytes: int | None = None
+    eval_loss: float | None = None  # set on steps where an eval ran
+    stall_s: float = 0.0  # time compute waited on I/O during this step
+    tiers: dict[str, TierStats] = field(default_factory=dict)  # by tier name
+
+    def to_json(self) -> dict[str, Any]:
+        """A flat JSON-able dict (the metrics.jsonl row)."""
+        return asdict(self)
+
+
+@dataclass
+class EvalEvent:
+    """A validation pass finished."""
+
+    step: int  # 0 = before training
+    eval_loss: float
+    perplexity: float
+
+
+@dataclass
+class RunFinished:
+    """Sent once after the last step (also after an interrupt)."""
+
+    steps_done: int
+    wall_s: float
+    peak_rss_bytes: int
+    output_dir: str
+    base_eval_loss: float | None = None
+    final_eval_loss: float | None = None
+    interrupted: bool = False
+    final_dir: str | None = None
+
+
+Event = RunStarted | StepEvent | EvalEvent | RunFinished
+
+
+class EventSink(Protocol):
+    """Anything that consumes events: the dashboard, plain logs, JSONL files."""
+
+    def emit(self, event: Event) -> None: ...
+
+    def close(self) -> None: ...

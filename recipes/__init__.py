@@ -1,0 +1,1 @@
+"""Recipes: one readable script per way of fine-tuning, and their configs."""

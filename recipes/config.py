@@ -1,0 +1,239 @@
+"""The fine-tuning config: one typed dataclass, loaded from YAML plus overrides.
+
+``FinetuneConfig`` is what every recipe reads and what ``outcore finetune``
+builds from ``--config FILE.yaml`` and ``key=value`` overrides. Keys are flat so
+that every one of them can be overridden on the command line; optimizer-specific
+hyper-parameters live in the ``optim_args`` mapping (``optim_args.rank=128``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from ..errors import ConfigError
+
+METHODS = ("full", "lora", "qlora", "zo")
+OPTIMIZERS = ("adamw", "adamw8bit", "galore", "apollo", "apollo-mini", "frugal",
+              "mezo", "sparse-mezo")
+ZO_OPTIMIZERS = ("mezo", "sparse-mezo")
+DTYPES = ("float32", "bfloat16", "float16")
+OFFLOAD_MODES = ("none", "auto", "cpu", "nvme")
+ACTIVATION_POLICIES = ("auto", "keep", "recompute", "offload")
+UI_MODES = ("auto", "rich", "plain", "none")
+
+
+@dataclass
+class FinetuneConfig:
+    """Everything a fine-tuning run needs. Defaults fine-tune the embedded default."""
+
+    # --- what to train on -------------------------------------------------
+    model: str = "default"  # local HF dir, a .gguf file, a hub id, or "default" (SmolLM2-135M-Instruct)
+    data: str = "default"  # text file/folder, .jsonl (instruction or chat), or "default" (Shakespeare)
+    data_max_bytes: int = 0  # read at most this many bytes of text data (0 = all)
+    val_fraction: float = 0.02  # share of sequences held out for validation
+    seq_len: int = 256  # tokens per training sequence
+    # --- how -----------------------------------------------------------------
+    method: str = "full"  # full | lora | qlora | zo
+    optim: str = "adamw"  # one of OPTIMIZERS
+    optim_args: dict[str, Any] = field(default_factory=dict)  # optimizer-specific hyper-parameters
+    lr: float = 5e-5  # peak learning rate
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_steps: int = 5  # linear warmup steps
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # global-norm clipping; 0 disables it
+    batch_size: int = 2  # sequences per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    max_steps: int = 40  # optimizer steps
+    seed: int = 0  # seeds data order, init of new weights and dropout
+    dtype: str = "float32"  # compute dtype: float32 | bfloat16 | float16
+    # --- LoRA (method lora / qlora) ------------------------------------------
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # --- memory ----------------------------------------------------------------
+    offload: str = "none"  # none | auto | cpu | nvme: where parameters and optimizer state live
+    device_mem: str | None = None  # DEVICE tier budget, e.g. "2GiB" (None = plan decides)
+    host_mem: str | None = None  # HOST tier budget
+    swap_dir: str | None = None  # NVMe swap directory (default: OUTPUT/swap)
+    activations: str = "keep"  # auto | keep | recompute | offload
+    # --- evaluation, logging, checkpoints --------------------------------------
+    eval_every: int = 20  # steps between validation passes (0 = only before and after)
+    eval_batches: int = 8  # micro-batches per validation pass
+    log_every: int = 1  # steps between metrics rows
+    save_every: int = 0  # steps between checkpoints (0 = only at the end)
+    output: str = "runs/default"  # output directory
+    overwrite: bool = False  # allow reusing an output directory that holds another run
+    resume: str | None = None  # resume from this output directory's last checkpoint
+    export: bool = True  # write OUTPUT/final as a Hugging Face directory at the end
+    ui: str = "auto"  # auto (rich on a TTY, else plain) | rich | plain | none
+    threads: int = 0  # torch CPU threads (0 = all cores)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Check every field; raise ConfigError naming the value and the rule."""
+        _choice("method", self.method, METHODS)
+        _choice("optim", self.optim, OPTIMIZERS)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("offload", self.offload, OFFLOAD_MODES)
+        _choice("activations", self.activations, ACTIVATION_POLICIES)
+        _choice("ui", self.ui, UI_MODES)
+        for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "lora_r"):
+            if int(getattr(self, name)) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
+        for name in ("warmup_steps", "eval_every", "eval_batches", "save_every", "threads",
+                     "data_max_bytes"):
+            if int(getattr(self, name)) < 0:
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 0")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ConfigError(f"lr={self.lr!r} must be a positive finite number")
+        if not 0.0 <= self.val_fraction < 0.5:
+            raise ConfigError(f"val_fraction={self.val_fraction!r} must be in [0, 0.5)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
+        if self.max_grad_norm < 0:
+            raise ConfigError(f"max_grad_norm={self.max_grad_norm!r} must be >= 0 (0 disables clipping)")
+        if (self.method == "zo") != (self.optim in ZO_OPTIMIZERS):
+            raise ConfigError(
+                f"method={self.method!r} does not go with optim={self.optim!r}: "
+                f"method 'zo' needs optim {' or '.join(ZO_OPTIMIZERS)}, and those need method 'zo'")
+        if not isinstance(self.optim_args, dict):
+            raise ConfigError(f"optim_args={self.optim_args!r} must be a mapping")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain, YAML-able dict of every field."""
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+
+def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not one of: {', '.join(allowed)}")
+
+
+# ---------------------------------------------------------------------------------
+# Loading: YAML file + key=value overrides -> FinetuneConfig
+# ---------------------------------------------------------------------------------
+_FIELDS = {f.name: f for f in dataclasses.fields(FinetuneConfig)}
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parse an override value the way YAML would (``1e-4`` -> float, ``true`` -> bool)."""
+    import yaml
+
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return text if value is None and text not in ("null", "~", "") else value
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Convert ``value`` to the declared type of field ``name`` or raise ConfigError."""
+    default = _FIELDS[name].default
+    if default is dataclasses.MISSING:
+        default = _FIELDS[name].default_factory()  # type: ignore[misc]
+    try:
+        if value is None:
+            if default is None or name in ("max_grad_norm",):
+                return None if default is None else 0.0
+            raise TypeError
+        if isinstance(default, bool):
+            if isinstance(value, str):
+                value = {"true": True, "false": False, "1": True, "0": False}[value.lower()]
+            return bool(value)
+        if isinstance(default, int):
+            if isinstance(value, float) and not value.is_integer():
+                raise TypeError
+            return int(value)
+        if isinstance(default, float):
+            return float(value)
+        if isinstance(default, tuple):
+            if isinstance(value, str):
+                value = [float(v) for v in value.strip("()[] ").split(",")]
+            return tuple(float(v) for v in value)
+        if isinstance(default, list):
+            if isinstance(value, str):
+                value = [v.strip() for v in value.split(",") if v.strip()]
+            return list(value)
+        if isinstance(default, dict):
+            if not isinstance(value, Mapping):
+                raise TypeError
+            return dict(value)
+        return value if value is None else str(value)
+    except (TypeError, ValueError, KeyError):
+        kind = type(default).__name__ if default is not None else "str"
+        raise ConfigError(f"{name}={value!r} is not a valid {kind}") from None
+
+
+def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | list[str] | None = None,
+                **kwargs: Any) -> FinetuneConfig:
+    """Build a FinetuneConfig from a YAML file, then overrides, then keyword arguments.
+
+    Args:
+        path: a YAML file whose top-level keys are FinetuneConfig fields (or None).
+        overrides: ``["key=value", ...]`` strings or a mapping; ``optim_args.x=1``
+            sets one optimizer argument.
+        **kwargs: more overrides as Python values (highest precedence).
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: a missing or malformed file, an unknown key, or a bad value.
+    """
+    import yaml
+
+    values: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing YAML file to --config")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f"{p}:{mark.line + 1}" if mark is not None else str(p)
+            raise ConfigError(f"{where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of config keys")
+        values.update(loaded)
+
+    pairs: list[tuple[str, Any]] = []
+    if isinstance(overrides, Mapping):
+        pairs += list(overrides.items())
+    else:
+        for item in overrides or []:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} must look like key=value (e.g. lr=1e-4)")
+            key, raw = item.split("=", 1)
+            pairs.append((key.strip().replace("-", "_"), _parse_scalar(raw)))
+    pairs += list(kwargs.items())
+
+    for key, value in pairs:
+        if key.startswith("optim_args."):
+            values.setdefault("optim_args", {})
+            values["optim_args"] = {**values["optim_args"], key.split(".", 1)[1]: value}
+        else:
+            values[key] = value
+
+    unknown = sorted(set(values) - set(_FIELDS))
+    if unknown:
+        raise ConfigError(f"unknown config key {unknown[0]!r}; known keys: {', '.join(sorted(_FIELDS))}")
+    return FinetuneConfig(**{k: _coerce(k, v) for k, v in values.items()})
+
+
+def save_config(config: FinetuneConfig, path: str | Path) -> None:
+    """Write the resolved config as YAML (``OUTPUT/config.yaml``)."""
+    import yaml
+
+    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False))

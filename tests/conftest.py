@@ -1,0 +1,79 @@
+"""Shared test configuration.
+
+Markers:
+  gpu   -- needs CUDA; skipped (reported as skipped, never as passed) without it.
+  slow  -- longer checks. ``--slow=none`` (default) deselects them,
+           ``--slow=ci`` keeps those marked ``@pytest.mark.slow(ci=True)`` (the
+           bounded subset CI runs), ``--slow=all`` keeps all of them.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", default="none", choices=["none", "ci", "all"],
+                     help="which slow tests to run (default: none)")
+
+
+def pytest_collection_modifyitems(config, items):
+    mode = config.getoption("--slow")
+    keep, dropped = [], []
+    for item in items:
+        mark = item.get_closest_marker("slow")
+        if mark is None or mode == "all" or (mode == "ci" and mark.kwargs.get("ci", False)):
+            keep.append(item)
+        else:
+            dropped.append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+    try:
+        import torch
+        has_cuda = torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        has_cuda = False
+    if not has_cuda:
+        skip_gpu = pytest.mark.skip(reason="needs a CUDA device (none here)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_and_deterministic():
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    yield
+
+
+def make_tiny_llama(seed: int = 0, layers: int = 4, hidden: int = 64, vocab: int = 256,
+                    heads: int = 4, kv_heads: int = 2, intermediate: int = 128,
+                    tie: bool = True, max_pos: int = 512):
+    """A small random Llama-shaped causal LM built in the test (no download)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                      num_hidden_layers=layers, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+                      tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    return model.float().eval()
+
+
+@pytest.fixture
+def tiny_llama():
+    """A fresh tiny Llama (fp32, seed 0)."""
+    return make_tiny_llama()
+
+
+@pytest.fixture
+def tiny_llama_factory():
+    """``make_tiny_llama`` itself, for tests that need other shapes or seeds."""
+    return make_tiny_llama
