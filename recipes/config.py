@@ -226,6 +226,16 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | l
         else:
             values[key] = value
 
+    if values.get("resume"):
+        # Resuming continues the run as it was configured: its saved config is the
+        # base and what was given here overrides it (e.g. a larger max_steps).
+        saved = Path(str(values["resume"])) / "config.yaml"
+        if path is None and saved.is_file():
+            base = yaml.safe_load(saved.read_text()) or {}
+            base.pop("overwrite", None)
+            values = {**base, **values}
+        values["output"] = str(values["resume"])
+
     unknown = sorted(set(values) - set(_FIELDS))
     if unknown:
         raise ConfigError(f"unknown config key {unknown[0]!r}; known keys: {', '.join(sorted(_FIELDS))}")

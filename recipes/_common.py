@@ -1,0 +1,150 @@
+"""Pieces every recipe shares: the output directory, memory readings, eval, export.
+
+Kept out of the recipe scripts so that each script reads top to bottom as
+setup → train → cleanup without bookkeeping in the way.
+"""
+from __future__ import annotations
+
+import math
+import os
+import resource
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import psutil
+import torch
+
+from ..errors import CheckpointError, ConfigError
+from .config import FinetuneConfig, load_config, save_config
+
+_RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
+# Fields a resumed run must share with the run it continues (others, such as
+# max_steps or eval_every, may change).
+_RUN_DEFINING = ("model", "data", "data_max_bytes", "val_fraction", "seq_len", "method", "optim",
+                 "optim_args", "batch_size", "grad_accum", "seed", "dtype", "lora_r", "lora_alpha",
+                 "lora_targets", "offload")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``."""
+    return _DTYPES[name]
+
+
+def prepare_output_dir(config: FinetuneConfig) -> Path:
+    """Create (or, for a resume, check) the output directory and write config.yaml.
+
+    Raises:
+        ConfigError: the directory holds another run and neither resume nor overwrite was asked.
+        CheckpointError: resume was asked but the directory has no run to resume.
+    """
+    out = Path(config.output)
+    holds_run = out.is_dir() and any((out / m).exists() for m in _RUN_MARKERS)
+    if config.resume:
+        if not holds_run or not (out / "config.yaml").is_file():
+            raise CheckpointError(f"--resume {config.resume!r}: no run found there "
+                                  "(expected config.yaml and checkpoints/); check the path")
+        saved = load_config(out / "config.yaml", resume=None, overwrite=True)
+        for key in _RUN_DEFINING:
+            if getattr(saved, key) != getattr(config, key):
+                raise CheckpointError(
+                    f"--resume {config.resume!r}: {key}={getattr(config, key)!r} differs from the "
+                    f"run's {key}={getattr(saved, key)!r}; drop it, or start a new run with another --output")
+    elif holds_run:
+        if not config.overwrite:
+            raise ConfigError(f"output directory {str(out)!r} already holds a run; pass --resume "
+                              f"{str(out)!r} to continue it, --overwrite to replace it, or another --output")
+        for m in (*_RUN_MARKERS, "final", "loss_curve.png"):
+            p = out / m
+            if p.is_dir():
+                shutil.rmtree(p)
+            elif p.exists():
+                p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+    save_config(config, out / "config.yaml")
+    return out
+
+
+def set_threads(threads: int) -> None:
+    """Use ``threads`` CPU threads for torch (0 = every core)."""
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now."""
+    return psutil.Process().memory_info().rss
+
+
+def peak_rss_bytes() -> int:
+    """Peak RSS of this process so far (``ru_maxrss`` is KiB on Linux, bytes on macOS)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def ram_total_bytes() -> int:
+    return psutil.virtual_memory().total
+
+
+def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
+    """Linear warmup to 1, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        span = max(1, max_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return factor
+
+
+def eval_batches(dataset: Any, batch_size: int, n_batches: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The first ``n_batches`` batches of ``dataset`` in order: the same every evaluation."""
+    n = min(len(dataset), batch_size * n_batches)
+    for start in range(0, n, batch_size):
+        rows = [dataset[i] for i in range(start, min(n, start + batch_size))]
+        yield {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+@torch.no_grad()
+def evaluate(loss_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], dataset: Any,
+             batch_size: int, n_batches: int) -> float:
+    """Token-weighted mean loss over the fixed validation batches.
+
+    Args:
+        loss_fn: batch -> mean loss over its labelled tokens.
+
+    Returns:
+        The mean loss (a float: this is a host sync, once per evaluation).
+    """
+    total, tokens = 0.0, 0
+    for batch in eval_batches(dataset, batch_size, n_batches):
+        n = int((batch["labels"][:, 1:] != -100).sum())
+        total += float(loss_fn(batch)) * n
+        tokens += n
+    return total / max(tokens, 1)
+
+
+def export_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | Path) -> Path:
+    """Write a Hugging Face directory that ``AutoModelForCausalLM.from_pretrained`` loads.
+
+    LoRA adapters (peft) are merged into the base weights first.
+    """
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    # A model loaded from GGUF carries a `gguf` quantization_config; the exported
+    # weights are plain dequantized tensors, so drop it or from_pretrained would
+    # try to read a GGUF file that is not there.
+    if getattr(model.config, "quantization_config", None) is not None:
+        qc = model.config.quantization_config
+        if (qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)) == "gguf":
+            del model.config.quantization_config
+    model.save_pretrained(tmp, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,256 @@
+"""Full (or LoRA) fine-tuning of a causal LM: the readable reference recipe.
+
+Read it top to bottom: ``setup`` builds everything from a ``FinetuneConfig``,
+``train`` runs the optimizer steps, ``cleanup`` evaluates, exports and closes.
+This in-memory loop is the numerical reference every out-of-core mode is
+checked against (same seed + fp32 ⇒ same weights, bit for bit).
+
+Run it:  ``outcore finetune``  (or ``python -m outcore.recipes.full_finetune key=value ...``)
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..events import EvalEvent, EventSink, RunFinished, RunStarted, StepEvent
+from . import _checkpoint as ckpt
+from ._common import (evaluate, export_hf, lr_lambda, peak_rss_bytes, prepare_output_dir,
+                      ram_total_bytes, rss_bytes, set_threads, torch_dtype)
+from .config import FinetuneConfig, load_config
+
+
+@dataclass
+class FinetuneResult:
+    """What a finished (or interrupted) run leaves behind."""
+
+    output_dir: Path
+    steps_done: int
+    final_dir: Path | None
+    base_eval_loss: float | None
+    final_eval_loss: float | None
+    losses: list[float] = field(default_factory=list)  # train loss of each logged step
+    interrupted: bool = False
+
+
+class Recipe:
+    """One fine-tuning run. ``run()`` = setup → train → cleanup."""
+
+    def __init__(self, config: FinetuneConfig, sink: EventSink | None = None):
+        self.cfg = config
+        self._sink = sink
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        from ..data import BatchLoader, build_datasets, check_seq_len
+        from ..models import load_model
+        from ..tui import make_sink
+
+        cfg = self.cfg
+        set_threads(cfg.threads)
+        torch.manual_seed(cfg.seed)
+        self.out = prepare_output_dir(cfg)
+        self.sink = self._sink or make_sink(cfg.ui, self.out)
+
+        self.model, self.tokenizer = load_model(cfg.model, dtype=torch_dtype(cfg.dtype))
+        check_seq_len(self.model, cfg.seq_len)
+        if cfg.method in ("lora", "qlora"):
+            self.model = _with_lora(self.model, cfg)
+        self.model.train()
+        # The KV cache is for generation; in training it only costs memory.
+        self.model.config.use_cache = False
+
+        self.train_set, self.val_set = build_datasets(
+            cfg.data, self.tokenizer, cfg.seq_len, seed=cfg.seed,
+            val_fraction=cfg.val_fraction, max_bytes=cfg.data_max_bytes)
+        self.loader = BatchLoader(self.train_set, cfg.batch_size, seed=cfg.seed)
+
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(cfg, self.params)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
+
+        self.step = 0
+        self.base_eval_loss: float | None = None
+        if cfg.resume:
+            self._restore()
+
+    def _restore(self) -> None:
+        last = ckpt.latest_checkpoint(self.out)
+        if last is None:
+            from ..errors import CheckpointError
+            raise CheckpointError(f"--resume {self.cfg.resume!r}: the run has no complete checkpoint; "
+                                  "start over with --overwrite")
+        model_state, optim_state, trainer = ckpt.load_checkpoint(last)
+        named = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, t in model_state.items():
+                named[name].copy_(t)
+        self.optimizer.load_state_dict(optim_state)
+        self.scheduler.load_state_dict(trainer["scheduler"])
+        self.loader.load_state_dict(trainer["loader"])
+        ckpt.set_rng_state(trainer["rng"])
+        self.step = trainer["step"]
+        self.base_eval_loss = trainer["base_eval_loss"]
+
+    # ------------------------------------------------------------------ train
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean next-token loss over the batch's labelled tokens."""
+        return self.model(**batch).loss
+
+    def train(self) -> None:
+        cfg = self.cfg
+        n_params = sum(p.numel() for p in self.model.parameters())
+        self.sink.emit(RunStarted(run_name=self.out.name, model=cfg.model, n_params=n_params,
+                                  n_trainable=sum(p.numel() for p in self.params),
+                                  total_steps=cfg.max_steps, output_dir=str(self.out),
+                                  method=cfg.method, optim=cfg.optim, config=cfg.to_dict()))
+        if self.base_eval_loss is None:
+            self.base_eval_loss = self._eval(step=0)
+        self.losses: list[float] = []
+        tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+        t_start = time.perf_counter()
+        while self.step < cfg.max_steps:
+            t0 = time.perf_counter()
+            loss_sum = torch.zeros(())
+            for _ in range(cfg.grad_accum):
+                loss = self.loss(self.loader.next_batch()) / cfg.grad_accum
+                loss.backward()
+                loss_sum += loss.detach()
+            grad_norm = None
+            if cfg.max_grad_norm > 0:
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+
+            eval_loss = None
+            if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.max_steps:
+                eval_loss = self._eval(self.step)
+            if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or eval_loss is not None:
+                step_s = time.perf_counter() - t0
+                loss_value = float(loss_sum)  # host sync: only at log steps
+                self.losses.append(loss_value)
+                if not math.isfinite(loss_value):
+                    raise FloatingPointError(f"loss became {loss_value} at step {self.step}; "
+                                             "lower --lr or use dtype=float32")
+                self.sink.emit(StepEvent(
+                    step=self.step, total_steps=cfg.max_steps, loss=loss_value, lr=lr,
+                    tokens_per_s=tokens_per_step / step_s, step_s=step_s,
+                    elapsed_s=time.perf_counter() - t_start, rss_bytes=rss_bytes(),
+                    ram_bytes=ram_total_bytes(),
+                    grad_norm=None if grad_norm is None else float(grad_norm),
+                    eval_loss=eval_loss, **_device_memory()))
+            if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
+                self.save()
+
+    def _eval(self, step: int) -> float:
+        self.model.eval()
+        loss = evaluate(self.loss, self.val_set, self.cfg.batch_size, self.cfg.eval_batches)
+        self.model.train()
+        self.sink.emit(EvalEvent(step=step, eval_loss=loss, perplexity=math.exp(min(loss, 50.0))))
+        return loss
+
+    def save(self) -> Path:
+        """Checkpoint everything needed to continue bit-identically."""
+        trainer_state = {"step": self.step, "scheduler": self.scheduler.state_dict(),
+                         "loader": self.loader.state_dict(), "rng": ckpt.rng_state(),
+                         "base_eval_loss": self.base_eval_loss}
+        return ckpt.save_checkpoint(self.out, self.step, ckpt.trainable_state(self.model),
+                                    self.optimizer.state_dict(), trainer_state)
+
+    # ---------------------------------------------------------------- cleanup
+    def cleanup(self, interrupted: bool = False) -> FinetuneResult:
+        final_eval = final_dir = None
+        if not interrupted:
+            final_eval = self._eval(self.step)
+            self.save()
+            if self.cfg.export:
+                final_dir = export_hf(self.model, self.tokenizer, self.out / "final")
+        self.sink.emit(RunFinished(steps_done=self.step, wall_s=time.perf_counter() - self._t0,
+                                   peak_rss_bytes=peak_rss_bytes(), output_dir=str(self.out),
+                                   base_eval_loss=self.base_eval_loss, final_eval_loss=final_eval,
+                                   interrupted=interrupted,
+                                   final_dir=None if final_dir is None else str(final_dir)))
+        self.sink.close()
+        return FinetuneResult(self.out, self.step, final_dir, self.base_eval_loss, final_eval,
+                              getattr(self, "losses", []), interrupted)
+
+    def run(self) -> FinetuneResult:
+        self._t0 = time.perf_counter()
+        self.setup()
+        try:
+            self.train()
+        except KeyboardInterrupt:
+            # The last complete checkpoint stays as it is (checkpoints are
+            # written atomically); report and re-raise so the CLI exits 130.
+            self.cleanup(interrupted=True)
+            raise
+        except BaseException:
+            self.sink.close()
+            raise
+        return self.cleanup()
+
+
+# ---------------------------------------------------------------------- builders
+def build_optimizer(cfg: FinetuneConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer named by ``cfg.optim`` over ``params``.
+
+    ``adamw`` is torch's fused AdamW: the reference the out-of-core engine
+    matches bit for bit. The memory-lean optimizers come from ``outcore.optim``.
+    """
+    common = dict(lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optim == "adamw":
+        return torch.optim.AdamW(params, betas=cfg.betas, eps=cfg.eps, fused=True, **common)
+    from .. import optim as oc_optim
+
+    return oc_optim.create(cfg.optim, params, betas=cfg.betas, eps=cfg.eps, **common, **cfg.optim_args)
+
+
+def _with_lora(model: torch.nn.Module, cfg: FinetuneConfig) -> torch.nn.Module:
+    """Wrap ``model`` with peft LoRA adapters on ``cfg.lora_targets``; the base is frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=list(cfg.lora_targets), task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)
+
+
+def _device_memory() -> dict[str, Any]:
+    if not torch.cuda.is_available():
+        return {}
+    return {"device_bytes": torch.cuda.memory_allocated(),
+            "device_total_bytes": torch.cuda.get_device_properties(0).total_memory}
+
+
+def finetune(config: FinetuneConfig | None = None, sink: EventSink | None = None, **overrides: Any
+             ) -> FinetuneResult:
+    """Fine-tune as ``config`` says (defaults: the embedded model on the embedded data).
+
+    Args:
+        config: the run's config; None means ``FinetuneConfig()``.
+        sink: where events go (default: the dashboard or plain log, plus OUTPUT/metrics.jsonl).
+        **overrides: config fields to change, e.g. ``finetune(max_steps=10, lr=1e-4)``.
+
+    Returns:
+        A FinetuneResult (output dir, steps, eval losses, final export dir).
+
+    Raises:
+        OutcoreError: bad config, model, data or checkpoint (one-line message).
+    """
+    config = load_config(overrides={**(config.to_dict() if config else {}), **overrides})
+    if config.method == "zo":
+        from .zo_finetune import finetune as zo_finetune
+        return zo_finetune(config, sink)
+    return Recipe(config, sink).run()
+
+
+if __name__ == "__main__":
+    finetune(load_config(overrides=sys.argv[1:]))

