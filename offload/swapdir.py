@@ -1,0 +1,186 @@
+"""The swap directory: where the NVMe tier keeps its files (ARCHITECTURE.md §2).
+
+Lifecycle:
+- ``SwapDir(path)`` creates ``path`` with mode ``0700`` (its parent must exist),
+  takes an advisory ``flock`` on ``path/.outcore-swap.lock`` so a second run on the
+  same directory fails at once with the pid of the first, and writes the pid there.
+- ``reserve(file, nbytes)`` preallocates with ``posix_fallocate``: a disk that is
+  too small fails *before* training, not in the middle of a step.
+- ``close()`` removes what this run created (the whole directory if it made it);
+  a crashed run leaves its directory behind, which ``find_leftover_swap_dirs``
+  reports (``outcore doctor`` lists them).
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from ..errors import SwapDirError
+
+LOCK_NAME = ".outcore-swap.lock"  # marks a directory as an outcore swap dir
+
+
+def _fmt(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+class SwapDir:
+    """A locked, private swap directory for one run.
+
+    Args:
+        path: the directory; created (mode 0700) when missing. Its parent must exist.
+        keep: leave the files on ``close()`` (debugging).
+
+    Raises:
+        SwapDirError: parent missing, path not a directory, not writable, read-only
+            file system, or locked by another live run.
+    """
+
+    def __init__(self, path: str | Path, keep: bool = False):
+        self.path = Path(path).expanduser().absolute()
+        self.keep = keep
+        self._files: list[Path] = []
+        self._lock_fd = -1
+        self._created = False
+        parent = self.path.parent
+        if not parent.is_dir():
+            raise SwapDirError(f"swap dir parent {parent} does not exist; create it or pass another swap_dir")
+        if self.path.exists() and not self.path.is_dir():
+            raise SwapDirError(f"swap dir {self.path} exists and is not a directory; pass a directory")
+        if not self.path.exists():
+            try:
+                self.path.mkdir(mode=0o700)
+            except OSError as e:
+                raise SwapDirError(f"cannot create swap dir {self.path}: {e.strerror}; "
+                                   "choose a writable swap_dir") from e
+            self._created = True
+            os.chmod(self.path, stat.S_IRWXU)  # mkdir's mode is filtered by the umask
+        self._lock()
+
+    def _lock(self) -> None:
+        lock_path = self.path / LOCK_NAME
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as e:
+            self._cleanup_created()
+            what = "is on a read-only file system" if e.errno == errno.EROFS else f"is not writable ({e.strerror})"
+            raise SwapDirError(f"swap dir {self.path} {what}; choose a writable swap_dir") from e
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            other = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise SwapDirError(f"swap dir {self.path} is in use by another outcore run (pid {other}); "
+                               "wait for it to finish or choose another swap_dir") from e
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def _cleanup_created(self) -> None:
+        if self._created:
+            shutil.rmtree(self.path, ignore_errors=True)
+
+    def file(self, name: str) -> Path:
+        """The path of a data file ``name`` inside the directory (removed on close)."""
+        if "/" in name or name.startswith("."):
+            raise SwapDirError(f"swap file name {name!r} must be a plain file name")
+        p = self.path / name
+        if p not in self._files:
+            self._files.append(p)
+        return p
+
+    def reserve(self, fd: int, nbytes: int, name: str = "swap file") -> None:
+        """Preallocate ``nbytes`` of an open file so later writes cannot hit ENOSPC.
+
+        Raises:
+            SwapDirError: not enough free space (names the request and what is free).
+        """
+        if nbytes <= 0:
+            return
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError as e:
+            free = shutil.disk_usage(self.path).free
+            if e.errno == errno.ENOSPC:
+                raise SwapDirError(f"swap dir {self.path} has {_fmt(free)} free but {name} needs "
+                                   f"{_fmt(nbytes)}; free space or choose another swap_dir") from e
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # file system without fallocate
+                if free < nbytes:
+                    raise SwapDirError(f"swap dir {self.path} has {_fmt(free)} free but {name} needs "
+                                       f"{_fmt(nbytes)}; free space or choose another swap_dir") from e
+                return
+            raise SwapDirError(f"cannot reserve {_fmt(nbytes)} in {self.path}: {e.strerror}") from e
+
+    @property
+    def free_bytes(self) -> int:
+        """Free bytes on the file system of the directory."""
+        return shutil.disk_usage(self.path).free
+
+    def close(self) -> None:
+        """Remove this run's files (the directory too, if this run created it) and unlock."""
+        if self._lock_fd < 0:
+            return
+        if not self.keep:
+            for p in self._files:
+                try:
+                    p.unlink()
+                except FileNotFoundError:
+                    pass
+            try:
+                (self.path / LOCK_NAME).unlink()
+            except FileNotFoundError:
+                pass
+            if self._created:
+                shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self._lock_fd)  # releases the flock
+        self._lock_fd = -1
+
+    def __enter__(self) -> "SwapDir":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"SwapDir({str(self.path)!r}, locked={self._lock_fd >= 0})"
+
+
+def _is_locked(lock_path: Path) -> bool:
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # closing drops a lock we may have just taken
+    return False
+
+
+def find_leftover_swap_dirs(root: str | Path) -> list[str]:
+    """Swap directories at ``root`` or one level below it that no live run holds.
+
+    A crashed or killed run leaves its directory (with the lock file) behind;
+    a running one holds the lock and is not listed.
+
+    Returns:
+        Absolute paths, sorted.
+    """
+    root = Path(root).expanduser().absolute()
+    candidates = [root]
+    try:
+        candidates += [p for p in root.iterdir() if p.is_dir()]
+    except OSError:
+        pass
+    out = []
+    for d in candidates:
+        lock = d / LOCK_NAME
+        if lock.exists() and not _is_locked(lock):
+            out.append(str(d))
+    return sorted(out)
