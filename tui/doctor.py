@@ -1,0 +1,174 @@
+"""``outcore doctor``: what this machine offers a run -- devices, RAM, the swap disk, backends.
+
+It renders ``outcore.offload.probe.probe_hardware(swap_dir, measure=...)``
+(``HardwareProbe.to_dict()``) as a table a person reads before a long run, with
+every warning in yellow, or as one JSON object with ``--json`` for scripts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from .format import fmt_bytes, fmt_gbps
+
+HELP = "show devices, memory, swap-disk bandwidth and backends"
+DESCRIPTION = """\
+Probe this machine: compute devices and their memory, RAM, CPU threads, the
+swap directory's free space, filesystem and measured O_DIRECT read/write
+bandwidth (a few seconds), host<->device copy bandwidth, optional backends, and
+the warnings a run would hit.
+"""
+
+# keys rendered in their own section; anything else the probe adds goes under "other"
+_KNOWN = {"cpu_threads", "ram_total_bytes", "ram_available_bytes", "devices", "swap_dir",
+          "swap_free_bytes", "swap_fs_type", "o_direct", "disk_read_gbps", "disk_write_gbps",
+          "h2d_gbps", "d2h_gbps", "backends", "warnings", "leftover_swap_dirs"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the doctor options on ``parser``."""
+    parser.add_argument("--swap-dir", metavar="DIR", default=None,
+                        help="the swap directory to probe (default: the one a run would use)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument("--no-measure", action="store_true",
+                        help="skip the bandwidth measurements (instant)")
+
+
+def probe(swap_dir: str | None, measure: bool) -> dict[str, Any]:
+    """Run the hardware probe and return its dict form.
+
+    Raises:
+        OutcoreError: e.g. SwapDirError for a swap directory that is missing or not writable.
+    """
+    from ..offload.probe import probe_hardware  # may import torch: only when doctor runs
+
+    return probe_hardware(swap_dir, measure=measure).to_dict()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Probe, then print a table (or JSON with ``--json``). Returns 0."""
+    data = probe(args.swap_dir, measure=not args.no_measure)
+    if args.json:
+        print(json.dumps(data, indent=2, default=str))
+        return 0
+    from rich.console import Console
+
+    Console().print(render(data))
+    return 0
+
+
+# ---------------------------------------------------------------------------------
+def _bytes_pair(used_label: str, total: Any, avail: Any) -> str:
+    if avail is None:
+        return fmt_bytes(total)
+    return f"{fmt_bytes(total)} total, {fmt_bytes(avail)} {used_label}"
+
+
+def _device_line(dev: Any) -> str:
+    if not isinstance(dev, dict):
+        return str(dev)
+    name = dev.get("name", "device")
+    parts = [str(name)]
+    if dev.get("total_bytes") is not None:
+        parts.append(_bytes_pair("free", dev.get("total_bytes"), dev.get("free_bytes")))
+    rest = {k: v for k, v in dev.items() if k not in ("name", "total_bytes", "free_bytes")}
+    parts += [f"{k} {_value(k, v)}" for k, v in rest.items()]
+    return ", ".join(parts)
+
+
+def _value(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if key.endswith("_bytes") and isinstance(value, (int, float)):
+        return fmt_bytes(value)
+    if key.endswith("_gbps") and isinstance(value, (int, float)):
+        return fmt_gbps(value)
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(str(v) for v in value) or "none"
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items()) or "none"
+    return str(value)
+
+
+def _bandwidth(read: Any, write: Any, what: tuple[str, str]) -> str:
+    if read is None and write is None:
+        return "not measured (--no-measure)"
+    return f"{what[0]} {fmt_gbps(read)}   {what[1]} {fmt_gbps(write)}"
+
+
+def render(data: dict[str, Any]) -> Any:
+    """The probe as a rich renderable: sections System, Devices, Swap directory, Backends,
+    Leftover swap directories, Warnings (yellow).
+
+    Args:
+        data: ``HardwareProbe.to_dict()``.
+
+    Returns:
+        A rich ``Table`` (a grid with section headings).
+    """
+    from rich import box
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(box=box.SIMPLE, show_header=False, title="outcore doctor", title_justify="left",
+                  title_style="bold magenta", padding=(0, 2))
+    table.add_column(style="cyan", no_wrap=True)
+    table.add_column()
+
+    def section(name: str) -> None:
+        table.add_row(f"[bold]{name}[/]", "", end_section=False)
+
+    section("System")
+    table.add_row("  CPU threads", str(data.get("cpu_threads", "-")))
+    table.add_row("  RAM", _bytes_pair("available", data.get("ram_total_bytes"),
+                                       data.get("ram_available_bytes")))
+    section("Devices")
+    devices = data.get("devices") or []
+    if devices:
+        for i, dev in enumerate(devices):
+            table.add_row(f"  {i}", escape(_device_line(dev)))
+    else:
+        table.add_row("  none", "[dim]CPU only: the DEVICE tier is a RAM arena[/]")
+    if data.get("h2d_gbps") is not None or data.get("d2h_gbps") is not None or devices:
+        label = "  host<->device" if devices else "  RAM copy"
+        table.add_row(label, _bandwidth(data.get("h2d_gbps"), data.get("d2h_gbps"), ("h2d", "d2h")))
+
+    section("Swap directory")
+    table.add_row("  path", escape(str(data.get("swap_dir", "-"))))
+    free = fmt_bytes(data.get("swap_free_bytes"))
+    fs = data.get("swap_fs_type")
+    table.add_row("  free", f"{free} on {escape(str(fs))}" if fs else free)
+    o_direct = data.get("o_direct")
+    table.add_row("  O_DIRECT", "-" if o_direct is None else
+                  ("[green]yes[/]" if o_direct else "[yellow]no (reads may hit the page cache)[/]"))
+    table.add_row("  bandwidth", _bandwidth(data.get("disk_read_gbps"), data.get("disk_write_gbps"),
+                                            ("read", "write")))
+
+    section("Backends")
+    backends = data.get("backends") or {}
+    for name, version in sorted(backends.items()):
+        table.add_row(f"  {escape(name)}", escape(str(version)) if version else "[dim]not installed[/]")
+
+    leftovers = data.get("leftover_swap_dirs") or []
+    if leftovers:
+        section("Leftover swap directories")
+        for path in leftovers:
+            table.add_row("", f"[yellow]{escape(str(path))}[/]")
+
+    other = {k: v for k, v in data.items() if k not in _KNOWN}
+    if other:
+        section("Other")
+        for key, value in other.items():
+            table.add_row(f"  {escape(key)}", escape(_value(key, value)))
+
+    warnings = data.get("warnings") or []
+    section("Warnings")
+    if warnings:
+        for w in warnings:
+            table.add_row("  [yellow]![/]", f"[yellow]{escape(str(w))}[/]")
+    else:
+        table.add_row("", "[green]none[/]")
+    return table

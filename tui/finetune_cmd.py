@@ -1,0 +1,106 @@
+"""``outcore finetune``: build a FinetuneConfig from YAML, ``key=value`` words and flags, then train.
+
+Precedence, lowest to highest: the config's defaults, ``--config FILE.yaml``,
+``key=value`` words, then flags (``--max-steps 10``). Only flags the user gave
+are passed on (argparse defaults are suppressed), so a YAML value is never
+overwritten by a flag's default.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..recipes.config import (ACTIVATION_POLICIES, METHODS, OFFLOAD_MODES, OPTIMIZERS,
+                              UI_MODES)
+
+HELP = "fine-tune a model (no options: the embedded default)"
+DESCRIPTION = f"""\
+Fine-tune a causal language model. With no options it fine-tunes the embedded
+default: SmolLM2-135M-Instruct on the Shakespeare corpus.
+
+methods:     {', '.join(METHODS)}
+optimizers:  {', '.join(OPTIMIZERS)}
+
+Any config key can be set as key=value (e.g. lr=1e-4 eval_every=10
+optim_args.rank=128); flags win over key=value, which wins over --config.
+
+examples:
+  outcore finetune
+  outcore finetune --model ./my-llama --data notes.jsonl --max-steps 200 --output runs/notes
+  outcore finetune --config run.yaml lr=2e-5 --resume runs/notes
+"""
+
+# (flag, FinetuneConfig field, type, metavar, help)
+FLAGS: tuple[tuple[str, str, Any, str | None, str], ...] = (
+    ("--model", "model", str, "PATH|ID",
+     "local Hugging Face directory, a .gguf file, a hub id, or 'default'"),
+    ("--data", "data", str, "PATH", "text file/folder or .jsonl (instruction or chat data), or 'default'"),
+    ("--method", "method", str, "NAME", f"one of: {', '.join(METHODS)}"),
+    ("--optim", "optim", str, "NAME", f"one of: {', '.join(OPTIMIZERS)}"),
+    ("--max-steps", "max_steps", int, "N", "optimizer steps"),
+    ("--seq-len", "seq_len", int, "N", "tokens per training sequence"),
+    ("--batch-size", "batch_size", int, "N", "sequences per micro-batch"),
+    ("--lr", "lr", float, "LR", "peak learning rate"),
+    ("--seed", "seed", int, "N", "seed of data order and initialization"),
+    ("--output", "output", str, "DIR", "output directory (metrics.jsonl, config.yaml, final/)"),
+    ("--resume", "resume", str, "DIR", "resume from the last checkpoint in this output directory"),
+    ("--offload", "offload", str, "MODE", f"where parameters and optimizer state live: {', '.join(OFFLOAD_MODES)}"),
+    ("--device-mem", "device_mem", str, "BYTES", "DEVICE tier budget, e.g. 6GiB"),
+    ("--host-mem", "host_mem", str, "BYTES", "HOST tier budget, e.g. 16GiB"),
+    ("--swap-dir", "swap_dir", str, "DIR", "NVMe swap directory (default: OUTPUT/swap)"),
+    ("--activations", "activations", str, "POLICY", f"one of: {', '.join(ACTIVATION_POLICIES)}"),
+    ("--ui", "ui", str, "MODE", f"one of: {', '.join(UI_MODES)} (auto: rich on a terminal, else plain)"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the finetune options on ``parser`` (defaults suppressed: absent = not given)."""
+    parser.add_argument("--config", metavar="FILE.yaml", default=None, help="a YAML file of config keys")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", default=[],
+                        help="set any config key (e.g. lr=1e-4 optim_args.rank=64)")
+    for flag, field_name, typ, metavar, help_text in FLAGS:
+        parser.add_argument(flag, dest=field_name, type=typ, metavar=metavar, help=help_text,
+                            default=argparse.SUPPRESS)
+    parser.add_argument("--overwrite", dest="overwrite", action="store_true", default=argparse.SUPPRESS,
+                        help="reuse an output directory that holds another run")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the resolved config as YAML and exit without training")
+
+
+def given_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The config fields set by flags on this command line (and only those)."""
+    fields = [f for _, f, *_ in FLAGS] + ["overwrite"]
+    return {f: getattr(args, f) for f in fields if hasattr(args, f)}
+
+
+def _output_dir(result: Any, fallback: str) -> Path:
+    out = getattr(result, "output_dir", None)
+    if out is None and isinstance(result, dict):
+        out = result.get("output_dir")
+    return Path(out or fallback).resolve()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Resolve the config and run ``outcore.finetune`` on it.
+
+    Returns:
+        0 when the run finished.
+
+    Raises:
+        OutcoreError: bad config, model, data or output directory (the CLI prints it).
+    """
+    from ..recipes.config import load_config
+
+    config = load_config(args.config, list(args.overrides or []), **given_flags(args))
+    if args.dry_run:
+        import yaml
+
+        sys.stdout.write(yaml.safe_dump(config.to_dict(), sort_keys=False))
+        return 0
+    import outcore  # the trainer (and torch) load only now
+
+    result = outcore.finetune(config)
+    print(f"outcore: output in {_output_dir(result, config.output)}")
+    return 0

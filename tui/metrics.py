@@ -1,0 +1,175 @@
+"""``OUTPUT/metrics.jsonl``: one JSON object per logged step, flushed line by line.
+
+Row format (strict JSON, one object per line)::
+
+    {"step": 12, "total_steps": 40, "loss": 2.31, "lr": 4.5e-05, "tokens_per_s": 1210.0,
+     "step_s": 0.42, "elapsed_s": 5.1, "rss_bytes": 3400000000, "ram_bytes": ...,
+     "stall_s": 0.0, "eval_loss": 2.40,                    # eval_loss only on eval steps
+     "tiers.NVME.held_bytes": ..., "tiers.NVME.read_gbps": ..., ...,   # one key per tier field
+     "time": 1763760000.0}                                  # unix time the row was written
+
+* ``None`` fields (``grad_norm``, ``device_bytes``, ``eval_loss`` ...) are left out; NaN/inf
+  are written as ``null`` so that every line parses with a strict JSON reader (``jq``).
+* ``tiers`` is flattened as ``tiers.<TIER>.<field>`` -- the same keys
+  ``pandas.json_normalize`` would make -- so the file loads with ``pandas.read_json(lines=True)``.
+* Each line is flushed as it is written: a killed run keeps every row it logged.
+* A resumed run appends to the same file. On its first step ``s`` the rows of steps
+  ``>= s`` left by the interrupted run (logged after its last checkpoint) are dropped,
+  so the file holds each step once. A fresh run (first step 1) therefore starts a new file.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from ..events import EvalEvent, RunFinished, RunStarted, StepEvent
+
+METRICS_FILENAME = "metrics.jsonl"
+
+
+def _clean(value: Any) -> Any:
+    """NaN/inf -> None (strict JSON); everything else unchanged."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def step_row(event: StepEvent) -> dict[str, Any]:
+    """The flat metrics row of one StepEvent (see the module docstring for the format).
+
+    Args:
+        event: the step to record.
+
+    Returns:
+        A dict of JSON scalars; ``None`` fields are omitted, ``tiers`` is flattened.
+    """
+    row: dict[str, Any] = {}
+    for key, value in event.to_json().items():
+        if key == "tiers":
+            continue
+        if value is not None:
+            row[key] = _clean(value)
+    for tier, stats in sorted(event.tiers.items()):
+        fields = stats if isinstance(stats, dict) else vars(stats)
+        for key, value in fields.items():
+            row[f"tiers.{tier}.{key}"] = _clean(value)
+    return row
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Read the rows of a metrics file, skipping a torn last line left by a killed run.
+
+    Args:
+        path: a ``metrics.jsonl`` file; a missing file reads as no rows.
+
+    Returns:
+        The parsed rows in file order.
+    """
+    p = Path(path)
+    if not p.is_file():
+        return []
+    rows = []
+    with p.open("r", encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a partial line from a run killed mid-write
+            if isinstance(row, dict):
+                rows.append(row)
+    return rows
+
+
+class MetricsWriter:
+    """An EventSink that appends one JSON line per StepEvent to ``OUTPUT/metrics.jsonl``.
+
+    Args:
+        output_dir: the run's output directory; when None, the directory named by the
+            RunStarted event is used. Created if missing.
+    """
+
+    def __init__(self, output_dir: str | Path | None = None) -> None:
+        self._dir = Path(output_dir) if output_dir is not None else None
+        self._file: IO[str] | None = None
+        self._pending_eval: EvalEvent | None = None
+        self._closed = False
+        self.rows_written = 0
+
+    @property
+    def path(self) -> Path | None:
+        """Where the rows go (None until an output directory is known)."""
+        return None if self._dir is None else self._dir / METRICS_FILENAME
+
+    def emit(self, event: Any) -> None:
+        """Record one event; only StepEvents write rows.
+
+        Raises:
+            OSError: the file cannot be written (a full disk must stop the run, not
+                silently drop its metrics).
+        """
+        if self._closed:
+            return
+        if isinstance(event, RunStarted):
+            if self._dir is None and event.output_dir:
+                self._dir = Path(event.output_dir)
+        elif isinstance(event, EvalEvent):
+            # A trainer may send the EvalEvent of step s just before the StepEvent of s
+            # without filling StepEvent.eval_loss: merge it into that row.
+            self._pending_eval = event
+        elif isinstance(event, StepEvent):
+            self._write(event)
+        elif isinstance(event, RunFinished):
+            if self._dir is None and event.output_dir:
+                self._dir = Path(event.output_dir)
+            self._flush()
+
+    def _write(self, event: StepEvent) -> None:
+        if self._dir is None:
+            return  # no output directory: nothing to write to (make_sink(output_dir=None) without RunStarted)
+        if self._file is None:
+            self._open(first_step=event.step)
+        row = step_row(event)
+        pending = self._pending_eval
+        if pending is not None and pending.step == event.step and "eval_loss" not in row:
+            row["eval_loss"] = _clean(pending.eval_loss)
+        self._pending_eval = None
+        row["time"] = round(time.time(), 3)
+        assert self._file is not None
+        self._file.write(json.dumps(row, allow_nan=False) + "\n")
+        # Flush per row: a killed run keeps what it logged (the OS holds it; no fsync needed).
+        self._file.flush()
+        self.rows_written += 1
+
+    def _open(self, first_step: int) -> None:
+        assert self._dir is not None and self.path is not None
+        self._dir.mkdir(parents=True, exist_ok=True)
+        path = self.path
+        if path.exists():
+            kept = [r for r in read_metrics(path)
+                    if isinstance(r.get("step"), (int, float)) and r["step"] < first_step]
+            tmp = path.with_name(path.name + ".tmp")
+            with tmp.open("w", encoding="utf-8") as f:
+                for r in kept:
+                    f.write(json.dumps(r, allow_nan=False) + "\n")
+            os.replace(tmp, path)  # atomic: a crash here leaves the old or the new file, never half
+        self._file = path.open("a", encoding="utf-8")
+
+    def _flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        """Flush and close the file (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._file is not None:
+            self._file.close()
+            self._file = None

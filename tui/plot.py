@@ -1,0 +1,91 @@
+"""The loss-curve PNG (``OUTPUT/loss_curve.png``): train and eval loss against step.
+
+matplotlib is imported lazily, and only its object-oriented API is used (a
+``Figure`` on an Agg canvas, no ``pyplot``): nothing global is switched, so the
+plot is safe to draw from any thread and never opens a window.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+LOSS_CURVE_FILENAME = "loss_curve.png"
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def curves_from_rows(rows: Iterable[dict[str, Any]],
+                     extra_evals: Iterable[tuple[int, float]] = ()) -> tuple[list[tuple[int, float]],
+                                                                             list[tuple[int, float]]]:
+    """Split metrics rows into a train-loss and an eval-loss series.
+
+    Args:
+        rows: ``metrics.jsonl`` rows (``step``, ``loss``, optional ``eval_loss``).
+        extra_evals: more ``(step, eval_loss)`` points, e.g. the base model's eval at step 0.
+
+    Returns:
+        ``(train, evals)``: lists of ``(step, loss)`` sorted by step; a step seen
+        twice keeps its last value; non-finite values are dropped.
+    """
+    train: dict[int, float] = {}
+    evals: dict[int, float] = {}
+    for row in rows:
+        step = row.get("step")
+        if not _finite(step):
+            continue
+        if _finite(row.get("loss")):
+            train[int(step)] = float(row["loss"])
+        if _finite(row.get("eval_loss")):
+            evals[int(step)] = float(row["eval_loss"])
+    for step, loss in extra_evals:
+        if _finite(step) and _finite(loss):
+            evals[int(step)] = float(loss)
+    return sorted(train.items()), sorted(evals.items())
+
+
+def plot_loss_curve(train: Sequence[tuple[int, float]], evals: Sequence[tuple[int, float]],
+                    path: str | Path, title: str | None = None) -> Path:
+    """Draw train loss (line) and eval loss (markers) against step and save a PNG.
+
+    Args:
+        train: ``(step, loss)`` points of the training loss.
+        evals: ``(step, eval_loss)`` points (may be empty).
+        path: the PNG to write (its directory must exist).
+        title: a title, e.g. the run or model name.
+
+    Returns:
+        ``path`` as a Path.
+
+    Raises:
+        ValueError: there is no point to draw.
+    """
+    if not train and not evals:
+        raise ValueError("no loss values to plot")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7.0, 4.0), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    if train:
+        xs, ys = zip(*train)
+        ax.plot(xs, ys, color="#1f77b4", linewidth=1.4, label="train loss",
+                marker="." if len(train) < 30 else None)
+    if evals:
+        xs, ys = zip(*evals)
+        ax.plot(xs, ys, color="#d62728", linewidth=1.0, linestyle="--", marker="o",
+                markersize=5, label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper right")
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, format="png")
+    return out

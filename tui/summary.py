@@ -1,0 +1,148 @@
+"""The end-of-run summary: base vs final eval perplexity, wall time, peak memory, paths.
+
+``RunSummary`` is built by the fan-out sink at ``RunFinished`` from what it saw
+during the run, then rendered by the view: :func:`summary_lines` as plain text
+(CI logs, pipes, notebooks) or :func:`summary_panel` as a rich panel.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .format import fmt_bytes, fmt_count, fmt_duration, fmt_float, perplexity
+
+
+@dataclass
+class RunSummary:
+    """What a person wants to know when a run ends."""
+
+    steps_done: int
+    total_steps: int | None
+    wall_s: float
+    peak_rss_bytes: int
+    interrupted: bool = False
+    run_name: str | None = None
+    model: str | None = None
+    method: str | None = None
+    optim: str | None = None
+    ram_bytes: int | None = None  # machine RAM, to put the peak in proportion
+    peak_device_bytes: int | None = None
+    base_eval_loss: float | None = None
+    final_eval_loss: float | None = None
+    mean_tokens_per_s: float | None = None
+    paths: dict[str, str] = field(default_factory=dict)  # label -> path (output, final model, metrics, ...)
+
+    @property
+    def base_perplexity(self) -> float | None:
+        return perplexity(self.base_eval_loss)
+
+    @property
+    def final_perplexity(self) -> float | None:
+        return perplexity(self.final_eval_loss)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict (for scripts and tests)."""
+        from dataclasses import asdict
+
+        d = asdict(self)
+        d["base_perplexity"] = self.base_perplexity
+        d["final_perplexity"] = self.final_perplexity
+        return d
+
+
+def _ppl_change(summary: RunSummary) -> str:
+    base, final = summary.base_perplexity, summary.final_perplexity
+    if base is None or final is None:
+        return ""
+    if base > 0 and base != float("inf") and final != float("inf"):
+        return f"  ({(final - base) / base * 100:+.1f}%)"
+    return ""
+
+
+def summary_rows(summary: RunSummary) -> list[tuple[str, str]]:
+    """The summary as ``(label, value)`` pairs, in display order.
+
+    Args:
+        summary: the finished run.
+
+    Returns:
+        Pairs such as ``("eval perplexity", "base 23.41 -> final 18.02  (-23.0%)")``.
+    """
+    rows: list[tuple[str, str]] = []
+    steps = f"{summary.steps_done}" + (f"/{summary.total_steps}" if summary.total_steps else "")
+    rows.append(("steps", steps + ("  (interrupted)" if summary.interrupted else "")))
+    rows.append(("wall time", fmt_duration(summary.wall_s)))
+    if summary.base_eval_loss is not None or summary.final_eval_loss is not None:
+        rows.append(("eval perplexity",
+                     f"base {fmt_float(summary.base_perplexity, 2)} -> final "
+                     f"{fmt_float(summary.final_perplexity, 2)}{_ppl_change(summary)}"))
+        rows.append(("eval loss",
+                     f"base {fmt_float(summary.base_eval_loss)} -> final {fmt_float(summary.final_eval_loss)}"))
+    peak = fmt_bytes(summary.peak_rss_bytes)
+    if summary.ram_bytes:
+        peak += f" of {fmt_bytes(summary.ram_bytes)} RAM"
+    rows.append(("peak RSS", peak))
+    if summary.peak_device_bytes is not None:
+        rows.append(("peak device memory", fmt_bytes(summary.peak_device_bytes)))
+    if summary.mean_tokens_per_s is not None:
+        rows.append(("throughput", f"{fmt_count(summary.mean_tokens_per_s)} tokens/s"))
+    for label, path in summary.paths.items():
+        rows.append((label, path))
+    return rows
+
+
+def _title(summary: RunSummary) -> str:
+    what = "run interrupted" if summary.interrupted else "run finished"
+    name = f" {summary.run_name}" if summary.run_name else ""
+    return f"outcore{name}: {what}"
+
+
+def summary_lines(summary: RunSummary) -> list[str]:
+    """Plain-text summary: a title line, then one aligned ``label  value`` line per row."""
+    rows = summary_rows(summary)
+    width = max(len(label) for label, _ in rows)
+    return [_title(summary)] + [f"  {label:<{width}}  {value}" for label, value in rows]
+
+
+def summary_panel(summary: RunSummary) -> Any:
+    """The summary as a rich Panel (rich imported here, lazily)."""
+    from rich import box
+    from rich.panel import Panel
+    from rich.table import Table
+
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold cyan", no_wrap=True)
+    table.add_column()
+    for label, value in summary_rows(summary):
+        style = ""
+        if label == "eval perplexity" and summary.base_perplexity and summary.final_perplexity:
+            style = "green" if summary.final_perplexity < summary.base_perplexity else "red"
+        elif label == "steps" and summary.interrupted:
+            style = "yellow"
+        table.add_row(label, f"[{style}]{_escape(value)}[/]" if style else _escape(value))
+    return Panel(table, title=_title(summary), title_align="left", box=box.ROUNDED,
+                 border_style="yellow" if summary.interrupted else "green", expand=False)
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
+def summary_paths(output_dir: Path | None, final_dir: str | None, metrics: Path | None,
+                  loss_curve: Path | None) -> dict[str, str]:
+    """The output paths worth printing, only those that exist (or were just written)."""
+    paths: dict[str, str] = {}
+    if output_dir is not None:
+        paths["output"] = str(output_dir)
+    if final_dir:
+        paths["final model"] = str(final_dir)
+    if output_dir is not None and (output_dir / "config.yaml").is_file():
+        paths["config"] = str(output_dir / "config.yaml")
+    if metrics is not None and metrics.is_file():
+        paths["metrics"] = str(metrics)
+    if loss_curve is not None and loss_curve.is_file():
+        paths["loss curve"] = str(loss_curve)
+    return paths
