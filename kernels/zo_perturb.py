@@ -1,0 +1,151 @@
+"""Zeroth-order perturbation from a seed: ``w = src + scale * z(seed) [* mask]``.
+
+The one op every zeroth-order path in outcore uses (MeZO, Sparse MeZO, the
+streamed block schedule, distributed ZO, replay). ``z`` is a standard normal
+tensor of ``w``'s shape that is *regenerated* from ``seed`` every time and never
+stored: the op draws it in fixed chunks of :data:`CHUNK` elements, chunk ``c``
+from a generator seeded with ``zo_seed(seed, c)``, so the transient memory is
+one chunk whatever the tensor size, and the values depend only on
+``(seed, shape)`` — not on which code path (in memory, streamed, replayed) asks.
+
+Per element the arithmetic is always ``out = src + fl32(scale * z) * mask``,
+the same sequence on every path, which is what makes in-memory, streamed and
+replayed runs bit-identical in fp32.
+
+Backends: the pure-PyTorch reference (registered for every device; the CPU
+path) and, where Triton works, a Triton kernel for CUDA
+(:mod:`outcore.kernels.zo_perturb_triton`). The Triton kernel draws ``z`` from
+Triton's Philox stream, which differs from torch's CPU generator: a run is
+replayable with the *same backend* it was trained with (the run log records it).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+
+CHUNK = 1 << 20  # elements per generator re-seed: bounds the transient z buffer to 4 MiB
+_MASK64 = (1 << 64) - 1
+
+
+def zo_seed(seed: int, index: int) -> int:
+    """Mix a seed and an index into a new 63-bit seed (splitmix64 finalizer).
+
+    Used for (step seed, sample) -> sample seed, (sample seed, parameter index) ->
+    tensor seed and (tensor seed, chunk) -> generator seed.
+
+    Args:
+        seed: any non-negative integer.
+        index: any non-negative integer.
+
+    Returns:
+        A seed in ``[0, 2**63)``, a pure function of the two inputs.
+
+    Raises:
+        ConfigError: a negative seed or index.
+    """
+    if seed < 0 or index < 0:
+        raise ConfigError(f"zo_seed(seed={seed}, index={index}): both must be >= 0")
+    x = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+def _check(w: torch.Tensor, seed: int, mask: torch.Tensor | None, src: torch.Tensor | None) -> None:
+    if not w.is_floating_point():
+        raise ConfigError(f"zo_perturb_: tensor of dtype {w.dtype} is not floating point; "
+                          "only float parameters can be perturbed")
+    if not w.is_contiguous():
+        raise ConfigError(f"zo_perturb_: tensor of shape {tuple(w.shape)} is not contiguous; "
+                          "call .contiguous() on the parameter first")
+    if seed < 0:
+        raise ConfigError(f"zo_perturb_: seed={seed} must be >= 0")
+    for name, t in (("mask", mask), ("src", src)):
+        if t is not None and t.shape != w.shape:
+            raise ConfigError(f"zo_perturb_: {name} shape {tuple(t.shape)} != tensor shape "
+                              f"{tuple(w.shape)}; pass a {name} of the parameter's shape")
+    if src is not None and src.dtype != w.dtype:
+        raise ConfigError(f"zo_perturb_: src dtype {src.dtype} != tensor dtype {w.dtype}")
+
+
+@torch.library.custom_op("outcore::zo_perturb_", mutates_args=("w",))
+def _zo_perturb_op(w: torch.Tensor, seed: int, scale: float, mask: torch.Tensor | None,
+                   src: torch.Tensor | None) -> None:
+    """Reference implementation (any device): chunked torch generator draws."""
+    flat_w = w.view(-1)
+    flat_src = flat_w if src is None else src.contiguous().view(-1)
+    flat_mask = None if mask is None else mask.contiguous().view(-1)
+    gen = torch.Generator(device=w.device)
+    n = flat_w.numel()
+    for c, start in enumerate(range(0, n, CHUNK)):
+        stop = min(start + CHUNK, n)
+        gen.manual_seed(zo_seed(seed, c))
+        z = torch.randn(stop - start, generator=gen, device=w.device, dtype=torch.float32)
+        z.mul_(scale)  # d = fl32(scale * z): rounded once, identically on every path
+        if flat_mask is not None:
+            z.mul_(flat_mask[start:stop])  # exact: multiplies by 0 or 1
+        d = z if w.dtype == torch.float32 else z.to(w.dtype)
+        torch.add(flat_src[start:stop], d, out=flat_w[start:stop])
+
+
+@_zo_perturb_op.register_fake
+def _(w, seed, scale, mask, src) -> None:  # noqa: ANN001 - fake impl: shapes only, nothing to return
+    return None
+
+
+_cuda_registered = False
+
+
+def _maybe_register_triton() -> None:
+    """Register the Triton kernel for CUDA once, lazily (never at import time)."""
+    global _cuda_registered
+    if _cuda_registered:
+        return
+    _cuda_registered = True
+    from .zo_perturb_triton import triton_usable, zo_perturb_triton_
+
+    if triton_usable():
+        _zo_perturb_op.register_kernel("cuda")(zo_perturb_triton_)
+
+
+def zo_perturb_(w: torch.Tensor, seed: int, scale: float, mask: torch.Tensor | None = None,
+                src: torch.Tensor | None = None) -> torch.Tensor:
+    """Set ``w = src + scale * z(seed) * mask`` in place (``src`` defaults to ``w``).
+
+    Args:
+        w: the tensor to write, any shape, contiguous, floating point.
+        seed: the tensor's seed (``zo_seed(sample_seed, param_index)``).
+        scale: multiplier of z (``+eps``/``-eps`` to perturb, ``-lr*g/n`` to update).
+        mask: optional tensor of ``w``'s shape, 0/1 (bool or float): entries with 0
+            keep ``src``'s value (Sparse MeZO).
+        src: optional clean tensor of ``w``'s shape and dtype; the result is computed
+            from it, so ``w`` can be a scratch copy and ``src`` stays untouched.
+
+    Returns:
+        ``w``.
+
+    Raises:
+        ConfigError: a non-float or non-contiguous ``w``, a negative seed, or a
+            mask/src of another shape or dtype.
+    """
+    _check(w, seed, mask, src)
+    if w.is_cuda:
+        _maybe_register_triton()
+    torch.ops.outcore.zo_perturb_(w, int(seed), float(scale), mask, src)
+    return w
+
+
+def zo_noise(shape: tuple[int, ...] | torch.Size, seed: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """Materialize z(seed) for ``shape`` (tests and diagnostics; the trainers never do).
+
+    Args:
+        shape: tensor shape.
+        seed: the tensor's seed.
+        device: where to draw it.
+
+    Returns:
+        A float32 tensor of ``shape`` equal to what :func:`zo_perturb_` adds with scale 1.
+    """
+    out = torch.zeros(tuple(shape), dtype=torch.float32, device=device)
+    return zo_perturb_(out, seed, 1.0)

@@ -1,0 +1,210 @@
+"""Exact replay of a ZO run from its (seed, scalar) log.
+
+A ZO run's trajectory is fixed by its base weights and, per step, the sample
+seeds, projected gradients and learning rate. The run log (``zo_log.jsonl``:
+one header line, then one JSON line per step — about 100 bytes a step, so
+kilobytes per thousand steps) plus the base weights *is* the checkpoint;
+:func:`replay` turns it back into the trained weights, bit-for-bit, by calling
+the same update code (:mod:`outcore.optim.zo_core`) in the same order:
+
+* schedule ``"exact"`` (block schedule, :mod:`outcore.optim.zo_stream`):
+  perturbations never touch the clean weights, so replay applies only the updates;
+* schedule ``"inplace"`` (:class:`outcore.optim.mezo.MeZO`): replay also
+  re-applies the ``+eps, -2 eps, +eps`` perturbations, whose fp32 rounding is
+  part of the trajectory.
+
+The header records the z backend (``torch`` reference or ``triton``): replay
+with the backend the run used (Triton's Philox stream differs from torch's).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+
+from ..errors import CheckpointError
+from .zo_core import StepRecord, ZOHyper, ZOState, apply_update_, mask_for, perturb_
+
+LOG_NAME = "zo_log.jsonl"
+FORMAT = "outcore-zo-log/1"
+
+
+@dataclass
+class ZOLog:
+    """The header (schedule, hyper-parameters, parameter names) and step records of a run."""
+
+    header: dict[str, Any]
+    records: list[StepRecord] = field(default_factory=list)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the whole log to ``path`` (a file, or a directory to hold ``zo_log.jsonl``)."""
+        p = Path(path)
+        if p.is_dir():
+            p = p / LOG_NAME
+        lines = [json.dumps({"format": FORMAT, "header": self.header})]
+        lines += [json.dumps(r.to_json()) for r in self.records]
+        tmp = p.with_suffix(".tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        tmp.replace(p)  # atomic: a crash never leaves half a log
+        return p
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ZOLog":
+        """Read a log written by :meth:`save` or :class:`ZOLogWriter`.
+
+        Raises:
+            CheckpointError: a missing file, a foreign format or a malformed line.
+        """
+        p = Path(path)
+        if p.is_dir():
+            p = p / LOG_NAME
+        if not p.is_file():
+            raise CheckpointError(f"ZO log {str(p)!r} does not exist; pass a ZO run directory or its {LOG_NAME}")
+        lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
+        try:
+            first = json.loads(lines[0])
+            if first.get("format") != FORMAT:
+                raise ValueError(f"format {first.get('format')!r}")
+            records = [StepRecord.from_json(json.loads(ln)) for ln in lines[1:]]
+        except (ValueError, KeyError, IndexError) as e:
+            raise CheckpointError(f"ZO log {str(p)!r} is malformed ({e}); it must start with a "
+                                  f"{FORMAT!r} header line") from None
+        for i, r in enumerate(records):
+            if r.step != i + 1:
+                raise CheckpointError(f"ZO log {str(p)!r}: record {i} has step {r.step}, expected {i + 1}")
+        return cls(first["header"], records)
+
+
+class ZOLogWriter:
+    """Appends records to ``zo_log.jsonl`` as a run goes (one flushed line per step)."""
+
+    def __init__(self, run_dir: str | Path, header: dict[str, Any]) -> None:
+        self.path = Path(run_dir) / LOG_NAME
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "w")
+        self._f.write(json.dumps({"format": FORMAT, "header": header}) + "\n")
+        self._f.flush()
+
+    def append(self, rec: StepRecord) -> None:
+        self._f.write(json.dumps(rec.to_json()) + "\n")
+        self._f.flush()  # a crashed run keeps every finished step
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _clone_state(base: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    sd = base.state_dict() if isinstance(base, torch.nn.Module) else dict(base)
+    clones: dict[int, torch.Tensor] = {}
+    out = {}
+    for k, t in sd.items():  # tied tensors (same storage) stay tied in the copy
+        key = t.data_ptr()
+        if key not in clones:
+            clones[key] = t.detach().clone().contiguous()
+        out[k] = clones[key]
+    return out
+
+
+def replay(base: torch.nn.Module | Mapping[str, torch.Tensor], log: ZOLog | str | Path,
+           steps: int | None = None) -> dict[str, torch.Tensor]:
+    """Rebuild the trained weights from the base weights and a ZO run log.
+
+    Args:
+        base: the model or state dict the run started from (not modified).
+        log: a :class:`ZOLog` or the path of a run directory / ``zo_log.jsonl``.
+        steps: replay only the first ``steps`` records (None = all).
+
+    Returns:
+        A new state dict (every key of ``base``) holding the trained weights.
+
+    Raises:
+        CheckpointError: a parameter named in the log is missing from ``base`` or
+            has another shape.
+    """
+    if not isinstance(log, ZOLog):
+        log = ZOLog.load(log)
+    sd = _clone_state(base)
+    replay_into_(sd, log, steps)
+    return sd
+
+
+@torch.no_grad()
+def replay_into_(tensors: Mapping[str, torch.Tensor], log: ZOLog, steps: int | None = None) -> None:
+    """Apply a run log to ``tensors`` (name -> tensor) in place; see :func:`replay`."""
+    header = log.header
+    hyper = ZOHyper(**header["hyper"])
+    params = []
+    for spec in header["params"]:
+        name = spec["name"]
+        if name not in tensors:
+            raise CheckpointError(f"ZO log parameter {name!r} is not in the base weights; "
+                                  "replay onto the model the run started from")
+        t = tensors[name]
+        if list(t.shape) != list(spec["shape"]):
+            raise CheckpointError(f"ZO log parameter {name!r} has shape {spec['shape']}, base has "
+                                  f"{list(t.shape)}; replay onto the model the run started from")
+        params.append(t)
+    inplace = header["schedule"] == "inplace"
+    state = ZOState(hyper)
+    for rec in log.records[:steps]:
+        if rec.thresholds is not None:
+            state.thresholds = list(rec.thresholds)
+        if inplace:
+            for s in rec.seeds:
+                masks = [mask_for(p, state, j) for j, p in enumerate(params)]
+                for scale in (hyper.eps, -2.0 * hyper.eps, hyper.eps):
+                    for j, p in enumerate(params):
+                        perturb_(p, s, j, scale, masks[j])
+        state.push(rec)
+        for j, p in enumerate(params):
+            apply_update_(p, j, state)
+
+
+def export_zo_run(run_dir: str | Path, out_dir: str | Path) -> Path:
+    """Replay a ZO run directory into full weights (what ``outcore export`` calls).
+
+    The run directory holds ``zo_log.jsonl`` whose header names the base weights:
+    ``{"base": {"kind": "safetensors", "path": "base.safetensors"}}`` (relative to
+    the run directory; the result is ``out_dir/model.safetensors``) or
+    ``{"base": {"kind": "model", "model": <what load_model accepts>}}`` (the result
+    is a Hugging Face directory written by ``save_pretrained``).
+
+    Args:
+        run_dir: the run's output directory.
+        out_dir: where to write the trained weights (created).
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        CheckpointError: no log, a log without a base, or a base that cannot be read.
+    """
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    log = ZOLog.load(run_dir)
+    base = log.header.get("base")
+    if not base:
+        raise CheckpointError(f"ZO log in {str(run_dir)!r} names no base weights; cannot export it")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if base["kind"] == "safetensors":
+        from safetensors.torch import load_file, save_file
+
+        path = run_dir / base["path"]
+        if not path.is_file():
+            raise CheckpointError(f"base weights {str(path)!r} of ZO run {str(run_dir)!r} are missing")
+        sd = load_file(str(path))
+        replay_into_(sd, log)
+        save_file(sd, str(out_dir / "model.safetensors"))
+        return out_dir
+    if base["kind"] == "model":
+        from .zo_blocks import load_causal_lm
+
+        model, tok = load_causal_lm(base["model"], base.get("dtype", "float32"))
+        replay_into_(dict(model.named_parameters()), log)
+        model.save_pretrained(str(out_dir))
+        if tok is not None:
+            tok.save_pretrained(str(out_dir))
+        return out_dir
+    raise CheckpointError(f"ZO log base kind {base['kind']!r} is unknown (expected safetensors or model)")
