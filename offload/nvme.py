@@ -1,0 +1,227 @@
+"""The NVMe tier: checksummed extents in one preallocated swap file (ARCHITECTURE.md §2).
+
+Layout of a swap directory::
+
+    extents.bin   4 KiB-aligned extents, O_DIRECT (buffered where the FS refuses it)
+    extents.idx   append-only journal: one line per completed write
+                  "key offset length checksum\\t<xxh32 of the line>"
+
+A write is reported complete only after its data is written *and* its journal
+line is appended; with ``durable=True`` both files are ``fdatasync``-ed first.
+Reading verifies the xxh3-64 of the whole extent (padding included), so a
+flipped byte, a truncated file or an extent torn by a crash mid-write raises
+:class:`IntegrityError` naming the file and the extent — it is never returned
+as data. :meth:`NvmeBackend.recover` rebuilds the extent table from the
+journal (a torn last journal line fails its own checksum and is ignored).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from ..errors import IntegrityError, SwapDirError
+from .arena import FreeList
+from .directio import ALIGN, IOPool, align_up, is_aligned, open_direct
+from .swapdir import SwapDir
+from ._futures import chain as _chain
+
+DATA_FILE, INDEX_FILE = "extents.bin", "extents.idx"
+GROW_BYTES = 1 << 30  # an unbounded swap file grows (and is preallocated) 1 GiB at a time
+
+
+@dataclass(eq=False)
+class Extent:
+    """Where one tensor lives in the swap file."""
+
+    key: str
+    offset: int  # byte offset in extents.bin (a multiple of ALIGN)
+    length: int  # bytes reserved and transferred (a multiple of ALIGN)
+    checksum: int | None = None  # xxh3-64 of the last completed write; None = never written
+
+
+def checksum(buf: torch.Tensor) -> int:
+    """xxh3-64 of a contiguous CPU uint8 tensor."""
+    return xxhash.xxh3_64_intdigest(memoryview(buf.numpy()))
+
+
+class NvmeBackend:
+    """Extents in one swap file, read and written through an :class:`IOPool`.
+
+    Args:
+        swap: the (locked) swap directory.
+        capacity: bytes to preallocate now (``posix_fallocate``): the NVMe tier's
+            budget. ``None`` = unbounded; the file then grows 1 GiB at a time.
+        pool: the I/O pool (default: a fresh ``IOPool()``; closed with the backend).
+        direct: use ``O_DIRECT`` when the file system allows it.
+
+    Raises:
+        SwapDirError: the swap dir has not enough free space for ``capacity``.
+    """
+
+    def __init__(self, swap: SwapDir, capacity: int | None = None, pool: IOPool | None = None,
+                 direct: bool = True, _recover: bool = False):
+        self.swap = swap
+        self.path = swap.file(DATA_FILE)
+        self.index_path = swap.file(INDEX_FILE)
+        self._own_pool = pool is None
+        self.pool = pool or IOPool()
+        flags = os.O_RDWR | os.O_CREAT | (0 if _recover else os.O_TRUNC)
+        self.fd, self.direct = open_direct(self.path, flags, direct=direct)
+        self._ifd = os.open(self.index_path, os.O_RDWR | os.O_CREAT | os.O_APPEND
+                            | (0 if _recover else os.O_TRUNC), 0o600)
+        self.budget = align_up(capacity) if capacity is not None else None
+        self._lock = threading.Lock()
+        self.read_bytes = self.written_bytes = 0
+        size = os.fstat(self.fd).st_size // ALIGN * ALIGN if _recover else 0
+        self._free = FreeList(0)
+        self._grow_to(self.budget if self.budget is not None else size)
+
+    # -- space -----------------------------------------------------------------
+    def _grow_to(self, capacity: int) -> None:
+        capacity = align_up(capacity)
+        if capacity > self._free.capacity:
+            self.swap.reserve(self.fd, capacity, name=f"the NVMe tier ({self.path.name})")
+            self._free.grow(capacity)
+
+    @property
+    def held(self) -> int:
+        """Bytes in allocated extents."""
+        return self._free.capacity - self._free.free_bytes
+
+    @property
+    def capacity(self) -> int:
+        """Bytes reserved on disk now."""
+        return self._free.capacity
+
+    def alloc(self, key: str, nbytes: int) -> Extent | None:
+        """Reserve an extent for ``nbytes``; None when a bounded tier has no room."""
+        with self._lock:
+            off = self._free.alloc(nbytes)
+            if off is None and self.budget is None:
+                self._grow_to(self._free.capacity + max(GROW_BYTES, align_up(nbytes)))
+                off = self._free.alloc(nbytes)
+        return None if off is None else Extent(key, off, align_up(max(nbytes, 1)))
+
+    def free(self, ext: Extent) -> None:
+        """Return an extent's space (its bytes stay on disk until overwritten)."""
+        with self._lock:
+            self._free.free(ext.offset, ext.length)
+
+    # -- I/O -------------------------------------------------------------------
+    def _io_error(self, ext: Extent, op: str):
+        def convert(exc: BaseException) -> BaseException:
+            if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                return SwapDirError(f"swap dir {self.swap.path} is full writing extent {ext.key!r} "
+                                    f"({ext.length} bytes at offset {ext.offset}); free space or "
+                                    "reserve the NVMe budget up front")
+            if isinstance(exc, OSError) and "short read" in str(exc):
+                return IntegrityError(f"swap file {self.path} is truncated: extent {ext.key!r} "
+                                      f"(offset {ext.offset}, {ext.length} bytes) is past its end")
+            if isinstance(exc, OSError):
+                return SwapDirError(f"{op} of extent {ext.key!r} in {self.path} failed: {exc}")
+            return exc
+        return convert
+
+    def write(self, ext: Extent, src: torch.Tensor, durable: bool = False) -> Future:
+        """Write ``src`` (uint8 ``[ext.length]``, 4 KiB-aligned CPU memory) to the extent.
+
+        The caller must not change ``src`` until the Future completes.
+
+        Args:
+            ext: the extent.
+            src: the bytes, padding included.
+            durable: ``fdatasync`` data and journal before completing (checkpoints).
+
+        Returns:
+            A Future (result: the checksum) that fails with ``SwapDirError`` (full disk, I/O error).
+        """
+        self._check_buf(ext, src)
+
+        def finish() -> int:
+            h = checksum(src)  # what was written (src is unchanged while in flight)
+            if durable:
+                os.fdatasync(self.fd)  # the data is on the disk before the journal says so
+            line = f"{ext.key}\t{ext.offset}\t{ext.length}\t{h}"
+            os.write(self._ifd, f"{line}\t{xxhash.xxh32_intdigest(line.encode())}\n".encode())
+            if durable:
+                os.fdatasync(self._ifd)
+            with self._lock:
+                ext.checksum = h
+                self.written_bytes += ext.length
+            return h
+        return _chain(self.pool.write(self.fd, src, ext.offset, on_done=finish), self._io_error(ext, "write"))
+
+    def read(self, ext: Extent, dst: torch.Tensor) -> Future:
+        """Read the extent into ``dst`` (uint8 ``[ext.length]``, aligned) and verify its checksum.
+
+        Returns:
+            A Future that fails with ``IntegrityError`` (checksum mismatch, truncated file).
+        """
+        self._check_buf(ext, dst)
+        if ext.checksum is None:
+            raise IntegrityError(f"extent {ext.key!r} of {self.path} was never written; write it before reading")
+
+        def verify() -> torch.Tensor:
+            got = checksum(dst)
+            if got != ext.checksum:
+                raise IntegrityError(f"checksum mismatch in swap file {self.path}, extent {ext.key!r} "
+                                     f"(offset {ext.offset}, {ext.length} bytes): the file is corrupt")
+            with self._lock:
+                self.read_bytes += ext.length
+            return dst
+        return _chain(self.pool.read(self.fd, dst, ext.offset, on_done=verify), self._io_error(ext, "read"))
+
+    def _check_buf(self, ext: Extent, buf: torch.Tensor) -> None:
+        if buf.dtype != torch.uint8 or buf.numel() != ext.length or buf.device.type != "cpu":
+            raise ValueError(f"extent {ext.key!r} needs a CPU uint8 buffer of {ext.length} bytes, "
+                             f"got {buf.dtype} [{buf.numel()}] on {buf.device}")
+        if self.direct and not is_aligned(buf, ext.offset):
+            raise ValueError(f"O_DIRECT needs a {ALIGN}-byte aligned buffer for extent {ext.key!r}")
+
+    def sync(self) -> None:
+        """``fdatasync`` the swap file and the journal."""
+        os.fdatasync(self.fd)
+        os.fdatasync(self._ifd)
+
+    # -- recovery --------------------------------------------------------------
+    @classmethod
+    def recover(cls, swap: SwapDir, pool: IOPool | None = None) -> tuple["NvmeBackend", dict[str, Extent]]:
+        """Reopen a swap dir left by another process and rebuild its extents from the journal.
+
+        The last complete journal line per key wins; a torn line is ignored, and
+        an extent whose data was torn fails its checksum on read.
+
+        Returns:
+            ``(backend, {key: Extent})``.
+        """
+        backend = cls(swap, None, pool, _recover=True)
+        table: dict[str, Extent] = {}
+        with open(backend.index_path, "rb") as f:
+            for raw in f:
+                parts = raw.decode(errors="replace").rstrip("\n").split("\t")
+                if len(parts) != 5:
+                    continue
+                line = "\t".join(parts[:4])
+                if str(xxhash.xxh32_intdigest(line.encode())) != parts[4]:
+                    continue  # torn or corrupt journal line
+                key, off, length, h = parts[0], int(parts[1]), int(parts[2]), int(parts[3])
+                table[key] = Extent(key, off, length, h)
+        backend._grow_to(max((e.offset + e.length for e in table.values()), default=0))
+        for e in table.values():
+            backend._free.take(e.offset, e.length)
+        return backend, table
+
+    def close(self) -> None:
+        """Close the files (the swap dir removes them) and the pool if it is ours."""
+        if self._own_pool:
+            self.pool.close()
+        if self.fd >= 0:
+            os.close(self.fd)
+            os.close(self._ifd)
+            self.fd = -1

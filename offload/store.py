@@ -1,0 +1,532 @@
+"""The tiered store: handles, byte budgets, and asynchronous moves between tiers (ARCHITECTURE.md §2).
+
+One :class:`TieredStore` owns every swappable tensor of a run as a
+:class:`TensorHandle`. Each handle has an authoritative copy in its *home* tier
+(NVME or HOST) and may have working copies in faster tiers:
+
+- ``fetch(h, tier)`` starts bringing the newest copy into ``tier`` and pins it;
+  ``wait``/``Future.result()`` gives a tensor *view* into the tier's arena.
+- ``mark_dirty(h, tier)`` says the consumer changed that copy;
+  ``write_back(h)`` copies it to the home tier asynchronously.
+- ``release(h, tier)`` unpins; ``evict(h, tier)`` frees an unpinned copy
+  (writing it back first if it is dirty).
+
+Budgets are enforced at allocation: a tier's arena (or the NVMe file) cannot
+hand out more than its budget, and a request that does not fit raises
+:class:`BudgetError` naming the tier, budget, bytes held and the request. The
+store never evicts on its own: the caller (the prefetch queue) knows the future
+access order and chooses what to evict.
+
+Thread model: public methods run on the caller's thread and never block on
+I/O (except ``register`` with data, ``load`` and ``close``). Transfers
+complete on I/O / copy threads, which update handle state under one lock.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from ..errors import BudgetError
+from ..events import TierStats
+from ._futures import completed, then
+from .arena import Arena
+from .device import Device
+from .directio import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH, IOPool, align_up, aligned_empty
+from .handle import Residency, TensorHandle, Tier
+from .nvme import NvmeBackend
+from .swapdir import SwapDir
+
+_HELD = (Residency.RESIDENT, Residency.DIRTY)
+
+
+def _fmt(n: int | None) -> str:
+    if n is None:
+        return "unbounded"
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
+
+
+class _Traffic:
+    """Bytes moved into and out of one tier, and a snapshot for bandwidth windows."""
+
+    def __init__(self) -> None:
+        self.read = self.written = 0
+        self.mark = (0, 0, time.perf_counter())
+
+
+class TieredStore:
+    """Byte-budgeted DEVICE / HOST / NVME tiers holding :class:`TensorHandle` s.
+
+    Args:
+        device_bytes: DEVICE budget (CUDA memory, or a RAM arena on CPU).
+        host_bytes: HOST budget (pinned RAM on CUDA).
+        nvme_bytes: NVME budget, preallocated in the swap dir now; ``None`` =
+            grow on demand.
+        swap_dir: the swap directory (required for handles whose home is NVME).
+        device: a :class:`Device`, ``"cuda"``/``"cpu"``, or None (CUDA if available).
+        queue_depth: NVMe syscalls in flight.
+        chunk_bytes: largest single NVMe syscall.
+        slab_bytes: DEVICE/HOST slab size (default: one slab per tier).
+        direct: use ``O_DIRECT`` where the file system allows it.
+
+    Raises:
+        BudgetError: a negative budget.
+        SwapDirError: the swap dir cannot be used or is too small for ``nvme_bytes``.
+    """
+
+    def __init__(self, device_bytes: int, host_bytes: int, nvme_bytes: int | None = None,
+                 swap_dir: str | Path | SwapDir | None = None, device: Device | str | None = None,
+                 queue_depth: int = DEFAULT_QUEUE_DEPTH, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 slab_bytes: int | None = None, direct: bool = True):
+        for name, b in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("nvme_bytes", nvme_bytes)):
+            if b is not None and b < 0:
+                raise BudgetError(f"{name}={b} must be >= 0")
+        self.device = device if isinstance(device, Device) else Device(device)
+        self._arenas = {Tier.DEVICE: Arena(device_bytes, self.device.alloc_device_slab, slab_bytes),
+                        Tier.HOST: Arena(host_bytes, self.device.alloc_host_slab, slab_bytes)}
+        self.swap: SwapDir | None = None
+        self.nvme: NvmeBackend | None = None
+        if swap_dir is not None:
+            self.swap = swap_dir if isinstance(swap_dir, SwapDir) else SwapDir(swap_dir)
+            self.nvme = NvmeBackend(self.swap, nvme_bytes, IOPool(queue_depth, chunk_bytes), direct=direct)
+            self.nvme._own_pool = True
+        self._lock = threading.RLock()  # guards every handle's state and the counters
+        self._handles: dict[str, TensorHandle] = {}
+        self._traffic = {t: _Traffic() for t in Tier}
+        self.stall_s = 0.0  # time consumers waited in wait() for transfers not yet done
+
+    # -- budgets -----------------------------------------------------------------
+    def budget(self, tier: Tier) -> int | None:
+        """The tier's budget in bytes (None: NVME without a bound; 0: tier unused)."""
+        if tier is Tier.NVME:
+            return None if self.nvme is None or self.nvme.budget is None else self.nvme.budget
+        return self._arenas[tier].budget
+
+    def held(self, tier: Tier) -> int:
+        """Bytes the tier has handed out now (block sizes, 4 KiB padding included)."""
+        if tier is Tier.NVME:
+            return 0 if self.nvme is None else self.nvme.held
+        return self._arenas[tier].held
+
+    def _budget_error(self, tier: Tier, h: TensorHandle, why: str = "") -> BudgetError:
+        return BudgetError(
+            f"{tier.name} tier budget {_fmt(self.budget(tier))} cannot hold {h.key!r} "
+            f"({_fmt(align_up(h.nbytes))} requested, {_fmt(self.held(tier))} held{why}); "
+            f"raise the {tier.name.lower()} budget, evict, or fetch fewer tensors at once")
+
+    def _alloc(self, tier: Tier, h: TensorHandle):
+        need = align_up(max(h.nbytes, 1))
+        if tier is Tier.NVME:
+            if self.nvme is None:
+                raise BudgetError(f"NVME tier is not set up (no swap_dir) but {h.key!r} has home NVME; "
+                                  "pass swap_dir or register it with home='host'")
+            ext = self.nvme.alloc(h.key, h.nbytes)
+            if ext is None:
+                raise self._budget_error(tier, h)
+            return ext
+        arena = self._arenas[tier]
+        if need > arena.slab_bytes:
+            raise self._budget_error(tier, h, ", larger than the whole tier")
+        blk = arena.alloc(h.nbytes)
+        if blk is None:
+            frag = arena.largest_free
+            raise self._budget_error(tier, h, f", largest free block {_fmt(frag)}" if frag else "")
+        return blk
+
+    def _free_slot(self, tier: Tier, h: TensorHandle) -> None:
+        c = h.copies[tier]
+        if c.slot is not None:
+            (self.nvme if tier is Tier.NVME else self._arenas[tier]).free(c.slot)
+        c.slot, c.residency, c.future = None, Residency.ABSENT, None
+
+    def _bytes(self, tier: Tier, h: TensorHandle) -> torch.Tensor:
+        return self._arenas[tier].bytes_of(h.copies[tier].slot)
+
+    # -- registration ----------------------------------------------------------
+    def register(self, key: str, shape: Iterable[int] | None = None, dtype: torch.dtype | None = None,
+                 home: Tier | str = Tier.NVME, data: torch.Tensor | None = None) -> TensorHandle:
+        """Add a tensor to the store; its authoritative copy lives in ``home``.
+
+        Args:
+            key: unique name.
+            shape, dtype: the layout (taken from ``data`` when given).
+            home: ``Tier.NVME`` or ``Tier.HOST``.
+            data: initial value, any CPU tensor; written to ``home`` before returning.
+                Without it the tensor starts as zeros (no I/O until first written back).
+
+        Returns:
+            The handle.
+
+        Raises:
+            BudgetError: ``home`` cannot hold the tensor.
+            ValueError: duplicate key, bad home, or ``data`` not matching shape/dtype.
+        """
+        home = Tier.parse(home)
+        if home is Tier.DEVICE:
+            raise ValueError(f"home={home.name} for {key!r}: the authoritative copy lives in HOST or NVME")
+        if data is not None:
+            shape = data.shape if shape is None else shape
+            dtype = data.dtype if dtype is None else dtype
+            if tuple(data.shape) != tuple(shape) or data.dtype != dtype:
+                raise ValueError(f"data for {key!r} is {data.dtype}{tuple(data.shape)}, "
+                                 f"expected {dtype}{tuple(shape)}")
+        if shape is None or dtype is None:
+            raise ValueError(f"register({key!r}) needs shape and dtype, or data")
+        h = TensorHandle(key, tuple(int(d) for d in shape), dtype, home)
+        with self._lock:
+            if key in self._handles:
+                raise ValueError(f"a tensor named {key!r} is already registered")
+            h.copies[home].slot = self._alloc(home, h)
+            self._handles[key] = h
+        if home is Tier.HOST:
+            if data is None:
+                self._bytes(Tier.HOST, h).zero_()
+            else:
+                self.view_of(h, Tier.HOST).copy_(data)
+            h.copies[home].residency = Residency.RESIDENT
+        elif data is not None:
+            # Stage through one transient aligned buffer: O_DIRECT needs aligned memory.
+            stage = aligned_empty(h.copies[home].slot.length)
+            stage[: h.nbytes].view(dtype).view(h.shape).copy_(data)
+            self.nvme.write(h.copies[home].slot, stage).result()
+            h.copies[home].residency = Residency.RESIDENT
+            with self._lock:
+                self._traffic[Tier.NVME].written += stage.numel()
+        return h
+
+    def unregister(self, h: TensorHandle) -> None:
+        """Free every copy of ``h`` (none may be pinned; transfers in flight are awaited)."""
+        for t in (Tier.DEVICE, Tier.HOST):
+            if t is not h.home:
+                self.evict(h, t, write_back=False).result()
+        with self._lock:
+            self._free_slot(h.home, h)
+            del self._handles[h.key]
+
+    @property
+    def handles(self) -> list[TensorHandle]:
+        """All registered handles."""
+        return list(self._handles.values())
+
+    # -- moving data -----------------------------------------------------------
+    def fetch(self, h: TensorHandle, tier: Tier | str) -> Future:
+        """Bring the newest copy of ``h`` into ``tier`` and pin it there.
+
+        Args:
+            h: the handle.
+            tier: ``Tier.DEVICE`` or ``Tier.HOST``.
+
+        Returns:
+            A Future whose result is the tensor view ``[h.shape]`` in that tier.
+            Each fetch pins once; call :meth:`release` once per fetch.
+
+        Raises:
+            BudgetError: the tier has no room for ``h`` now.
+        """
+        tier = Tier.parse(tier)
+        if tier is Tier.NVME:
+            raise ValueError(f"fetch({h.key!r}, NVME): data reaches NVME through write_back")
+        with self._lock:
+            f = self._ensure(h, tier)
+            h.copies[tier].pins += 1
+        return then(f, lambda _: self.view(h, tier))
+
+    def _ensure(self, h: TensorHandle, tier: Tier) -> Future:
+        """Start (or find) the transfer that makes ``tier``'s copy valid. Lock held."""
+        c = h.copies[tier]
+        if c.residency in _HELD:
+            return completed(None)
+        if c.residency is Residency.IN_FLIGHT:
+            return c.future
+        src = self._source(h, tier)
+        c.slot = self._alloc(tier, h)
+        c.residency = Residency.IN_FLIGHT
+        if src is None:  # never written: the value is zeros, and this copy is the newest
+            self._bytes(tier, h).zero_()
+            c.residency = Residency.DIRTY
+            return completed(None)
+        if src is Tier.NVME and tier is Tier.DEVICE and self.device.is_cuda:
+            # Disk -> GPU goes through pinned HOST memory (a HOST copy stays resident).
+            try:
+                ready, src = self._ensure(h, Tier.HOST), Tier.HOST
+            except BaseException:
+                self._free_slot(tier, h)
+                raise
+        else:
+            ready = h.copies[src].future if h.copies[src].residency is Residency.IN_FLIGHT else completed(None)
+        fut = then(ready, lambda _: self._copy(h, src, tier),
+                   on_error=lambda e: self._abort(h, tier))
+        c.future = then(fut, lambda _: self._landed(h, tier))
+        return c.future
+
+    def _newest(self, h: TensorHandle) -> Tier | None:
+        """The tier holding the newest settled copy (dirty, else resident, else home); None = zeros."""
+        d = h.dirty_tier
+        if d is not None:
+            return d
+        for t in Tier:
+            if h.copies[t].residency is Residency.RESIDENT:
+                return t
+        return h.home if h.copies[h.home].valid else None
+
+    def _source(self, h: TensorHandle, target: Tier) -> Tier | None:
+        """The tier to copy from: the dirty copy, else the fastest valid one; None = zeros."""
+        d = h.dirty_tier
+        if d is not None:
+            return d
+        order = [Tier.HOST, Tier.DEVICE, Tier.NVME] if target is Tier.DEVICE else [Tier.DEVICE, Tier.HOST, Tier.NVME]
+        for t in order:
+            if t is not target and h.copies[t].valid:
+                return t
+        return None
+
+    def _copy(self, h: TensorHandle, src: Tier, dst: Tier) -> Future:
+        """Move the bytes of ``h`` from ``src`` to ``dst`` (both slots allocated)."""
+        if src is Tier.NVME:
+            f = self.nvme.read(h.copies[src].slot, self._bytes(dst, h))
+        elif dst is Tier.NVME:
+            f = self.nvme.write(h.copies[dst].slot, self._bytes(src, h))
+        else:
+            f = self.device.copy_async(self._bytes(dst, h), self._bytes(src, h))
+        n = align_up(max(h.nbytes, 1))
+
+        def count(_):
+            with self._lock:
+                self._traffic[src].read += n
+                self._traffic[dst].written += n
+        return then(f, count)
+
+    def _landed(self, h: TensorHandle, tier: Tier) -> None:
+        with self._lock:
+            c = h.copies[tier]
+            if c.residency is Residency.IN_FLIGHT:
+                c.residency = Residency.RESIDENT
+
+    def _abort(self, h: TensorHandle, tier: Tier) -> None:
+        with self._lock:
+            h.copies[tier].pins = 0
+            self._free_slot(tier, h)
+
+    def wait(self, h: TensorHandle, tier: Tier | str) -> torch.Tensor:
+        """Block until ``h`` is valid in ``tier`` (it must have been fetched) and return its view.
+
+        Time spent blocked is added to :attr:`stall_s` (the consumer stalled on I/O).
+        """
+        tier = Tier.parse(tier)
+        with self._lock:
+            f = h.copies[tier].future if h.copies[tier].residency is Residency.IN_FLIGHT else None
+        if f is not None and not f.done():
+            t0 = time.perf_counter()
+            f.result()
+            with self._lock:
+                self.stall_s += time.perf_counter() - t0
+        elif f is not None:
+            f.result()  # raises the transfer's error
+        return self.view(h, tier)
+
+    def view(self, h: TensorHandle, tier: Tier | str) -> torch.Tensor:
+        """The tensor ``[h.shape]`` in ``tier``'s arena (no copy). The copy must be resident."""
+        tier = Tier.parse(tier)
+        c = h.copies[tier]
+        if tier is Tier.NVME or c.residency not in _HELD:
+            raise ValueError(f"{h.key!r} is {c.residency.value} in {tier.name}; fetch and wait first")
+        return self.view_of(h, tier)
+
+    def view_of(self, h: TensorHandle, tier: Tier) -> torch.Tensor:
+        return self._arenas[tier].view(h.copies[tier].slot, h.shape, h.dtype)
+
+    def release(self, h: TensorHandle, tier: Tier | str) -> None:
+        """Drop one pin taken by :meth:`fetch`; an unpinned copy may be evicted."""
+        tier = Tier.parse(tier)
+        with self._lock:
+            c = h.copies[tier]
+            if c.pins <= 0 and not c.valid:
+                return  # its fetch failed and already dropped the pin
+            if c.pins <= 0:
+                raise ValueError(f"release({h.key!r}, {tier.name}) without a matching fetch")
+            c.pins -= 1
+
+    def mark_dirty(self, h: TensorHandle, tier: Tier | str) -> None:
+        """Record that the copy in ``tier`` was changed in place (it becomes the newest).
+
+        Other working copies are now stale and are freed.
+
+        Raises:
+            ValueError: the copy is not resident, or a stale copy is pinned or in flight.
+        """
+        tier = Tier.parse(tier)
+        with self._lock:
+            c = h.copies[tier]
+            if c.residency not in _HELD:
+                raise ValueError(f"mark_dirty({h.key!r}, {tier.name}): the copy is {c.residency.value}")
+            for t, other in h.copies.items():
+                if t in (tier, h.home) or not other.valid:
+                    continue
+                if other.pins or other.residency is Residency.IN_FLIGHT or (other.future and not other.future.done()):
+                    raise ValueError(f"mark_dirty({h.key!r}, {tier.name}): its {t.name} copy would go "
+                                     "stale while pinned or in flight; release/wait for it first")
+                self._free_slot(t, h)
+            if tier is not h.home:
+                c.residency = Residency.DIRTY
+            c.generation = c.generation + 1
+
+    def write_back(self, h: TensorHandle, durable: bool = False) -> Future:
+        """Copy the dirty copy of ``h`` to its home tier, asynchronously.
+
+        The dirty copy must not change until the Future completes; it then is
+        RESIDENT (clean). With ``durable=True`` the NVMe write is ``fdatasync``-ed.
+
+        Returns:
+            A Future (result None); done at once when nothing is dirty.
+
+        Raises:
+            BudgetError: on CUDA, no HOST room to stage a DEVICE -> NVME write.
+        """
+        with self._lock:
+            d = h.dirty_tier
+            if d is None:
+                return completed(None)
+            c = h.copies[d]
+            if c.future is not None and not c.future.done():
+                return c.future
+            gen = c.generation
+            if h.home is Tier.NVME and d is Tier.DEVICE and self.device.is_cuda:
+                # GPU -> disk is staged in pinned HOST memory; the HOST copy stays (clean).
+                host = h.copies[Tier.HOST]
+                host.slot = self._alloc(Tier.HOST, h)
+                host.residency = Residency.IN_FLIGHT
+                f = then(self._copy(h, d, Tier.HOST), lambda _: self._copy_durable(h, Tier.HOST, durable))
+            else:
+                f = self._copy_durable(h, d, durable)
+
+            def clean(_):
+                with self._lock:
+                    if c.generation == gen and c.residency is Residency.DIRTY:
+                        c.residency = Residency.RESIDENT
+                    h.copies[h.home].residency = Residency.RESIDENT
+                    if h.copies[Tier.HOST].residency is Residency.IN_FLIGHT:
+                        h.copies[Tier.HOST].residency = Residency.RESIDENT
+            c.future = then(f, clean)
+            return c.future
+
+    def _copy_durable(self, h: TensorHandle, src: Tier, durable: bool) -> Future:
+        if h.home is Tier.NVME and durable:
+            f = self.nvme.write(h.copies[Tier.NVME].slot, self._bytes(src, h), durable=True)
+            n = h.copies[Tier.NVME].slot.length
+
+            def count(_):
+                with self._lock:
+                    self._traffic[src].read += n
+                    self._traffic[Tier.NVME].written += n
+            return then(f, count)
+        return self._copy(h, src, h.home)
+
+    def evict(self, h: TensorHandle, tier: Tier | str, write_back: bool = True) -> Future:
+        """Free the copy of ``h`` in ``tier`` once no transfer needs it.
+
+        Args:
+            h: the handle.
+            tier: DEVICE or HOST (never the home tier).
+            write_back: a dirty copy is written back first; False drops the change.
+
+        Returns:
+            A Future that completes when the bytes are free.
+
+        Raises:
+            ValueError: ``tier`` is the home tier, or the copy is pinned.
+        """
+        tier = Tier.parse(tier)
+        with self._lock:
+            c = h.copies[tier]
+            if tier is h.home:
+                raise ValueError(f"evict({h.key!r}, {tier.name}): the home copy is never evicted")
+            if c.pins:
+                raise ValueError(f"evict({h.key!r}, {tier.name}): pinned by {c.pins} fetch(es); release first")
+            if not c.valid:
+                return completed(None)
+            if c.residency is Residency.DIRTY and write_back:
+                pending = self.write_back(h)
+            elif c.future is not None and not c.future.done():
+                pending = c.future
+            else:
+                pending = completed(None)
+
+            def free(_):
+                with self._lock:
+                    if not c.pins:  # a fetch may have re-pinned it meanwhile: then keep it
+                        self._free_slot(tier, h)
+            # A failed write-back keeps the dirty copy (its error is the Future's).
+            return then(pending, free)
+
+    def load(self, h: TensorHandle) -> torch.Tensor:
+        """A fresh CPU tensor with the newest value of ``h`` (blocks; for checkpoints and tests)."""
+        with self._lock:
+            src = self._newest(h)
+            f = h.copies[src].future if src is not None else None
+        if f is not None:
+            f.result()
+        if src is None:
+            return torch.zeros(h.shape, dtype=h.dtype)
+        if src is Tier.NVME:
+            ext = h.copies[Tier.NVME].slot
+            buf = aligned_empty(ext.length, populate=False)
+            self.nvme.read(ext, buf).result()
+            return buf[: h.nbytes].view(h.dtype).view(h.shape)
+        return self.view(h, src).to("cpu", copy=True)
+
+    # -- statistics ------------------------------------------------------------
+    def tier_stats(self, window: bool = False) -> dict[str, TierStats]:
+        """Occupancy and traffic per tier, keyed ``"DEVICE"``, ``"HOST"``, ``"NVME"``.
+
+        Args:
+            window: also fill ``read_gbps``/``write_gbps`` over the time since the
+                previous windowed call (and start a new window).
+        """
+        out, now = {}, time.perf_counter()
+        with self._lock:
+            for t in Tier:
+                tr = self._traffic[t]
+                s = TierStats(held_bytes=self.held(t), budget_bytes=self.budget(t) or 0,
+                              read_bytes=tr.read, written_bytes=tr.written)
+                if window:
+                    r0, w0, t0 = tr.mark
+                    dt = max(now - t0, 1e-9)
+                    s.read_gbps, s.write_gbps = (tr.read - r0) / dt / 1e9, (tr.written - w0) / dt / 1e9
+                    tr.mark = (tr.read, tr.written, now)
+                out[t.name] = s
+        return out
+
+    def synchronize(self) -> None:
+        """Wait for every transfer and write-back in flight."""
+        while True:
+            with self._lock:
+                pending = [c.future for h in self._handles.values() for c in h.copies.values()
+                           if c.future is not None and not c.future.done()]
+            if not pending:
+                return
+            for f in pending:
+                try:
+                    f.result()
+                except Exception:  # noqa: BLE001 - the waiter of that transfer sees it
+                    pass
+
+    def close(self) -> None:
+        """Wait for transfers, then release the arenas, the swap file and the swap dir."""
+        self.synchronize()
+        if self.nvme is not None:
+            self.nvme.close()
+        if self.swap is not None:
+            self.swap.close()
+        self.device.close()
+        for a in self._arenas.values():
+            a.release_slabs()
+
+    def __enter__(self) -> "TieredStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
