@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from rich.console import Console
 
-    Console().print(render(data))
+    Console().print(render(data, measured=not args.no_measure))
     return 0
 
 
@@ -93,18 +93,19 @@ def _value(key: str, value: Any) -> str:
     return str(value)
 
 
-def _bandwidth(read: Any, write: Any, what: tuple[str, str]) -> str:
+def _bandwidth(read: Any, write: Any, what: tuple[str, str], measured: bool) -> str:
     if read is None and write is None:
-        return "not measured (--no-measure)"
+        return "not measured" + ("" if measured else " (--no-measure)")
     return f"{what[0]} {fmt_gbps(read)}   {what[1]} {fmt_gbps(write)}"
 
 
-def render(data: dict[str, Any]) -> Any:
+def render(data: dict[str, Any], measured: bool = True) -> Any:
     """The probe as a rich renderable: sections System, Devices, Swap directory, Backends,
     Leftover swap directories, Warnings (yellow).
 
     Args:
         data: ``HardwareProbe.to_dict()``.
+        measured: whether bandwidths were asked for (explains a missing figure).
 
     Returns:
         A rich ``Table`` (a grid with section headings).
@@ -134,7 +135,8 @@ def render(data: dict[str, Any]) -> Any:
         table.add_row("  none", "[dim]CPU only: the DEVICE tier is a RAM arena[/]")
     if data.get("h2d_gbps") is not None or data.get("d2h_gbps") is not None or devices:
         label = "  host<->device" if devices else "  RAM copy"
-        table.add_row(label, _bandwidth(data.get("h2d_gbps"), data.get("d2h_gbps"), ("h2d", "d2h")))
+        table.add_row(label, _bandwidth(data.get("h2d_gbps"), data.get("d2h_gbps"), ("h2d", "d2h"),
+                                        measured))
 
     section("Swap directory")
     table.add_row("  path", escape(str(data.get("swap_dir", "-"))))
@@ -145,7 +147,7 @@ def render(data: dict[str, Any]) -> Any:
     table.add_row("  O_DIRECT", "-" if o_direct is None else
                   ("[green]yes[/]" if o_direct else "[yellow]no (reads may hit the page cache)[/]"))
     table.add_row("  bandwidth", _bandwidth(data.get("disk_read_gbps"), data.get("disk_write_gbps"),
-                                            ("read", "write")))
+                                            ("read", "write"), measured))
 
     section("Backends")
     backends = data.get("backends") or {}
