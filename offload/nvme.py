@@ -80,7 +80,11 @@ class NvmeBackend:
         self.read_bytes = self.written_bytes = 0
         size = os.fstat(self.fd).st_size // ALIGN * ALIGN if _recover else 0
         self._free = FreeList(0)
-        self._grow_to(self.budget if self.budget is not None else size)
+        try:
+            self._grow_to(self.budget if self.budget is not None else size)
+        except BaseException:
+            self.close()
+            raise
 
     # -- space -----------------------------------------------------------------
     def _grow_to(self, capacity: int) -> None:

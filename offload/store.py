@@ -92,8 +92,15 @@ class TieredStore:
         self.nvme: NvmeBackend | None = None
         if swap_dir is not None:
             self.swap = swap_dir if isinstance(swap_dir, SwapDir) else SwapDir(swap_dir)
-            self.nvme = NvmeBackend(self.swap, nvme_bytes, IOPool(queue_depth, chunk_bytes), direct=direct)
-            self.nvme._own_pool = True
+            pool = IOPool(queue_depth, chunk_bytes)
+            try:
+                self.nvme = NvmeBackend(self.swap, nvme_bytes, pool, direct=direct)
+            except BaseException:  # e.g. the disk is too small: leave nothing behind
+                pool.close()
+                self.swap.close()
+                self.device.close()
+                raise
+            self.nvme._own_pool = True  # closed with the store
         self._lock = threading.RLock()  # guards every handle's state and the counters
         self._handles: dict[str, TensorHandle] = {}
         self._traffic = {t: _Traffic() for t in Tier}

@@ -47,11 +47,16 @@ class SwapDir:
         self._lock_fd = -1
         self._created = False
         parent = self.path.parent
-        if not parent.is_dir():
+        try:
+            parent_ok, exists, is_dir = parent.is_dir(), self.path.exists(), self.path.is_dir()
+        except OSError as e:  # e.g. a parent this user may not enter
+            raise SwapDirError(f"swap dir {self.path} is not accessible ({e.strerror}); "
+                               "choose a swap_dir this user can write") from e
+        if not parent_ok:
             raise SwapDirError(f"swap dir parent {parent} does not exist; create it or pass another swap_dir")
-        if self.path.exists() and not self.path.is_dir():
+        if exists and not is_dir:
             raise SwapDirError(f"swap dir {self.path} exists and is not a directory; pass a directory")
-        if not self.path.exists():
+        if not exists:
             try:
                 self.path.mkdir(mode=0o700)
             except OSError as e:

@@ -1,0 +1,265 @@
+"""Faults of the NVMe tier: bad swap dirs, full disks, corruption, crashes, a second run."""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import pytest
+import torch
+
+from outcore.errors import IntegrityError, SwapDirError
+from outcore.offload import directio, swapdir as swapdir_mod
+from outcore.offload.directio import aligned_empty
+from outcore.offload.handle import Residency, Tier
+from outcore.offload.nvme import DATA_FILE, NvmeBackend
+from outcore.offload.store import TieredStore
+from outcore.offload.swapdir import LOCK_NAME, SwapDir, find_leftover_swap_dirs
+
+MiB = 1 << 20
+
+
+def test_swap_dir_created_private_and_removed(tmp_path):
+    p = tmp_path / "swap"
+    with SwapDir(p) as sd:
+        assert stat.S_IMODE(os.stat(p).st_mode) == 0o700
+        assert (p / LOCK_NAME).read_text().strip() == str(os.getpid())
+        sd.file("a.bin").write_bytes(b"x")
+    assert not p.exists()
+
+
+def test_existing_swap_dir_is_kept_but_emptied(tmp_path):
+    (tmp_path / "mine.txt").write_text("user data")
+    with SwapDir(tmp_path) as sd:
+        sd.file("extents.bin").write_bytes(b"x")
+    assert sorted(os.listdir(tmp_path)) == ["mine.txt"]
+
+
+def test_swap_dir_parent_missing(tmp_path):
+    with pytest.raises(SwapDirError, match=f"{tmp_path}/nope does not exist"):
+        SwapDir(tmp_path / "nope" / "swap")
+
+
+def test_swap_dir_is_a_file(tmp_path):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(SwapDirError, match="is not a directory"):
+        SwapDir(tmp_path / "f")
+
+
+def _as_nobody(target) -> subprocess.CompletedProcess:
+    code = textwrap.dedent(f"""
+        import os, sys
+        from outcore.errors import SwapDirError
+        from outcore.offload.swapdir import SwapDir
+        os.setgid(65534); os.setuid(65534)  # drop root after imports: root may write anywhere
+        try:
+            SwapDir({str(target)!r})
+        except SwapDirError as e:
+            print(e); sys.exit(3)
+    """)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops root to user nobody")
+def test_swap_dir_not_writable_or_not_accessible_real_user(tmp_path):
+    """A real unprivileged process on directories it cannot write or enter."""
+    open_parent = tempfile.mkdtemp(dir="/tmp")  # tmp_path's parents are 0700: nobody cannot enter them
+    try:
+        os.chmod(open_parent, 0o755)
+        target = os.path.join(open_parent, "ro")
+        os.mkdir(target, 0o755)  # owned by root: nobody may read, not write
+        r = _as_nobody(target)
+        assert r.returncode == 3, r.stderr
+        assert target in r.stdout and "not writable" in r.stdout
+    finally:
+        shutil.rmtree(open_parent)
+    r = _as_nobody(tmp_path / "swap")
+    assert r.returncode == 3, r.stderr
+    assert "not accessible" in r.stdout and str(tmp_path / "swap") in r.stdout
+
+
+def test_swap_dir_read_only_fs(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def erofs(path, flags, *a, **k):
+        if str(path).endswith(LOCK_NAME):
+            raise OSError(errno.EROFS, "Read-only file system")
+        return real_open(path, flags, *a, **k)
+    monkeypatch.setattr(swapdir_mod.os, "open", erofs)
+    with pytest.raises(SwapDirError, match=f"swap dir {tmp_path} is on a read-only file system"):
+        SwapDir(tmp_path)
+
+
+def test_second_process_on_same_swap_dir_is_refused(tmp_path):
+    p = tmp_path / "swap"
+    code = textwrap.dedent(f"""
+        import sys, time
+        from outcore.offload.swapdir import SwapDir
+        sd = SwapDir({str(p)!r}); print("locked", flush=True); time.sleep(60)
+    """)
+    other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "locked"
+        with pytest.raises(SwapDirError, match=rf"in use by another outcore run \(pid {other.pid}\)"):
+            SwapDir(p)
+        assert find_leftover_swap_dirs(tmp_path) == []  # a live run is not a leftover
+    finally:
+        other.kill()
+        other.wait()
+    assert find_leftover_swap_dirs(tmp_path) == [str(p)]
+    with SwapDir(p):  # the dead run's lock is gone with its process
+        pass
+
+
+def test_too_small_disk_fails_before_training(tmp_path, monkeypatch):
+    def enospc(fd, off, n):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(swapdir_mod.os, "posix_fallocate", enospc)
+    with pytest.raises(SwapDirError, match=r"free but the NVMe tier \(extents.bin\) needs 4.00 GiB"):
+        TieredStore(MiB, MiB, nvme_bytes=4 << 30, swap_dir=tmp_path / "s", device="cpu")
+    assert not (tmp_path / "s").exists()  # nothing left behind
+
+
+def test_disk_full_during_write_is_a_clear_error(tmp_path, monkeypatch):
+    with TieredStore(MiB, MiB, nvme_bytes=4 * MiB, swap_dir=tmp_path / "s", device="cpu") as s:
+        h = s.register("w", data=torch.ones(1000))
+        t = s.fetch(h, "host").result()
+        t.fill_(2)
+        s.mark_dirty(h, "host")
+
+        def full(fd, bufs, off):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(directio.os, "pwritev", full)
+        with pytest.raises(SwapDirError, match=r"is full writing extent 'w'"):
+            s.write_back(h).result()
+        monkeypatch.undo()
+        assert torch.equal(s.view(h, "host"), torch.full((1000,), 2.0))  # the dirty copy is kept
+        s.write_back(h).result()
+        s.release(h, "host")
+        assert torch.equal(s.load(h), torch.full((1000,), 2.0))
+
+
+@pytest.mark.parametrize("where", [0, 1, 4095, 4096, 12345, -1])
+def test_any_flipped_byte_is_detected(tmp_path, where):
+    with TieredStore(MiB, MiB, swap_dir=tmp_path / "s", device="cpu") as s:
+        x = torch.randn(5000)  # 20000 bytes -> a 20480-byte extent, with padding
+        h = s.register("layer.0", data=x)
+        ext = h.copies[h.home].slot
+        pos = ext.offset + (where % ext.length)
+        with open(s.nvme.path, "r+b") as f:
+            f.seek(pos)
+            b = f.read(1)
+            f.seek(pos)
+            f.write(bytes([b[0] ^ 0x01]))
+        with pytest.raises(IntegrityError, match=rf"checksum mismatch in swap file .*{DATA_FILE}, extent 'layer.0'"):
+            s.fetch(h, "device").result()
+        assert s.held(Tier.DEVICE) == 0 and h.residency(Tier.DEVICE) is Residency.ABSENT  # nothing half-fetched
+        with pytest.raises(IntegrityError):
+            s.load(h)
+
+
+def test_truncated_swap_file_is_detected(tmp_path):
+    with TieredStore(MiB, MiB, swap_dir=tmp_path / "s", device="cpu") as s:
+        a = s.register("a", data=torch.ones(2048))
+        b = s.register("b", data=torch.ones(2048))
+        os.truncate(s.nvme.path, b.copies[b.home].slot.offset + 100)
+        with pytest.raises(IntegrityError, match=r"truncated: extent 'b'"):
+            s.fetch(b, "host").result()
+        assert torch.equal(s.fetch(a, "host").result(), torch.ones(2048))
+
+
+def test_buffered_fallback_without_o_direct(tmp_path, monkeypatch):
+    real_open = os.open
+
+    def no_direct(path, flags, *a, **k):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *a, **k)
+    monkeypatch.setattr(directio.os, "open", no_direct)
+    with TieredStore(MiB, MiB, swap_dir=tmp_path / "s", device="cpu") as s:
+        assert s.nvme.direct is False
+        x = torch.randn(777)
+        h = s.register("x", data=x)
+        assert torch.equal(s.fetch(h, "device").result(), x)
+
+
+_CHILD = textwrap.dedent("""
+    import sys, torch
+    from outcore.offload.directio import aligned_empty
+    from outcore.offload.handle import Residency, Tier
+from outcore.offload.nvme import NvmeBackend
+    from outcore.offload.swapdir import SwapDir
+    sd = SwapDir(sys.argv[1], keep=True)
+    nv = NvmeBackend(sd, capacity=64 << 20)
+    ext = nv.alloc("w", 32 << 20)
+    buf = aligned_empty(ext.length)
+    buf.fill_(1)
+    nv.write(ext, buf, durable=True).result()
+    print("first", flush=True)
+    v = 2
+    while True:  # overwrite forever with new values until killed
+        buf.fill_(v % 250 + 2)
+        nv.write(ext, buf).result()
+        v += 1
+""")
+
+
+@pytest.mark.slow(ci=True)
+def test_killed_mid_write_never_reads_back_a_torn_extent(tmp_path):
+    """A real process is SIGKILLed while writing; what is read back is whole or refused."""
+    outcomes = set()
+    for attempt in range(4):
+        p = tmp_path / f"swap{attempt}"
+        child = subprocess.Popen([sys.executable, "-c", _CHILD, str(p)], stdout=subprocess.PIPE, text=True)
+        assert child.stdout.readline().strip() == "first"
+        time.sleep(0.05 + 0.037 * attempt)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        with SwapDir(p) as sd:  # the lock died with the child
+            nv, table = NvmeBackend.recover(sd)
+            ext = table["w"]
+            buf = aligned_empty(ext.length)
+            try:
+                nv.read(ext, buf).result()
+            except IntegrityError as e:
+                assert "extent 'w'" in str(e)
+                outcomes.add("refused")
+            else:
+                vals = torch.unique(buf)
+                assert vals.numel() == 1, f"torn extent read back as valid: values {vals.tolist()}"
+                outcomes.add("whole")
+            nv.close()
+    assert outcomes  # every attempt ended whole or refused
+
+
+def test_recover_rebuilds_extents_and_ignores_a_torn_journal_line(tmp_path):
+    p = tmp_path / "swap"
+    sd = SwapDir(p, keep=True)
+    nv = NvmeBackend(sd, capacity=MiB)
+    exts = [nv.alloc(f"k{i}", 10_000) for i in range(3)]
+    for i, e in enumerate(exts):
+        b = aligned_empty(e.length)
+        b.fill_(i + 1)
+        nv.write(e, b).result()
+    nv.close()
+    with open(nv.index_path, "ab") as f:
+        f.write(b"k0\t0\t12288\t123")  # a line torn by a crash: no checksum, no newline
+    sd.close()
+    with SwapDir(p) as sd2:
+        nv2, table = NvmeBackend.recover(sd2)
+        assert sorted(table) == ["k0", "k1", "k2"]
+        for i, k in enumerate(["k0", "k1", "k2"]):
+            b = aligned_empty(table[k].length)
+            nv2.read(table[k], b).result()
+            assert torch.all(b == i + 1)
+        new = nv2.alloc("k3", 4096)  # recovered extents are not handed out again
+        assert all(new.offset >= e.offset + e.length or new.offset + new.length <= e.offset
+                   for e in table.values())
+        nv2.close()
