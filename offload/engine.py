@@ -1,0 +1,310 @@
+"""The out-of-core training engine: a model's units streamed through the tiers.
+
+``OutOfCoreEngine`` wraps an unmodified Hugging Face causal LM. Its weights
+and optimizer state live in a :class:`UnitMemory` (over the ``TieredStore``);
+module hooks bring each unit in just before it computes and let it go just
+after, prefetching along the static order of a step (ARCHITECTURE.md §3–§4):
+
+    forward   embed, block 0 … block L-1, head       (prefetch the next k units)
+    backward  head, block L-1 … block 0, embed       (prefetch the next k, and their
+                                                      optimizer state)
+
+*Step-in-backward*: as soon as every parameter of a unit has its gradient
+(``register_post_accumulate_grad_hook``), the unit's optimizer update runs —
+state fetched ahead, updated in place, written back asynchronously — while
+autograd goes on with earlier units; the gradients are freed at once. With
+global-norm clipping or gradient accumulation the updates must wait for every
+gradient, so gradients are kept (``spill``) and the updates run after the norm
+is known, unit by unit, still prefetched. Both are exact: with fp32 and the
+same seed the weights equal those of the in-memory run bit for bit.
+
+How a saved activation that *is* a weight survives the weight leaving memory:
+autograd saves, e.g., ``weight.t()`` for a matmul's backward. A
+``saved_tensors_hooks`` pack hook sees every saved tensor; one that lies inside
+a unit's resident weight buffer is replaced by a small reference
+(unit, offset, size, stride), and the unpack hook rebuilds the view from the
+unit's buffer, fetched again for the backward. No model code changes.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+
+from .units import Unit, causal_lm_units
+
+_EMPTY: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _empty(dtype: torch.dtype) -> torch.Tensor:
+    """A 0-element tensor a parameter points at while its unit is not resident."""
+    if dtype not in _EMPTY:
+        _EMPTY[dtype] = torch.empty(0, dtype=dtype)
+    return _EMPTY[dtype]
+
+
+class UnitMemory(Protocol):
+    """Where the engine's flat unit buffers live (implemented over the TieredStore).
+
+    ``kind`` is ``"w"`` (weights) or an optimizer-state name (``"exp_avg"`` …).
+    """
+
+    def prefetch(self, unit: int, kind: str) -> None:
+        """Start bringing ``kind`` of ``unit`` to the working tier (no wait)."""
+
+    def acquire(self, unit: int, kind: str) -> torch.Tensor:
+        """The resident working copy [numel] (waits if still in flight; pins it)."""
+
+    def release(self, unit: int, kind: str, dirty: bool, keep: bool = False) -> None:
+        """Unpin; a dirty copy is written back to its home tier asynchronously.
+        ``keep``: the unit is needed again soon, leave it resident while there is room."""
+
+    def before_update(self, unit: int, kind: str) -> None:
+        """Return once no earlier write-back still reads this copy."""
+
+
+@dataclass(frozen=True)
+class _ParamRef:
+    """A saved tensor that is a view of a unit's weights, stored by reference."""
+
+    unit: int
+    offset: int  # element offset from the start of the unit's flat buffer
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class OutOfCoreEngine:
+    """Train an unmodified causal LM whose weights and optimizer state do not stay in memory.
+
+    Args:
+        model: the model; its parameters are laid out into unit buffers and
+            their own storage is released (they point at the unit buffers while
+            resident, at an empty tensor otherwise).
+        optimizer: an ``outcore.optim.OutcoreOptimizer`` (``state_spec`` /
+            ``update``) built over ``model``'s trainable parameters.
+        memory: factory ``(units, optimizer) -> UnitMemory`` that registers the
+            unit buffers (and initial contents) with the store.
+        prefetch: how many units ahead to prefetch (k).
+        max_grad_norm: global-norm clipping (0 = off).
+        grad_accum: micro-batches per optimizer step.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Any,
+                 memory: Callable[[list[Unit], Any], UnitMemory], *, prefetch: int = 2,
+                 max_grad_norm: float = 0.0, grad_accum: int = 1):
+        self.model = model
+        self.optimizer = optimizer
+        self.group = optimizer.param_groups[0]
+        self.units = causal_lm_units(model)
+        self.prefetch_depth = max(1, prefetch)
+        self.max_grad_norm = max_grad_norm
+        self.grad_accum = grad_accum
+        # Step-in-backward needs every gradient of a unit to be final when it
+        # arrives: not so when they are clipped by a global norm or accumulated.
+        self.step_in_backward = max_grad_norm <= 0 and grad_accum == 1
+        # model order, as the in-memory run sees them: clip_grad_norm_ stacks the
+        # per-tensor norms in this order, and the bits of the total depend on it
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.mem = memory(self.units, optimizer)
+        self._bound: dict[int, torch.Tensor] = {}  # unit -> resident flat weights bound to params
+        self._pins: dict[int, int] = {}  # unit -> how many phases hold its weights
+        self._pending: dict[int, int] = {}  # unit -> params still waiting for their gradient
+        self._lr = self.group["lr"]
+        self._phase = "forward"
+        for p in self.params:
+            p.data = _empty(p.dtype)
+        self._handles = []
+        self._install_hooks()
+
+    # ------------------------------------------------------------------ binding
+    def _bind(self, index: int) -> None:
+        """Make unit ``index`` resident and point its parameters at it (pinned)."""
+        self._pins[index] = self._pins.get(index, 0) + 1
+        if index in self._bound:
+            return
+        flat = self.mem.acquire(index, "w")
+        unit = self.units[index]
+        for slot in unit.slots:
+            slot.param.data = unit.view(flat, slot)
+        self._bound[index] = flat
+
+    def _unbind(self, index: int, dirty: bool = False) -> None:
+        self._pins[index] -= 1
+        if self._pins[index] > 0 and not dirty:
+            return
+        self._pins[index] = 0
+        for slot in self.units[index].slots:
+            slot.param.data = _empty(slot.param.dtype)
+        del self._bound[index]
+        self.mem.release(index, "w", dirty=dirty, keep=self._needed_soon(index))
+
+    def _needed_soon(self, index: int) -> bool:
+        """Will unit ``index`` be used again within the prefetch window (so keep it resident)?
+
+        Forward ends with the last units, which backward starts with; backward ends
+        with the first units, which the next step's forward starts with; a tied
+        embedding is used by the head at the turn of the step.
+        """
+        k, n = self.prefetch_depth, len(self.units)
+        if any(index in self.units[j].borrows for j in (n - 1,)):
+            return True
+        if self._phase == "forward":
+            return index >= n - 1 - k
+        return index <= k
+
+    def _needs(self, index: int) -> list[int]:
+        return [index, *self.units[index].borrows]
+
+    # -------------------------------------------------------------------- hooks
+    def _install_hooks(self) -> None:
+        for unit in self.units:
+            first, last = unit.modules[0], unit.modules[-1]
+            self._handles.append(first.register_forward_pre_hook(
+                lambda m, a, i=unit.index: self._forward_begin(i)))
+            self._handles.append(last.register_forward_hook(
+                lambda m, a, out, i=unit.index: self._forward_end(i, out)))
+            for slot in unit.slots:
+                self._handles.append(slot.param.register_post_accumulate_grad_hook(
+                    lambda p, i=unit.index: self._grad_ready(i)))
+
+    def _forward_begin(self, index: int) -> None:
+        self._phase = "forward"
+        for i in self._needs(index):
+            self._bind(i)
+        order = len(self.units)
+        for j in range(index + 1, min(order, index + 1 + self.prefetch_depth)):
+            self.mem.prefetch(j, "w")
+
+    def _forward_end(self, index: int, output: Any) -> Any:
+        if torch.is_grad_enabled():
+            out = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(lambda g, i=index: self._backward_begin(i))
+        for i in self._needs(index):
+            self._unbind(i)
+        return output
+
+    def _backward_begin(self, index: int) -> None:
+        """Gradient w.r.t. unit ``index``'s output exists: its backward starts now."""
+        self._phase = "backward"
+        for i in self._needs(index):
+            self._bind(i)
+        self._pending[index] = len(self.units[index].slots)
+        for j in range(index - 1, max(-1, index - 1 - self.prefetch_depth), -1):
+            self.mem.prefetch(j, "w")
+        if self.step_in_backward:
+            for j in range(index, max(-1, index - self.prefetch_depth), -1):
+                for kind in self._state_kinds:
+                    self.mem.prefetch(j, kind)
+
+    def _grad_ready(self, index: int) -> None:
+        """One more parameter of unit ``index`` has its gradient; the last one ends its backward."""
+        self._pending[index] -= 1
+        if self._pending[index] > 0:
+            return
+        for i in self.units[index].borrows:
+            self._unbind(i)  # a borrowed (tied) weight was needed for this unit's backward only
+        if self.step_in_backward:
+            self._update(index)  # releases the unit, dirty
+        else:
+            self._unbind(index)
+
+    # ----------------------------------------------------------- optimizer side
+    @property
+    def _state_kinds(self) -> list[str]:
+        return list(getattr(self.mem, "state_kinds", ()))
+
+    def _update(self, index: int) -> None:
+        """Run the optimizer update of one unit, in place, and let it go dirty."""
+        unit = self.units[index]
+        if not unit.slots:
+            return
+        self._bind(index)
+        flats = {kind: self.mem.acquire(index, kind) for kind in self._state_kinds}
+        self.mem.before_update(index, "w")
+        w = self._bound[index]
+        params = [unit.view(w, s) for s in unit.slots]
+        grads = [s.param.grad for s in unit.slots]
+        states = [self.mem.state_views(index, flats, k) for k in range(len(unit.slots))]
+        group = {**self.group, "lr": self._lr}
+        with torch.no_grad():
+            self.optimizer.update(params, grads, states, group)
+        for s in unit.slots:
+            s.param.grad = None  # freed now: step-in-backward never holds all gradients
+        for kind in self._state_kinds:
+            self.mem.release(index, kind, dirty=True)
+        self._unbind(index, dirty=True)
+
+    # ---------------------------------------------------------------- the step
+    def _saved_hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if not self._bound:
+            return t
+        ptr = t.data_ptr()
+        for index, flat in self._bound.items():
+            start = flat.data_ptr()
+            if start <= ptr < start + flat.numel() * flat.element_size():
+                if t.dtype != flat.dtype:  # a reinterpreting view: keep a private copy
+                    return t.clone()
+                return _ParamRef(index, (ptr - start) // flat.element_size(),
+                                 tuple(t.shape), tuple(t.stride()))
+        return t
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _ParamRef):
+            return packed
+        flat = self._bound.get(packed.unit)
+        if flat is None:  # not bound by a backward hook (unusual graph): fetch it now
+            self._bind(packed.unit)
+            flat = self._bound[packed.unit]
+        return flat.as_strided(packed.size, packed.stride, flat.storage_offset() + packed.offset)
+
+    def train_step(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor], micro_batches: list[Any],
+                   lr: float) -> torch.Tensor:
+        """One optimizer step over ``micro_batches``.
+
+        Args:
+            loss_fn: ``(model, batch) -> mean loss`` (a scalar tensor).
+            micro_batches: ``grad_accum`` batches.
+            lr: this step's learning rate.
+
+        Returns:
+            The summed (accumulation-scaled) loss, still a tensor: no host sync here.
+        """
+        self._lr = lr
+        for j in range(min(len(self.units), self.prefetch_depth)):
+            self.mem.prefetch(j, "w")
+        total = torch.zeros(())
+        for batch in micro_batches:
+            with self._saved_hooks():
+                loss = loss_fn(self.model, batch) / len(micro_batches)
+                loss.backward()
+            total += loss.detach()
+        if not self.step_in_backward:
+            self._update_after_backward()
+        return total
+
+    def _update_after_backward(self) -> torch.Tensor | None:
+        """Clip by the global norm (same arithmetic as ``clip_grad_norm_``), then update every unit."""
+        norm = None
+        if self.max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        for index in range(len(self.units)):
+            for j in range(index, min(len(self.units), index + self.prefetch_depth)):
+                self.mem.prefetch(j, "w")
+                for kind in self._state_kinds:
+                    self.mem.prefetch(j, kind)
+            self._update(index)
+        self.last_grad_norm = norm
+        return norm
+
+    def remove(self) -> None:
+        """Take the hooks off (the model's parameters stay pointed at empty tensors)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

@@ -1,0 +1,203 @@
+"""The engine's unit buffers kept in a :class:`TieredStore`.
+
+Each unit of the model (see ``units.py``) has one handle for its weights and
+one per optimizer-state tensor class (``exp_avg``, ``exp_avg_sq``, ``step`` …),
+each a flat buffer with every parameter's piece back to back. Weights are
+computed on in DEVICE; optimizer state is updated in HOST (the CPU runs the
+update). The authoritative copies live in the ``home`` tier (NVME or HOST).
+
+Residency policy (the order of a step is static, so no guessing): the engine
+prefetches what comes next and, on release, says whether the unit is needed
+again soon (``keep``); a released unit that is not kept is evicted at once —
+written back first when dirty, asynchronously. If a fetch still finds its tier
+full, unpinned copies are evicted oldest-first and the fetch is retried; only
+when nothing unpinned is left does the budget error reach the user.
+"""
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import BudgetError
+from .handle import TensorHandle, Tier
+from .store import TieredStore
+from .units import Unit, _pad
+
+WEIGHTS = "w"
+
+
+@dataclass
+class _StateSlot:
+    kind: str  # state tensor class, also the handle's suffix
+    offset: int  # elements into the flat buffer
+    shape: torch.Size
+
+
+class StoreUnitMemory:
+    """``UnitMemory`` (see ``engine.py``) backed by a TieredStore.
+
+    Args:
+        store: the tiered store (its budgets bound everything here).
+        units: the model's units; their parameters still hold the initial weights.
+        optimizer: an ``OutcoreOptimizer``: ``state_spec`` gives the state layout and
+            ``init_state`` the initial values.
+        home: tier of the authoritative copies (``Tier.NVME`` or ``Tier.HOST``).
+    """
+
+    def __init__(self, store: TieredStore, units: list[Unit], optimizer, home: Tier = Tier.NVME):
+        self.store = store
+        self.units = units
+        self.home = Tier.parse(home)
+        self.handles: dict[tuple[int, str], TensorHandle] = {}
+        self.state_layout: list[list[dict[str, _StateSlot]]] = []
+        kinds: list[str] = []
+        group = optimizer.param_groups[0]
+        for unit in units:
+            w = torch.empty(unit.numel, dtype=_unit_dtype(unit))
+            for slot in unit.slots:
+                unit.view(w, slot).copy_(slot.param.data)
+            self.handles[(unit.index, WEIGHTS)] = store.register(f"{unit.name}:w", data=w, home=self.home)
+            del w
+            layout, sizes, dtypes = [], {}, {}
+            inits: list[dict[str, torch.Tensor]] = []
+            for slot in unit.slots:
+                spec = optimizer.state_spec(slot.param, group)
+                entry = {}
+                for kind, (shape, dtype) in spec.items():
+                    dtypes.setdefault(kind, dtype)
+                    if dtypes[kind] != dtype:
+                        raise ValueError(f"state {kind!r} mixes dtypes {dtypes[kind]} and {dtype} in {unit.name}")
+                    n = torch.Size(shape).numel()
+                    entry[kind] = _StateSlot(kind, sizes.get(kind, 0), torch.Size(shape))
+                    sizes[kind] = sizes.get(kind, 0) + _pad(max(n, 1), dtype.itemsize)
+                    if kind not in kinds:
+                        kinds.append(kind)
+                layout.append(entry)
+                inits.append(optimizer.init_state(slot.param, group))
+            for kind, numel in sizes.items():
+                flat = torch.zeros(numel, dtype=dtypes[kind])
+                for entry, init in zip(layout, inits):
+                    if kind in entry and init[kind].any():
+                        s = entry[kind]
+                        flat[s.offset:s.offset + s.shape.numel()].view(s.shape).copy_(init[kind])
+                self.handles[(unit.index, kind)] = store.register(f"{unit.name}:{kind}", data=flat,
+                                                                  home=self.home)
+            self.state_layout.append(layout)
+        self.state_kinds = kinds
+        self._pinned: dict[tuple[int, str], Future] = {}  # fetched and not yet released
+        self._unpinned: OrderedDict[tuple[int, str], None] = OrderedDict()  # resident, evictable (LRU)
+        self._writes: list[Future] = []
+
+    # -- the UnitMemory protocol ----------------------------------------------------
+    def _tier(self, kind: str) -> Tier:
+        return Tier.DEVICE if kind == WEIGHTS else Tier.HOST
+
+    def prefetch(self, unit: int, kind: str) -> None:
+        key = (unit, kind)
+        if key not in self.handles or key in self._pinned:
+            return
+        try:
+            self._pin(key)
+        except BudgetError:
+            pass  # no room to run ahead now; acquire() fetches it when it is needed
+
+    def acquire(self, unit: int, kind: str) -> torch.Tensor:
+        key = (unit, kind)
+        fut = self._pinned.get(key) or self._pin(key)
+        if not fut.done():
+            t0 = time.perf_counter()
+            fut.result()  # the consumer stalls on I/O here
+            self.stall_s += time.perf_counter() - t0
+        return fut.result()
+
+    def before_update(self, unit: int, kind: str) -> None:
+        """Wait for an earlier write-back of this copy: it must not change under the disk's read."""
+        h = self.handles[(unit, kind)]
+        f = h.copies[self._tier(kind)].future
+        if f is not None and not f.done():
+            t0 = time.perf_counter()
+            f.result()
+            self.stall_s += time.perf_counter() - t0
+
+    def release(self, unit: int, kind: str, dirty: bool, keep: bool = False) -> None:
+        key = (unit, kind)
+        self._reap()
+        h, tier = self.handles[key], self._tier(kind)
+        self._pinned.pop(key)
+        if dirty:
+            self.store.mark_dirty(h, tier)
+            if tier is not self.home:
+                self._writes.append(self.store.write_back(h))
+        self.store.release(h, tier)
+        if tier is self.home:
+            return
+        if keep:
+            self._unpinned[key] = None
+        else:
+            self._writes.append(self.store.evict(h, tier))
+
+    def state_views(self, unit: int, flats: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
+        """Optimizer state of the unit's ``k``-th parameter as views into the fetched flats."""
+        return {kind: flats[kind][s.offset:s.offset + s.shape.numel()].view(s.shape)
+                for kind, s in self.state_layout[unit][k].items()}
+
+    # -- internals --------------------------------------------------------------------
+    stall_s = 0.0
+
+    def _pin(self, key: tuple[int, str]) -> Future:
+        h, tier = self.handles[key], self._tier(key[1])
+        self._unpinned.pop(key, None)
+        while True:
+            try:
+                fut = self.store.fetch(h, tier)
+                break
+            except BudgetError:
+                if not self._evict_one(tier):
+                    raise
+        self._pinned[key] = fut
+        return fut
+
+    def _evict_one(self, tier: Tier) -> bool:
+        """Evict the least recently released unpinned copy in ``tier``; False if none."""
+        for key in list(self._unpinned):
+            if self._tier(key[1]) is tier:
+                del self._unpinned[key]
+                self.store.evict(self.handles[key], tier).result()  # must be free before retrying
+                return True
+        # Evictions started on release may still be writing back: wait for them to free.
+        pending = [f for f in self._writes if not f.done()]
+        for f in pending:
+            f.result()
+        self._writes.clear()
+        return bool(pending)
+
+    def _reap(self) -> None:
+        """Drop finished write-backs, raising the first error (a full disk, an I/O error)."""
+        done = [f for f in self._writes if f.done()]
+        self._writes = [f for f in self._writes if not f.done()]
+        for f in done:
+            f.result()
+
+    def flush(self) -> None:
+        """Wait until every write-back is done (the step's updates are durable in their tier)."""
+        for f in self._writes:
+            f.result()
+        self._writes.clear()
+
+    def weights(self, unit: int) -> torch.Tensor:
+        """A CPU copy of a unit's newest weights (for checkpoints and tests; blocks)."""
+        return self.store.load(self.handles[(unit, WEIGHTS)])
+
+    def state(self, unit: int, kind: str) -> torch.Tensor:
+        return self.store.load(self.handles[(unit, kind)])
+
+
+def _unit_dtype(unit: Unit) -> torch.dtype:
+    dtypes = {s.param.dtype for s in unit.slots}
+    if len(dtypes) > 1:
+        raise ValueError(f"unit {unit.name} mixes parameter dtypes {sorted(map(str, dtypes))}")
+    return dtypes.pop() if dtypes else torch.float32
