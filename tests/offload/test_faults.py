@@ -193,8 +193,7 @@ def test_buffered_fallback_without_o_direct(tmp_path, monkeypatch):
 _CHILD = textwrap.dedent("""
     import sys, torch
     from outcore.offload.directio import aligned_empty
-    from outcore.offload.handle import Residency, Tier
-from outcore.offload.nvme import NvmeBackend
+    from outcore.offload.nvme import NvmeBackend
     from outcore.offload.swapdir import SwapDir
     sd = SwapDir(sys.argv[1], keep=True)
     nv = NvmeBackend(sd, capacity=64 << 20)
