@@ -214,11 +214,11 @@ _CHILD = textwrap.dedent("""
 def test_killed_mid_write_never_reads_back_a_torn_extent(tmp_path):
     """A real process is SIGKILLed while writing; what is read back is whole or refused."""
     outcomes = set()
-    for attempt in range(4):
+    for attempt in range(2):
         p = tmp_path / f"swap{attempt}"
         child = subprocess.Popen([sys.executable, "-c", _CHILD, str(p)], stdout=subprocess.PIPE, text=True)
         assert child.stdout.readline().strip() == "first"
-        time.sleep(0.05 + 0.037 * attempt)
+        time.sleep(0.05 + 0.13 * attempt)
         child.send_signal(signal.SIGKILL)
         child.wait()
         with SwapDir(p) as sd:  # the lock died with the child
