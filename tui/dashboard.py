@@ -147,8 +147,7 @@ class Dashboard:
         dot = (" · ", "dim")
         return Text.assemble(("outcore ", "bold magenta"), (ev.run_name, "bold"), dot,
                              (ev.model, "cyan"), dot, (f"{ev.method}/{ev.optim}", "green"), dot,
-                             (f"{ev.n_params / 1e6:,.1f}M params, {ev.n_trainable / 1e6:,.1f}M trainable",
-                              "dim"), dot, (f"{ev.total_steps} steps", ""), ("  -> ", "dim"),
+                             (_params(ev.n_params, ev.n_trainable), "dim"), dot, (f"{ev.total_steps} steps", ""), ("  -> ", "dim"),
                              (ev.output_dir, "underline"))
 
     def _main_panel(self, snap: _Snapshot) -> Any:
@@ -198,7 +197,8 @@ class Dashboard:
             grid.add_row("speed", speed)
 
             mem = Table.grid(padding=(0, 1))
-            bar = 16 if self._width() >= 100 else 6
+            width = self._width()
+            bar = 16 if width >= MAX_WIDTH else 6
             cells: list[Any] = []
             if ev.ram_bytes:
                 ratio = ev.rss_bytes / ev.ram_bytes
@@ -206,7 +206,8 @@ class Dashboard:
                           ProgressBar(total=1.0, completed=min(ratio, 1.0), width=bar,
                                       complete_style=_ratio_style(ratio)),
                           Text(f"{fmt_bytes(ev.rss_bytes)} / {fmt_bytes(ev.ram_bytes)}"
-                               + (f" RAM  ({fmt_percent(ratio)})" if bar > 6 else ""))]
+                               + (" RAM" if width >= MAX_WIDTH else "")
+                               + (f"  ({fmt_percent(ratio)})" if width >= 90 else ""))]
             else:
                 cells += [Text("RSS", style="dim"), Text(fmt_bytes(ev.rss_bytes))]
             if ev.device_bytes is not None:
@@ -244,8 +245,9 @@ class Dashboard:
         from rich.table import Table
         from rich.text import Text
 
-        wide = self._width() >= 100
-        table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), expand=False, show_edge=False)
+        wide = self._width() >= MAX_WIDTH
+        table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), expand=False, show_edge=False,
+                      pad_edge=False, collapse_padding=not wide)
         table.add_column("tier", style="bold", no_wrap=True)
         table.add_column("held / budget", no_wrap=True)
         headers = (("read", "write", "read/step", "written/step", "written") if wide else
@@ -278,3 +280,9 @@ class Dashboard:
 
 
 _TIER_ORDER = {"DEVICE": 0, "HOST": 1, "NVME": 2}
+
+
+def _params(n_params: int, n_trainable: int) -> str:
+    if n_trainable == n_params:
+        return f"{n_params / 1e6:,.1f}M params, all trainable"
+    return f"{n_params / 1e6:,.1f}M params, {n_trainable / 1e6:,.1f}M trainable"

@@ -13,6 +13,8 @@ Row format (strict JSON, one object per line)::
 * ``tiers`` is flattened as ``tiers.<TIER>.<field>`` -- the same keys
   ``pandas.json_normalize`` would make -- so the file loads with ``pandas.read_json(lines=True)``.
 * Each line is flushed as it is written: a killed run keeps every row it logged.
+* An EvalEvent for the step just logged (a final eval after the last StepEvent) is
+  merged into that step's row: the last line is rewritten in place with ``eval_loss``.
 * A resumed run appends to the same file. On its first step ``s`` the rows of steps
   ``>= s`` left by the interrupted run (logged after its last checkpoint) are dropped,
   so the file holds each step once. A fresh run (first step 1) therefore starts a new file.
@@ -97,8 +99,10 @@ class MetricsWriter:
 
     def __init__(self, output_dir: str | Path | None = None) -> None:
         self._dir = Path(output_dir) if output_dir is not None else None
-        self._file: IO[str] | None = None
+        self._file: IO[bytes] | None = None
         self._pending_eval: EvalEvent | None = None
+        self._last_row: dict[str, Any] | None = None  # the last row written, and where it starts
+        self._last_offset = 0
         self._closed = False
         self.rows_written = 0
 
@@ -120,9 +124,14 @@ class MetricsWriter:
             if self._dir is None and event.output_dir:
                 self._dir = Path(event.output_dir)
         elif isinstance(event, EvalEvent):
-            # A trainer may send the EvalEvent of step s just before the StepEvent of s
-            # without filling StepEvent.eval_loss: merge it into that row.
-            self._pending_eval = event
+            last = self._last_row
+            if last is not None and last.get("step") == event.step:
+                if "eval_loss" not in last:  # an eval after its step's row: complete that row
+                    self._rewrite_last({**last, "eval_loss": _clean(event.eval_loss)})
+            else:
+                # A trainer may send the EvalEvent of step s just before the StepEvent of s
+                # without filling StepEvent.eval_loss: merge it into that row.
+                self._pending_eval = event
         elif isinstance(event, StepEvent):
             self._write(event)
         elif isinstance(event, RunFinished):
@@ -142,10 +151,22 @@ class MetricsWriter:
         self._pending_eval = None
         row["time"] = round(time.time(), 3)
         assert self._file is not None
-        self._file.write(json.dumps(row, allow_nan=False) + "\n")
+        self._last_offset = self._file.tell()
+        self._write_line(row)
+        self._last_row = row
+        self.rows_written += 1
+
+    def _write_line(self, row: dict[str, Any]) -> None:
+        assert self._file is not None
+        self._file.write((json.dumps(row, allow_nan=False) + "\n").encode("utf-8"))
         # Flush per row: a killed run keeps what it logged (the OS holds it; no fsync needed).
         self._file.flush()
-        self.rows_written += 1
+
+    def _rewrite_last(self, row: dict[str, Any]) -> None:
+        assert self._file is not None
+        self._file.truncate(self._last_offset)  # append mode: the next write lands at the new end
+        self._write_line(row)
+        self._last_row = row
 
     def _open(self, first_step: int) -> None:
         assert self._dir is not None and self.path is not None
@@ -159,7 +180,8 @@ class MetricsWriter:
                 for r in kept:
                     f.write(json.dumps(r, allow_nan=False) + "\n")
             os.replace(tmp, path)  # atomic: a crash here leaves the old or the new file, never half
-        self._file = path.open("a", encoding="utf-8")
+        self._file = path.open("ab")
+        self._file.seek(0, os.SEEK_END)
 
     def _flush(self) -> None:
         if self._file is not None:

@@ -66,6 +66,20 @@ def test_eval_event_before_its_step_is_merged(tmp_path, make_step):
     assert [r.get("eval_loss") for r in rows] == [None, 2.5, 2.4]
 
 
+def test_final_eval_after_the_last_step_completes_its_row(tmp_path, make_step):
+    w = MetricsWriter(tmp_path)
+    w.emit(make_step(1))
+    w.emit(make_step(2))
+    w.emit(EvalEvent(2, 2.25, math.exp(2.25)))  # the final eval comes after the last StepEvent
+    w.emit(EvalEvent(2, 9.0, math.exp(9.0)))  # a second eval of the same step does not overwrite
+    w.emit(make_step(3))
+    w.close()
+    rows = read_metrics(tmp_path / METRICS_FILENAME)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r.get("eval_loss") for r in rows] == [None, 2.25, None]
+    assert rows[1]["loss"] == make_step(2).loss
+
+
 def test_resume_appends_and_drops_rows_after_the_checkpoint(tmp_path, make_step):
     w = MetricsWriter(tmp_path)
     for s in range(1, 8):  # the first run logged 7 steps, then was killed
