@@ -94,6 +94,11 @@ def test_precedence_yaml_then_key_value_then_flags(fake_finetune, tmp_path):
     assert c.overwrite is False and c.batch_size == FinetuneConfig().batch_size  # untouched defaults
 
 
+def test_resume_alone_resumes_that_directory(fake_finetune, tmp_path):
+    assert main(["finetune", "--resume", str(tmp_path / "r")]) == 0
+    assert [(c.resume, c.output) for c in fake_finetune] == [(str(tmp_path / "r"), str(tmp_path / "r"))]
+
+
 def test_dry_run_prints_config_and_does_not_train(fake_finetune, capsys):
     import yaml
 
