@@ -1,1 +1,23 @@
-"""outcore.models."""
+"""Models: load causal LMs (HF directory, GGUF file, hub id, or the embedded default)
+and find their parts (embedding, decoder blocks, final norm, LM head).
+
+Public API::
+
+    model, tokenizer = load_model("default", dtype=torch.float32, cache_dir=None)
+    tokenizer = load_tokenizer("default")
+    layers = decoder_layers(model)            # nn.ModuleList of blocks
+    parts = model_parts(model)                # ModelParts(embed, layers, final_norm, lm_head, rotary, tied)
+    max_positions(model); check_seq_len(model, seq_len)
+"""
+from ._gguf_cache import build_gguf_cache, default_cache_dir, gguf_cache_path
+from ._loader import (ModelSource, default_model_path, hub_offline, load_model, load_tokenizer,
+                      resolve_model_spec)
+from ._structure import (SUPPORTED_MODEL_TYPES, ModelParts, check_seq_len, count_parameters,
+                         decoder_layers, max_positions, model_parts, parameter_bytes)
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES", "ModelParts", "ModelSource", "build_gguf_cache", "check_seq_len",
+    "count_parameters", "decoder_layers", "default_cache_dir", "default_model_path",
+    "gguf_cache_path", "hub_offline", "load_model", "load_tokenizer", "max_positions",
+    "model_parts", "parameter_bytes", "resolve_model_spec",
+]

@@ -1,0 +1,196 @@
+"""A GGUF file, dequantized once and kept as a normal Hugging Face directory.
+
+Dequantizing a GGUF through transformers + gguf costs seconds per hundred million
+parameters (~13 s for SmolLM2-135M on 2 cores); loading safetensors costs well
+under one. So the first load of a GGUF writes its dequantized weights (fp32,
+the exact values GGUF's block formats decode to), config and tokenizer to
+
+    <cache_dir>/gguf/<stem>-<key>/      key = hash(path, size, mtime, versions)
+
+and every later load reads that directory. The directory is written under a
+temporary name and renamed into place only once complete (with a marker file
+written last), so an interrupted first load never leaves a half-written cache:
+the next load sees no directory, or a complete one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from ..errors import ModelError
+
+log = logging.getLogger(__name__)
+
+#: Bump when the cache layout changes: old entries are then ignored (never misread).
+CACHE_FORMAT = 1
+#: Written last into a cache entry; an entry without it is not used.
+MARKER = "outcore-gguf-cache.json"
+_TMP_PREFIX = ".tmp-"
+
+
+def default_cache_dir() -> Path:
+    """Where outcore keeps caches: ``$OUTCORE_CACHE``, else ``~/.cache/outcore``.
+
+    Returns:
+        The cache root (it may not exist yet).
+    """
+    env = os.environ.get("OUTCORE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "outcore"
+
+
+def _library_versions() -> dict[str, str]:
+    import transformers  # lazy: ~2 s import
+
+    try:
+        from importlib.metadata import version
+        gguf_version = version("gguf")
+    except Exception:  # pragma: no cover - metadata missing
+        gguf_version = "unknown"
+    return {"transformers": transformers.__version__, "gguf": gguf_version}
+
+
+def gguf_cache_path(gguf_file: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """The cache directory for ``gguf_file`` (whether or not it exists yet).
+
+    Args:
+        gguf_file: path of an existing ``.gguf`` file.
+        cache_dir: cache root; None means :func:`default_cache_dir`.
+
+    Returns:
+        ``<cache_dir>/gguf/<stem>-<key>``; the key changes when the file's path, size or
+        mtime, the cache format or the transformers/gguf versions change.
+    """
+    path = Path(gguf_file).expanduser().resolve()
+    st = path.stat()
+    identity = {"path": str(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                "format": CACHE_FORMAT, **_library_versions()}
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return root / "gguf" / f"{path.stem}-{key}"
+
+
+def is_complete(entry: Path) -> bool:
+    """True when ``entry`` is a finished cache entry (its marker was written last)."""
+    return (entry / MARKER).is_file()
+
+
+def _remove_stale_temps(parent: Path) -> None:
+    """Delete temporary entries left by processes that died mid-write."""
+    import psutil
+
+    for tmp in parent.glob(_TMP_PREFIX + "*"):
+        try:
+            pid = int(tmp.name.split("-")[-2])
+        except (ValueError, IndexError):
+            continue
+        if not psutil.pid_exists(pid):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fsync_tree(root: Path) -> None:
+    """Make the entry durable before it becomes visible (rename publishes it)."""
+    for path in root.iterdir():
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def build_gguf_cache(gguf_file: str | Path, cache_dir: str | Path | None = None) -> Path:
+    """Return the cache entry of ``gguf_file``, dequantizing and writing it if needed.
+
+    Args:
+        gguf_file: path of an existing ``.gguf`` file.
+        cache_dir: cache root; None means :func:`default_cache_dir`.
+
+    Returns:
+        A complete Hugging Face directory (``config.json``, ``model.safetensors``,
+        tokenizer files) that ``from_pretrained`` loads.
+
+    Raises:
+        ModelError: transformers cannot read the GGUF (unsupported architecture or
+            quantization), or the cache directory cannot be written.
+    """
+    gguf_file = Path(gguf_file).expanduser().resolve()
+    entry = gguf_cache_path(gguf_file, cache_dir)
+    if is_complete(entry):
+        return entry
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ModelError(f"cannot create the model cache directory '{entry.parent}': "
+                         f"{err.strerror}; set OUTCORE_CACHE or cache_dir to a writable folder"
+                         ) from err
+    _remove_stale_temps(entry.parent)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{entry.name}-{os.getpid()}-",
+                                dir=entry.parent))
+    try:
+        _dequantize_into(gguf_file, tmp)
+        _fsync_tree(tmp)
+        try:
+            os.rename(tmp, entry)  # atomic publish: readers see nothing or a complete entry
+        except OSError:
+            if not is_complete(entry):  # not a lost race with another process: a real error
+                raise
+            log.info("another process cached %s first; using its entry", gguf_file.name)
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return entry
+
+
+def _dequantize(gguf_file: Path):
+    """Load ``gguf_file`` through transformers + gguf as a dense fp32 model and its tokenizer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {}
+    try:  # transformers >= 5 may keep GGUF blocks packed (not trainable): ask for dense weights
+        from transformers import GgufConfig
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # older transformers always dequantize
+        pass
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
+                                                     dtype=torch.float32, **kwargs)
+    except (OSError, ValueError, KeyError, RuntimeError, NotImplementedError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelError(f"cannot read GGUF file '{gguf_file}': {first}; outcore loads GGUF "
+                         f"files of the Llama, Qwen2, Mistral and Gemma3 families") from err
+    # The weights are now plain dense tensors; drop the GGUF quantizer so that
+    # save_pretrained writes them (it refuses to serialize a "quantized" model).
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model, tokenizer
+
+
+def _dequantize_into(gguf_file: Path, out: Path) -> None:
+    """Dequantize ``gguf_file`` and save it as a Hugging Face directory in ``out``."""
+    start = time.perf_counter()
+    model, tokenizer = _dequantize(gguf_file)
+    try:
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        meta = {"source": str(gguf_file), "size": gguf_file.stat().st_size,
+                "mtime_ns": gguf_file.stat().st_mtime_ns, "format": CACHE_FORMAT,
+                "dequantize_s": round(time.perf_counter() - start, 3), **_library_versions()}
+        (out / MARKER).write_text(json.dumps(meta, indent=2))  # last: marks the entry complete
+    except OSError as err:
+        raise ModelError(f"cannot write the model cache '{out.parent}': {err.strerror}; free "
+                         f"disk space or set OUTCORE_CACHE to another folder") from err

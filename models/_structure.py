@@ -1,0 +1,158 @@
+"""Where the parts of a causal LM live, for the families outcore supports.
+
+The out-of-core engine streams a model block by block, so it needs to find the
+embedding, the decoder blocks, the final norm, the LM head and the rotary
+embedding of every family without knowing its class. Llama, Qwen2, Mistral and
+Gemma3 (text-only ``Gemma3ForCausalLM`` and the multimodal
+``Gemma3ForConditionalGeneration``, whose text stack is ``model.language_model``)
+all share the layout ``<decoder>.embed_tokens / .layers / .norm / .rotary_emb``;
+this module is the one place that knows it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import ConfigError, ModelError
+
+#: ``config.model_type`` values whose layout :func:`model_parts` understands.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gemma3_text", "gemma3")
+
+
+@dataclass
+class ModelParts:
+    """The pieces of a decoder-only LM, in the order a forward pass visits them.
+
+    Attributes:
+        embed: token embedding (``nn.Embedding`` or a subclass, e.g. Gemma's scaled one).
+        layers: the transformer blocks, in order.
+        final_norm: the norm applied after the last block.
+        lm_head: the output projection (``nn.Linear``).
+        rotary: the shared rotary-embedding module, or None when the family has none
+            at model level.
+        tied: True when ``lm_head.weight`` is the same tensor as ``embed.weight``.
+    """
+
+    embed: nn.Module
+    layers: nn.ModuleList
+    final_norm: nn.Module
+    lm_head: nn.Module
+    rotary: nn.Module | None
+    tied: bool
+
+
+def _decoder(model: nn.Module) -> nn.Module:
+    """The module that holds ``embed_tokens`` / ``layers`` / ``norm`` (the text decoder)."""
+    inner = getattr(model, "model", None)
+    if inner is None:
+        raise ModelError(
+            f"{type(model).__name__} has no '.model' decoder; outcore supports causal LMs of the "
+            f"families {', '.join(SUPPORTED_MODEL_TYPES)}")
+    language_model = getattr(inner, "language_model", None)  # Gemma3ForConditionalGeneration
+    if language_model is not None and hasattr(language_model, "layers"):
+        inner = language_model
+    for name in ("embed_tokens", "layers", "norm"):
+        if not hasattr(inner, name):
+            raise ModelError(
+                f"{type(model).__name__} has no '{name}' in its decoder; outcore supports causal "
+                f"LMs of the families {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return inner
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The transformer blocks of ``model``, in forward order.
+
+    Args:
+        model: a causal LM of a supported family (e.g. ``LlamaForCausalLM``).
+
+    Returns:
+        The ``nn.ModuleList`` of decoder blocks (the model's own list, not a copy).
+
+    Raises:
+        ModelError: the model does not have the expected layout.
+    """
+    layers = _decoder(model).layers
+    if not isinstance(layers, nn.ModuleList):
+        raise ModelError(f"{type(model).__name__}.layers is a {type(layers).__name__}, "
+                         f"expected an nn.ModuleList of decoder blocks")
+    return layers
+
+
+def model_parts(model: nn.Module) -> ModelParts:
+    """Split ``model`` into embed / layers / final norm / LM head / rotary embedding.
+
+    Args:
+        model: a causal LM of a supported family.
+
+    Returns:
+        A :class:`ModelParts` whose modules are the model's own (no copies).
+
+    Raises:
+        ModelError: the model does not have the expected layout.
+    """
+    decoder = _decoder(model)
+    lm_head = getattr(model, "lm_head", None)
+    if lm_head is None or not hasattr(lm_head, "weight"):
+        raise ModelError(f"{type(model).__name__} has no 'lm_head' projection")
+    embed = decoder.embed_tokens
+    tied = lm_head.weight is embed.weight
+    return ModelParts(embed=embed, layers=decoder_layers(model), final_norm=decoder.norm,
+                      lm_head=lm_head, rotary=getattr(decoder, "rotary_emb", None), tied=tied)
+
+
+def max_positions(model: nn.Module) -> int:
+    """The longest sequence (in tokens) the model's position encoding allows.
+
+    Args:
+        model: a Hugging Face model (its ``config`` is read).
+
+    Returns:
+        ``config.max_position_embeddings`` (of the text config for multimodal models).
+
+    Raises:
+        ModelError: the config does not say.
+    """
+    config = getattr(model, "config", None)
+    text_config = getattr(config, "text_config", None) or config
+    value = getattr(text_config, "max_position_embeddings", None)
+    if not isinstance(value, int) or value <= 0:
+        raise ModelError(f"{type(model).__name__}'s config has no max_position_embeddings; "
+                         f"cannot tell the longest sequence it allows")
+    return value
+
+
+def check_seq_len(model: nn.Module, seq_len: int) -> int:
+    """Check that ``seq_len`` tokens fit the model's position encoding.
+
+    Args:
+        model: the model that will be trained.
+        seq_len: tokens per training sequence.
+
+    Returns:
+        ``seq_len``, unchanged.
+
+    Raises:
+        ConfigError: ``seq_len`` is not an int >= 2 or exceeds :func:`max_positions`.
+    """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+        raise ConfigError(f"seq_len={seq_len!r} must be an integer >= 2 (tokens per sequence)")
+    limit = max_positions(model)
+    if seq_len > limit:
+        model_type = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+        raise ConfigError(f"seq_len={seq_len} is longer than the model allows "
+                          f"(max_position_embeddings={limit} for {model_type}); "
+                          f"use seq_len <= {limit}")
+    return seq_len
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of distinct parameter elements (a tied embedding counts once)."""
+    return sum(p.numel() for p in model.parameters())  # parameters() de-duplicates shared tensors
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes held by the model's distinct parameters."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
