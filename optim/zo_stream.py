@@ -64,17 +64,24 @@ class ZOBlockTrainer:
         rank, world: this process's share of the samples (sample ``i`` runs on
             rank ``i % world``); ``exchange`` must then combine the losses.
         exchange: combines per-rank losses into all samples' losses.
+        split: ``"samples"`` (rank r evaluates samples i with i % world == r on the same
+            batch) or ``"data"`` (every rank evaluates every sample on its own batch and
+            the losses are averaged over ranks).
 
     Raises:
         ConfigError: ``world`` / ``rank`` inconsistent, or ``exchange`` missing with world > 1.
     """
 
     def __init__(self, model: torch.nn.Module, hyper: ZOHyper, seed: int = 0, swap_dir: str | None = None,
-                 prefetch: int = 2, rank: int = 0, world: int = 1, exchange: Exchange | None = None) -> None:
+                 prefetch: int = 2, rank: int = 0, world: int = 1, exchange: Exchange | None = None,
+                 split: str = "samples") -> None:
         if world < 1 or not 0 <= rank < world:
             raise ConfigError(f"rank={rank}, world={world}: need world >= 1 and 0 <= rank < world")
         if world > 1 and exchange is None:
             raise ConfigError(f"world={world} needs an exchange function (see outcore.optim.zo_distributed)")
+        if split not in ("samples", "data"):
+            raise ConfigError(f"split={split!r} must be 'samples' or 'data'")
+        self.split = split
         self.model, self.hyper, self.seed = model, hyper, int(seed)
         self.rank, self.world, self.exchange = rank, world, exchange
         self.blocks = CausalLMBlocks(model)
@@ -159,7 +166,7 @@ class ZOBlockTrainer:
         t = len(self.log) + 1
         n = self.hyper.n_samples
         seeds = sample_seeds(self.seed, t, n)
-        mine = [i for i in range(n) if i % self.world == self.rank]
+        mine = [i for i in range(n) if self.split == "data" or i % self.world == self.rank]
         ctx = self.blocks.start(batch)
         hp: dict[int, Any] = {i: None for i in mine}
         hm: dict[int, Any] = {i: None for i in mine}
