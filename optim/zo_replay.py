@@ -199,12 +199,11 @@ def export_zo_run(run_dir: str | Path, out_dir: str | Path) -> Path:
         save_file(sd, str(out_dir / "model.safetensors"))
         return out_dir
     if base["kind"] == "model":
-        from .zo_blocks import load_causal_lm
+        from ..recipes._common import export_hf
+        from ..recipes.zo_finetune import load_zo_model
 
-        model, tok = load_causal_lm(base["model"], base.get("dtype", "float32"))
+        model, tok, wrapped = load_zo_model(base["model"], base.get("dtype", "float32"),
+                                            int(log.header.get("seed", 0)), base.get("lora"))
         replay_into_(dict(model.named_parameters()), log)
-        model.save_pretrained(str(out_dir))
-        if tok is not None:
-            tok.save_pretrained(str(out_dir))
-        return out_dir
+        return export_hf(wrapped if wrapped is not None else model, tok, out_dir)
     raise CheckpointError(f"ZO log base kind {base['kind']!r} is unknown (expected safetensors or model)")

@@ -112,6 +112,19 @@ class ZOBlockTrainer:
                 "params": [{"name": n, "shape": s, "dtype": d} for n, (s, d) in zip(self.names, self.shapes)],
                 "backend": "torch"}
 
+    def resume_from(self, records: list[StepRecord]) -> None:
+        """Continue after ``records`` whose updates are already in the weights (see replay).
+
+        Args:
+            records: the finished steps of the run, in order (from its log).
+        """
+        self.log = list(records)
+        self.state.history = self.log[-self.hyper.window:]
+        for rec in self.log:
+            if rec.thresholds is not None:
+                self.state.thresholds = list(rec.thresholds)
+        self.pending = False
+
     # -- one block visit -------------------------------------------------------------
     def _prepare(self, b: int, clean: list[torch.Tensor], step: int | None) -> bool:
         """Apply the pending update and (Sparse MeZO) new thresholds to first-visited params."""

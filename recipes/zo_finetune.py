@@ -1,0 +1,247 @@
+"""Zeroth-order fine-tuning (MeZO / Sparse MeZO): forward passes only, optionally from disk.
+
+Read it top to bottom: ``setup`` loads the model and data and builds the ZO
+block trainer (weights in RAM, or streamed from files in the swap directory
+when ``offload=nvme``), ``train`` runs the steps — each one visits every block
+once with two forward passes per perturbation sample — and ``cleanup``
+evaluates, writes the log and exports ``OUTPUT/final`` by *replaying* the log
+onto the base model (the ZO checkpoint is the base weights plus the
+(seed, scalar) log, ``OUTPUT/zo_log.jsonl``).
+
+Config: ``method=zo``, ``optim=mezo|sparse-mezo``, ``lr`` (peak, with warmup and
+cosine decay), ``weight_decay``, ``max_steps``, ``offload`` (``nvme`` streams),
+and ``optim_args``:
+
+=================  =======  ==================================================
+key                default  meaning
+=================  =======  ==================================================
+eps                1e-3     perturbation scale
+n_samples          1        perturbations (forward pairs) per step
+momentum           0.0      windowed ZO momentum factor
+momentum_window    0        steps in the momentum window (0 = auto)
+sparsity           0.75*    share of entries left out (*sparse-mezo only; 0 for mezo)
+mask_every         50       steps between Sparse MeZO threshold recomputations
+prefetch           2        blocks read ahead when streaming
+lora               false    ZO on LoRA adapters only (lora_r/alpha/targets apply)
+=================  =======  ==================================================
+
+Run it:  ``outcore finetune --method zo --optim mezo``
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, ConfigError
+from ..events import EvalEvent, EventSink, RunFinished, RunStarted, StepEvent, TierStats
+from ._common import (evaluate, lr_lambda, peak_rss_bytes, prepare_output_dir, ram_total_bytes, rss_bytes,
+                      set_threads, torch_dtype)
+from .config import FinetuneConfig, load_config
+
+_RECIPE_KEYS = ("prefetch", "lora")  # optim_args read here, not by ZOHyper
+
+
+def zo_options(cfg: FinetuneConfig) -> tuple[Any, dict[str, Any]]:
+    """Split ``cfg.optim_args`` into ZO hyper-parameters and recipe options (documented above).
+
+    Raises:
+        ConfigError: an unknown key or a bad value.
+    """
+    from ..optim.zo_core import ZOHyper
+
+    args = dict(cfg.optim_args)
+    recipe = {"prefetch": int(args.pop("prefetch", 2)), "lora": bool(args.pop("lora", False))}
+    if cfg.optim == "sparse-mezo":
+        args.setdefault("sparsity", 0.75)
+        if not args["sparsity"] > 0:
+            raise ConfigError(f"optim_args.sparsity={args['sparsity']!r} must be > 0 for optim=sparse-mezo")
+    elif args.get("sparsity", 0):
+        raise ConfigError(f"optim_args.sparsity={args['sparsity']!r} needs optim=sparse-mezo")
+    return ZOHyper.from_args({"weight_decay": cfg.weight_decay, **args}), recipe
+
+
+def load_zo_model(spec: str, dtype: str, seed: int, lora: dict[str, Any] | None):
+    """The model a ZO run trains: the base model, plus LoRA adapters when asked (seeded init).
+
+    Returns:
+        ``(model, tokenizer, peft_model)``; with LoRA ``model`` is the base causal LM
+        with the adapters injected (only they require grad) and ``peft_model`` its
+        peft wrapper (for merging at export), else ``peft_model`` is None.
+    """
+    from ..optim.zo_blocks import load_causal_lm
+
+    model, tok = load_causal_lm(spec, dtype)
+    model.config.use_cache = False
+    if not lora:
+        return model, tok, None
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)  # the adapters' init must be the same at export time
+    wrapped = get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=0.0,
+                                               target_modules=list(lora["targets"])))
+    return wrapped.get_base_model(), tok, wrapped
+
+
+class ZORecipe:
+    """One ZO run. ``run()`` = setup → train → cleanup."""
+
+    def __init__(self, config: FinetuneConfig, sink: EventSink | None = None) -> None:
+        if config.method != "zo":
+            raise ConfigError(f"method={config.method!r}: the ZO recipe runs method 'zo' only")
+        self.cfg, self._sink = config, sink
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        from ..data import BatchLoader, build_datasets, check_seq_len
+        from ..optim.zo_replay import ZOLog, ZOLogWriter, replay_into_
+        from ..optim.zo_stream import ZOBlockTrainer
+        from ..tui import make_sink
+
+        cfg = self.cfg
+        set_threads(cfg.threads)
+        self.hyper, opts = zo_options(cfg)
+        self.out = prepare_output_dir(cfg)
+        self.sink = self._sink or make_sink(cfg.ui, self.out)
+        lora = ({"r": cfg.lora_r, "alpha": cfg.lora_alpha, "targets": list(cfg.lora_targets)}
+                if opts["lora"] else None)
+        self.model, self.tokenizer, _ = load_zo_model(cfg.model, cfg.dtype, cfg.seed, lora)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        check_seq_len(self.model, cfg.seq_len)
+        self.train_set, self.val_set = build_datasets(
+            cfg.data, self.tokenizer, cfg.seq_len, seed=cfg.seed,
+            val_fraction=cfg.val_fraction, max_bytes=cfg.data_max_bytes)
+        self.loader = BatchLoader(self.train_set, cfg.batch_size, seed=cfg.seed)
+
+        previous = ZOLog.load(self.out) if cfg.resume else None
+        if previous is not None:  # resume = replay the log onto the base, then go on
+            replay_into_(dict(self.model.named_parameters()), previous)
+            for _ in previous.records:
+                self.loader.next_batch()  # the data order continues where the run stopped
+        self.swap = None
+        if cfg.offload == "nvme":
+            self.swap = Path(cfg.swap_dir or self.out / "swap")
+            self.swap.mkdir(parents=True, exist_ok=True)
+        self.trainer = ZOBlockTrainer(self.model, self.hyper, seed=cfg.seed,
+                                      swap_dir=None if self.swap is None else str(self.swap),
+                                      prefetch=opts["prefetch"])
+        header = {**self.trainer.header(),
+                  "base": {"kind": "model", "model": cfg.model, "dtype": cfg.dtype, "lora": lora}}
+        if previous is not None:
+            if previous.header["params"] != header["params"] or previous.header["hyper"] != header["hyper"]:
+                raise CheckpointError(f"--resume {cfg.resume!r}: the ZO log was written by another "
+                                      "model or other optim_args; start a new run")
+            self.trainer.resume_from(previous.records)
+        self.writer = ZOLogWriter(self.out, header)
+        for rec in self.trainer.log:
+            self.writer.append(rec)
+        self.lr_at = lr_lambda(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
+        self.base_eval_loss: float | None = None
+
+    # ------------------------------------------------------------------ train
+    def train(self) -> None:
+        cfg, tr = self.cfg, self.trainer
+        self.sink.emit(RunStarted(run_name=self.out.name, model=cfg.model, n_params=self.n_params,
+                                  n_trainable=self.n_trainable, total_steps=cfg.max_steps, output_dir=str(self.out),
+                                  method=cfg.method, optim=cfg.optim, config=cfg.to_dict()))
+        self.base_eval_loss = self._eval(len(tr.log))
+        self.losses: list[float] = []
+        tokens_per_step = cfg.batch_size * cfg.seq_len
+        t_start = time.perf_counter()
+        read_total = written_total = 0
+        while len(tr.log) < cfg.max_steps:
+            t = len(tr.log)
+            lr = cfg.lr * self.lr_at(t)
+            rec = tr.step(self.loader.next_batch(), lr=lr)
+            self.writer.append(rec)  # the (seed, scalar) record is the checkpoint
+            if not math.isfinite(rec.loss):
+                raise FloatingPointError(f"ZO loss became {rec.loss} at step {rec.step}; lower lr or eps")
+            stats = tr.last_stats
+            read_total += stats.read_bytes
+            written_total += stats.written_bytes
+            eval_loss = None
+            if cfg.eval_every and rec.step % cfg.eval_every == 0 and rec.step < cfg.max_steps:
+                eval_loss = self._eval(rec.step)
+            if rec.step % cfg.log_every == 0 or rec.step == cfg.max_steps or eval_loss is not None:
+                self.losses.append(rec.loss)
+                tiers = {}
+                if self.swap is not None:
+                    tiers["NVME"] = TierStats(read_bytes=read_total, written_bytes=written_total,
+                                              read_gbps=stats.read_bytes / stats.step_s / 1e9,
+                                              write_gbps=stats.written_bytes / stats.step_s / 1e9)
+                self.sink.emit(StepEvent(
+                    step=rec.step, total_steps=cfg.max_steps, loss=rec.loss, lr=lr,
+                    tokens_per_s=tokens_per_step / stats.step_s, step_s=stats.step_s,
+                    elapsed_s=time.perf_counter() - t_start, rss_bytes=rss_bytes(),
+                    ram_bytes=ram_total_bytes(), eval_loss=eval_loss, stall_s=stats.stall_s, tiers=tiers))
+
+    def _eval(self, step: int) -> float:
+        loss = evaluate(self.trainer.eval_loss, self.val_set, self.cfg.batch_size, self.cfg.eval_batches)
+        self.sink.emit(EvalEvent(step=step, eval_loss=loss, perplexity=math.exp(min(loss, 50.0))))
+        return loss
+
+    # ---------------------------------------------------------------- cleanup
+    def cleanup(self, interrupted: bool = False) -> dict[str, Any]:
+        from ..optim.zo_replay import export_zo_run
+
+        final_eval = final_dir = None
+        if not interrupted:
+            final_eval = self._eval(len(self.trainer.log))
+        self.trainer.close()
+        self.writer.close()
+        if self.swap is not None:
+            import shutil
+
+            shutil.rmtree(self.swap, ignore_errors=True)  # the log + base are the checkpoint
+        if not interrupted and self.cfg.export:
+            final_dir = export_zo_run(self.out, self.out / "final")
+        self.sink.emit(RunFinished(steps_done=len(self.trainer.log), wall_s=time.perf_counter() - self._t0,
+                                   peak_rss_bytes=peak_rss_bytes(), output_dir=str(self.out),
+                                   base_eval_loss=self.base_eval_loss, final_eval_loss=final_eval,
+                                   interrupted=interrupted,
+                                   final_dir=None if final_dir is None else str(final_dir)))
+        self.sink.close()
+        return {"output_dir": str(self.out), "steps_done": len(self.trainer.log),
+                "final_dir": None if final_dir is None else str(final_dir),
+                "base_eval_loss": self.base_eval_loss, "final_eval_loss": final_eval,
+                "losses": getattr(self, "losses", []), "interrupted": interrupted,
+                "log_path": str(self.writer.path), "peak_rss_bytes": peak_rss_bytes()}
+
+    def run(self) -> dict[str, Any]:
+        self._t0 = time.perf_counter()
+        self.setup()
+        try:
+            self.train()
+        except KeyboardInterrupt:
+            self.cleanup(interrupted=True)  # every finished step is already in the log
+            raise
+        except BaseException:
+            self.sink.close()
+            raise
+        return self.cleanup()
+
+
+def finetune(config: FinetuneConfig, sink: EventSink | None = None) -> dict[str, Any]:
+    """Fine-tune with MeZO / Sparse MeZO as ``config`` says (``config.method == "zo"``).
+
+    Args:
+        config: the run's config (``optim`` mezo or sparse-mezo; options in ``optim_args``).
+        sink: where events go (default: ``make_sink(config.ui, config.output)``).
+
+    Returns:
+        ``{"output_dir", "steps_done", "final_dir", "base_eval_loss", "final_eval_loss",
+        "losses", "interrupted", "log_path", "peak_rss_bytes"}``.
+
+    Raises:
+        OutcoreError: bad config, model, data or checkpoint (one-line message).
+    """
+    return ZORecipe(config, sink).run()
+
+
+if __name__ == "__main__":
+    finetune(load_config(overrides=["method=zo", "optim=mezo", *sys.argv[1:]]))
