@@ -15,6 +15,7 @@ The lowest layer of the NVMe tier (ARCHITECTURE.md §2). Everything above it
 from __future__ import annotations
 
 import errno
+import functools
 import mmap
 import os
 import threading
@@ -157,41 +158,50 @@ def pread_all(fd: int, mv: memoryview, offset: int) -> int:
 class _Gather:
     """Completes one outer Future when all of its chunk tasks are done."""
 
-    def __init__(self, outer: Future, parts: int, on_done: Callable[[], object] | None):
+    def __init__(self, outer: Future, parts: int, on_done: Callable[[list], object] | None):
         self.outer, self.left, self.on_done = outer, parts, on_done
-        self.lock, self.error, self.count = threading.Lock(), None, 0
+        self.lock, self.error = threading.Lock(), None
+        self.values: list = [None] * parts  # per-chunk results, in chunk order
 
-    def part_done(self, fut: Future) -> None:
+    def part_done(self, index: int, fut: Future) -> None:
         exc = fut.exception()
         with self.lock:
             if exc is not None and self.error is None:
                 self.error = exc
             if exc is None:
-                self.count += fut.result()
+                self.values[index] = fut.result()
             self.left -= 1
             last = self.left == 0
         if not last:
             return
-        # The last chunk's thread finishes the request (checksum, accounting) so
+        # The last chunk's thread finishes the request (journal, accounting) so
         # the submitting thread never blocks on I/O.
         if self.error is not None:
             self.outer.set_exception(self.error)
             return
         try:
-            result = self.on_done() if self.on_done is not None else self.count
+            result = self.on_done(self.values) if self.on_done is not None else sum(v[0] for v in self.values)
         except BaseException as e:  # noqa: BLE001 - handed to the waiter
             self.outer.set_exception(e)
         else:
             self.outer.set_result(result)
 
 
+ChunkHook = Callable[[memoryview], object]
+
+
 class IOPool:
     """A small pool of I/O threads with a bounded number of syscalls in flight.
 
+    A request is split into chunks of ``chunk_bytes`` that run in parallel. An
+    optional ``chunk_hook`` runs on the worker right after each chunk's syscall
+    (the NVMe tier hashes there, so checksums are computed in parallel and
+    overlap other chunks' I/O); ``on_done`` receives the list of
+    ``(nbytes, hook_value)`` per chunk, in order, on the thread that finished last.
+
     Args:
         queue_depth: I/O threads = syscalls in flight (the disk's queue depth).
-        chunk_bytes: largest single syscall; a request is split into chunks of
-            this size that run in parallel.
+        chunk_bytes: largest single syscall.
     """
 
     def __init__(self, queue_depth: int = DEFAULT_QUEUE_DEPTH, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
@@ -202,35 +212,45 @@ class IOPool:
         self.queue_depth, self.chunk_bytes = queue_depth, chunk_bytes
         self._pool = ThreadPoolExecutor(max_workers=queue_depth, thread_name_prefix="outcore-io")
 
-    def _submit(self, fn, fd: int, buf, offset: int, on_done) -> Future:
+    def _submit(self, fn, fd: int, buf, offset: int, on_done, hook: ChunkHook | None) -> Future:
         mv = _byte_view(buf)
         outer: Future = Future()
         outer.set_running_or_notify_cancel()
         starts = range(0, max(mv.nbytes, 1), self.chunk_bytes)
         gather = _Gather(outer, len(starts), on_done)
-        for s in starts:
-            part = self._pool.submit(fn, fd, mv[s:s + self.chunk_bytes], offset + s)
-            part.add_done_callback(gather.part_done)
+
+        def task(part: memoryview, off: int):
+            n = fn(fd, part, off)
+            return n, (hook(part) if hook is not None else None)
+        for i, s in enumerate(starts):
+            f = self._pool.submit(task, mv[s:s + self.chunk_bytes], offset + s)
+            f.add_done_callback(functools.partial(gather.part_done, i))
         return outer
 
     def write(self, fd: int, buf: torch.Tensor | memoryview, offset: int,
-              on_done: Callable[[], object] | None = None) -> Future:
-        """Write all of ``buf`` at ``offset``; the Future's result is ``on_done()`` (or bytes written)."""
+              on_done: Callable[[list], object] | None = None, chunk_hook: ChunkHook | None = None) -> Future:
+        """Write all of ``buf`` at ``offset``; the Future's result is ``on_done(values)`` (or bytes written).
+
+        ``chunk_hook`` sees each chunk's bytes after they were written.
+        """
         def _w(fd, mv, off):
             pwrite_all(fd, mv, off)
             return mv.nbytes
-        return self._submit(_w, fd, buf, offset, on_done)
+        return self._submit(_w, fd, buf, offset, on_done, chunk_hook)
 
     def read(self, fd: int, buf: torch.Tensor | memoryview, offset: int,
-             on_done: Callable[[], object] | None = None) -> Future:
-        """Fill ``buf`` from ``offset``; a short read (truncated file) fails the Future with EIO."""
+             on_done: Callable[[list], object] | None = None, chunk_hook: ChunkHook | None = None) -> Future:
+        """Fill ``buf`` from ``offset``; a short read (truncated file) fails the Future with EIO.
+
+        ``chunk_hook`` sees each chunk's bytes after they were read.
+        """
         def _r(fd, mv, off):
             k = pread_all(fd, mv, off)
             if k != mv.nbytes:
                 raise OSError(errno.EIO, f"short read: {k} of {mv.nbytes} bytes at offset {off} "
                                          "(file truncated)")
             return k
-        return self._submit(_r, fd, buf, offset, on_done)
+        return self._submit(_r, fd, buf, offset, on_done, chunk_hook)
 
     def run(self, fn: Callable[[], object]) -> Future:
         """Run ``fn`` on an I/O thread (e.g. an ``fsync``)."""
