@@ -1,0 +1,210 @@
+"""Budgets and speeds the memory plan is made for: parsed from flags or taken from the probe.
+
+``parse_bytes("2GiB")`` is the one parser of byte sizes (``--device-mem``,
+``--host-mem``); :class:`Budgets` holds what each tier may use and how fast the
+links between tiers are; :func:`budgets_from_probe` fills it from
+``outcore.offload.probe.HardwareProbe`` with explicit budgets taking precedence.
+"""
+from __future__ import annotations
+
+import functools
+import re
+import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from ..errors import ConfigError
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+#: Resident size of the Python process itself (interpreter, torch, transformers, the
+#: model's Python objects), outside every tier budget. Peak RSS ~ tiers + this.
+RUNTIME_OVERHEAD_BYTES = 768 << 20
+#: Share of free RAM / device memory the default budgets take (the rest is for the OS and others).
+DEFAULT_SHARE = 0.85
+#: Speeds assumed when the probe did not measure (``probe_hardware(measure=False)``).
+FALLBACK_DISK_READ_GBPS = 1.5
+FALLBACK_DISK_WRITE_GBPS = 1.5
+FALLBACK_COPY_GBPS = {"cpu": 5.0, "cuda": 12.0}
+
+
+def parse_bytes(value: str | int | float, what: str = "size") -> int:
+    """Parse a byte size: ``"2GiB"``, ``"512MB"``, ``"1.5G"``, ``"4096"`` or a number.
+
+    Decimal suffixes (k, M, G, T, with or without ``B``) are powers of 1000; binary
+    ones (KiB, MiB, GiB, TiB) powers of 1024. Case is ignored.
+
+    Args:
+        value: the size.
+        what: the option name for the error message (e.g. ``"--host-mem"``).
+
+    Returns:
+        The size in bytes.
+
+    Raises:
+        ConfigError: the value is not a non-negative size.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}={value!r} is not a byte size; write e.g. 2GiB, 512MB or 1.5G")
+    if isinstance(value, (int, float)):
+        number, unit = float(value), ""
+    else:
+        m = _BYTES_RE.match(str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ConfigError(f"{what}={value!r} is not a byte size; write e.g. 2GiB, 512MB or 1.5G")
+        number, unit = float(m.group(1)), m.group(2).lower()
+    if not number >= 0 or number == float("inf"):
+        raise ConfigError(f"{what}={value!r} must be a non-negative byte size")
+    return int(number * _UNITS[unit])
+
+
+def format_bytes(n: int | float | None) -> str:
+    """``1536 << 20`` -> ``"1.50 GiB"`` (binary units; ``"-"`` for None)."""
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"  # pragma: no cover
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """What each tier may hold and how fast the links between tiers run.
+
+    On a CPU-only machine (``device_kind="cpu"``) DEVICE is a RAM arena: DEVICE
+    and HOST share the same physical RAM, so their sum must also fit ``ram_bytes``.
+    """
+
+    device_bytes: int  # DEVICE tier budget
+    host_bytes: int  # HOST tier budget
+    nvme_bytes: int  # free space the swap directory may use
+    ram_bytes: int  # physical RAM the process may use for tiers (CPU-only: DEVICE + HOST <= this)
+    device_kind: str = "cpu"  # "cpu" (DEVICE is a RAM arena) or "cuda"
+    disk_read_gbps: float = FALLBACK_DISK_READ_GBPS  # NVMe -> HOST, GB/s (1e9)
+    disk_write_gbps: float = FALLBACK_DISK_WRITE_GBPS  # HOST -> NVMe
+    h2d_gbps: float = FALLBACK_COPY_GBPS["cpu"]  # HOST -> DEVICE
+    d2h_gbps: float = FALLBACK_COPY_GBPS["cpu"]  # DEVICE -> HOST
+    host_mem_gbps: float = FALLBACK_COPY_GBPS["cpu"]  # RAM bandwidth of a CPU optimizer update
+    flops: float = 0.0  # sustained matmul FLOP/s of the compute device (0: measure on first use)
+    measured: bool = False  # True when the speeds come from measurement, not fallbacks
+    swap_dir: str | None = None
+
+    @property
+    def shared_ram(self) -> bool:
+        return self.device_kind == "cpu"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def unlimited(cls, **speeds: Any) -> "Budgets":
+        """Budgets no model exceeds (for sizing what a layout needs)."""
+        big = 1 << 62
+        return cls(device_bytes=big, host_bytes=big, nvme_bytes=big, ram_bytes=big, **speeds)
+
+    def with_flops(self) -> "Budgets":
+        """These budgets with ``flops`` measured (once per process) when it is 0."""
+        if self.flops > 0:
+            return self
+        return replace(self, flops=measure_matmul_flops(self.device_kind))
+
+
+def _first(probe: Any, *names: str) -> Any:
+    for n in names:
+        v = getattr(probe, n, None)
+        if v is not None:
+            return v
+    return None
+
+
+def budgets_from_probe(probe: Any, device_mem: str | int | None = None, host_mem: str | int | None = None,
+                       nvme_mem: str | int | None = None, flops: float | None = None) -> Budgets:
+    """Budgets from a ``HardwareProbe`` and the user's explicit limits.
+
+    Defaults: a CUDA DEVICE gets 85% of the first GPU's free memory; HOST gets
+    85% of available RAM minus the runtime overhead; on a CPU-only machine DEVICE
+    and HOST each default to that whole RAM share (their sum is checked against it).
+
+    Args:
+        probe: ``outcore.offload.probe.HardwareProbe`` (its measured speeds are used
+            when present, fallbacks otherwise).
+        device_mem, host_mem, nvme_mem: explicit budgets (``"2GiB"`` or bytes); None = default.
+        flops: the compute estimate in FLOP/s (None: measured on first use).
+
+    Returns:
+        The :class:`Budgets`.
+
+    Raises:
+        ConfigError: a budget string that is not a byte size.
+    """
+    devices = list(getattr(probe, "devices", None) or [])
+    kind = "cuda" if devices else "cpu"
+    avail = int(_first(probe, "ram_available_bytes", "ram_total_bytes") or 0)
+    ram = max(0, int(avail * DEFAULT_SHARE) - RUNTIME_OVERHEAD_BYTES)
+    if devices:
+        dev_default = int(int(devices[0].get("free_bytes") or devices[0].get("total_bytes") or 0) * DEFAULT_SHARE)
+    else:
+        dev_default = ram
+    read = _first(probe, "disk_read_gbps")
+    write = _first(probe, "disk_write_gbps")
+    h2d = _first(probe, "h2d_gbps")
+    d2h = _first(probe, "d2h_gbps")
+    host_bw = FALLBACK_COPY_GBPS["cpu"] if kind == "cuda" else (h2d or FALLBACK_COPY_GBPS["cpu"])
+    host = parse_bytes(host_mem, "host_mem") if host_mem is not None else ram
+    return Budgets(
+        device_bytes=parse_bytes(device_mem, "device_mem") if device_mem is not None else dev_default,
+        host_bytes=host,
+        nvme_bytes=(parse_bytes(nvme_mem, "nvme_mem") if nvme_mem is not None
+                    else int(_first(probe, "swap_free_bytes") or 0)),
+        ram_bytes=max(ram, host) if kind == "cuda" else ram,
+        device_kind=kind,
+        disk_read_gbps=float(read or FALLBACK_DISK_READ_GBPS),
+        disk_write_gbps=float(write or FALLBACK_DISK_WRITE_GBPS),
+        h2d_gbps=float(h2d or FALLBACK_COPY_GBPS[kind]),
+        d2h_gbps=float(d2h or FALLBACK_COPY_GBPS[kind]),
+        host_mem_gbps=float(host_bw),
+        flops=float(flops or 0.0),
+        measured=all(x is not None for x in (read, write, h2d, d2h)),
+        swap_dir=_first(probe, "swap_dir"),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def measure_matmul_flops(device_kind: str = "cpu", n: int = 1024, seconds: float = 0.3) -> float:
+    """Sustained FLOP/s of a square matmul on the compute device (measured once per process).
+
+    fp32 on CPU, bf16 on CUDA. A transformer step reaches a good share of this
+    (its matmuls dominate), so compute estimates built on it are optimistic
+    by the share of time spent in non-matmul ops.
+
+    Args:
+        device_kind: ``"cpu"`` or ``"cuda"``.
+        n: matrix size.
+        seconds: time budget after one warm-up product.
+
+    Returns:
+        The best observed FLOP/s.
+    """
+    import torch
+
+    if device_kind == "cuda":
+        dev, dtype = torch.device("cuda"), torch.bfloat16
+        sync = torch.cuda.synchronize  # a host sync: the only way to time device work
+    else:
+        dev, dtype, sync = torch.device("cpu"), torch.float32, (lambda: None)
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    torch.mm(a, b)
+    sync()
+    best, t_end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end or best == 0.0:
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        sync()
+        best = max(best, 2.0 * n ** 3 / max(time.perf_counter() - t0, 1e-9))
+    return best

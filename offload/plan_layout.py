@@ -1,0 +1,276 @@
+"""Placements, byte accounting and the step-time model behind :mod:`outcore.offload.plan`.
+
+A :class:`Layout` says, per unit of transfer, where its weights, gradients and
+optimizer state live; :func:`account` adds up what each tier then holds
+(authoritative copies + the prefetch window + staging buffers + activations)
+and :func:`step_time` what one step moves over each link and how long that
+takes next to the compute. The planner in ``plan.py`` searches layouts with
+these two functions; nothing here decides policy.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from .handle import Tier
+from .plan_budget import Budgets
+from .plan_sizes import (DTYPE_BYTES, ModelSpec, UnitBytes, block_activation_bytes, checkpoint_bytes,
+                         forward_flops_per_token, head_activation_bytes)
+
+LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Everything about the job that sizes a layout, except the layout itself."""
+
+    spec: ModelSpec
+    units: tuple[UnitBytes, ...]
+    method: str  # full | lora | qlora | zo
+    dtype: str
+    seq_len: int
+    grads_kept: bool  # clipping / accumulation: gradients are stored until every unit has one
+    budgets: Budgets
+
+    @property
+    def has_backward(self) -> bool:
+        return self.method != "zo"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each class of tensor of each unit lives.
+
+    ``resident[i]``: unit *i* stays whole on DEVICE (weights, grads, state). For a
+    streamed unit, ``weights[i]`` / ``grads[i]`` / ``state[i]`` are HOST or NVME:
+    the authoritative copy's tier; DEVICE holds only the prefetch window.
+    """
+
+    resident: tuple[bool, ...]
+    weights: tuple[Tier, ...]
+    grads: tuple[Tier, ...]
+    state: tuple[Tier, ...]
+    activations: str  # keep | recompute | offload
+    prefetch: int = 2  # k: units in flight ahead of the one computing (0 when nothing streams)
+
+    @classmethod
+    def uniform(cls, n: int, tier: Tier, activations: str, prefetch: int = 2) -> "Layout":
+        if tier == Tier.DEVICE:
+            return cls((True,) * n, (Tier.DEVICE,) * n, (Tier.DEVICE,) * n, (Tier.DEVICE,) * n, activations, 0)
+        return cls((False,) * n, (tier,) * n, (tier,) * n, (tier,) * n, activations, prefetch)
+
+    def with_unit(self, i: int, **tiers: Tier | bool) -> "Layout":
+        """A copy with unit ``i``'s ``resident`` / ``weights`` / ``grads`` / ``state`` changed."""
+        changes = {}
+        for name, value in tiers.items():
+            seq = list(getattr(self, name))
+            seq[i] = value
+            changes[name] = tuple(seq)
+        return replace(self, **changes)
+
+    @property
+    def streamed(self) -> list[int]:
+        return [i for i, r in enumerate(self.resident) if not r]
+
+    def name(self) -> str:
+        """``none`` (all on DEVICE), ``cpu`` (streamed from HOST), ``nvme`` or ``mixed``."""
+        if all(self.resident):
+            return "none"
+        tiers = {t for i in self.streamed for t in (self.weights[i], self.grads[i], self.state[i])}
+        if not any(self.resident) and tiers == {Tier.HOST}:
+            return "cpu"
+        if not any(self.resident) and tiers == {Tier.NVME}:
+            return "nvme"
+        return "mixed"
+
+
+@dataclass
+class Accounting:
+    """Bytes per tier, split into named parts, for one layout and micro-batch."""
+
+    parts: dict[Tier, dict[str, int]] = field(default_factory=lambda: {t: {} for t in Tier})
+
+    def add(self, tier: Tier, part: str, nbytes: int) -> None:
+        if nbytes:
+            self.parts[tier][part] = self.parts[tier].get(part, 0) + int(nbytes)
+
+    def total(self, tier: Tier) -> int:
+        return sum(self.parts[tier].values())
+
+    def over_budget(self, b: Budgets) -> tuple[str, int, int] | None:
+        """The first violated budget as (name, budget, need), or None when everything fits."""
+        for tier, budget in ((Tier.DEVICE, b.device_bytes), (Tier.HOST, b.host_bytes),
+                             (Tier.NVME, b.nvme_bytes)):
+            if self.total(tier) > budget:
+                return tier.name, budget, self.total(tier)
+        if b.shared_ram and self.total(Tier.DEVICE) + self.total(Tier.HOST) > b.ram_bytes:
+            return "RAM (DEVICE + HOST)", b.ram_bytes, self.total(Tier.DEVICE) + self.total(Tier.HOST)
+        return None
+
+
+def _fetch_bytes(w: Workload, lay: Layout, i: int) -> int:
+    """Bytes brought to DEVICE to compute unit ``i``: its weights and borrowed streamed ones (tied head)."""
+    u = w.units[i]
+    return u.weights + sum(w.units[j].weights for j in u.borrows if not lay.resident[j])
+
+
+def activation_bytes(w: Workload, policy: str, batch: int, window: int) -> tuple[int, int]:
+    """(DEVICE bytes, HOST bytes) of activations for ``batch`` sequences under ``policy``."""
+    s, spec = w.seq_len, w.spec
+    head = head_activation_bytes(spec, w.dtype, s)
+    if not w.has_backward:  # ZO: two forward passes in flight, nothing saved for a backward
+        c = DTYPE_BYTES[w.dtype]
+        return batch * 2 * (s * c * (2 * spec.hidden + 2 * spec.intermediate) + s * 4 * spec.vocab), 0
+    block = block_activation_bytes(spec, w.dtype, s)
+    L = spec.layers
+    if policy == "keep":
+        return batch * (L * block + head), 0
+    if policy == "recompute":
+        return batch * (L * checkpoint_bytes(spec, w.dtype, s) + block + head), 0
+    if policy == "offload":
+        return batch * (min(L, max(window, 1) + 1) * block + head), batch * L * block
+    raise ValueError(f"unknown activation policy {policy!r}")
+
+
+def account(w: Workload, lay: Layout, batch: int) -> Accounting:
+    """What each tier holds for ``lay`` at micro-batch ``batch`` (see the module doc)."""
+    acc = Accounting()
+    us = w.units
+    for i, u in enumerate(us):
+        acc.add(Tier.DEVICE, "adapters", u.adapter_bytes)  # LoRA adapters + their state stay resident
+        if lay.resident[i]:
+            acc.add(Tier.DEVICE, "weights", u.weights)
+            acc.add(Tier.DEVICE, "grads", u.grads)
+            acc.add(Tier.DEVICE, "optimizer state", u.state)
+            continue
+        acc.add(lay.weights[i], "weights", u.weights)
+        if w.grads_kept:
+            acc.add(lay.grads[i], "grads", u.grads)
+        acc.add(lay.state[i], "optimizer state", u.state)
+    streamed = lay.streamed
+    if streamed:
+        k = max(lay.prefetch, 1)
+        # The unit computing plus k in flight; gradients: one being produced, one being handed off.
+        acc.add(Tier.DEVICE, "prefetch window", (k + 1) * max(_fetch_bytes(w, lay, i) for i in streamed))
+        acc.add(Tier.DEVICE, "grad window", 2 * max(us[i].grads for i in streamed))
+        nvme_w = [us[i].weights for i in streamed if lay.weights[i] == Tier.NVME]
+        nvme_s = [us[i].state for i in streamed if lay.state[i] == Tier.NVME]
+        nvme_g = [us[i].grads for i in streamed if lay.grads[i] == Tier.NVME and w.grads_kept]
+        if nvme_w:
+            acc.add(Tier.HOST, "NVMe staging", k * max(nvme_w))
+        if nvme_s:  # one unit's state being updated, the next one read ahead
+            acc.add(Tier.HOST, "NVMe staging", 2 * max(nvme_s))
+        if nvme_g:
+            acc.add(Tier.HOST, "NVMe staging", 2 * max(nvme_g))
+        if w.budgets.device_kind == "cuda" and w.has_backward:  # grads land in HOST for the CPU update
+            acc.add(Tier.HOST, "grad window", 2 * max(us[i].grads for i in streamed))
+    dev, host = activation_bytes(w, lay.activations, batch, lay.prefetch)
+    acc.add(Tier.DEVICE, "activations", dev)
+    acc.add(Tier.HOST, "activations", host)
+    return acc
+
+
+@dataclass
+class StepTime:
+    """The expected cost of one step."""
+
+    io_bytes: dict[str, int]  # bytes per link per step
+    io_s: dict[str, float]  # seconds per link (NVMe read + write share one disk)
+    compute_s: float  # forward + backward (+ recompute) matmul time
+    update_s: float  # optimizer update (on the CPU for streamed units)
+    step_s: float  # prologue + the slowest overlapped lane + epilogue
+    exposed_io_s: float  # step_s - compute - update on the same cores
+
+    @property
+    def disk_s(self) -> float:
+        return self.io_s["nvme_read"] + self.io_s["nvme_write"]
+
+
+def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
+    """Bytes moved per link and the expected step time, I/O hidden where the schedule overlaps it.
+
+    Weights of a streamed unit cross HOST->DEVICE once per pass that uses them
+    (forward and backward; ZO: once), except the last ``k`` units of the forward,
+    still in the window when the backward starts. Dirty state goes back once per
+    step; frozen (LoRA) weights are never written.
+    """
+    b, us, n = w.budgets, w.units, len(w.units)
+    io = dict.fromkeys(LINKS, 0)
+    passes = 2 if w.has_backward else 1
+    trains_weights = w.method in ("full", "zo")
+    streamed = lay.streamed
+    still_there = set(streamed[-max(lay.prefetch, 1):]) if w.has_backward else set()
+    for i in streamed:
+        u = us[i]
+        reads = (1 if i in still_there else passes) * _fetch_bytes(w, lay, i)
+        io["h2d"] += reads
+        if lay.weights[i] == Tier.NVME:
+            io["nvme_read"] += reads
+            if trains_weights:
+                io["nvme_write"] += u.weights  # the updated weights (compute dtype) go back once
+        if w.has_backward and u.grads:
+            io["d2h"] += u.grads  # to the CPU-side update
+            if w.grads_kept and lay.grads[i] == Tier.NVME:
+                io["nvme_write"] += u.grads
+                io["nvme_read"] += u.grads
+        if lay.state[i] == Tier.NVME and u.state:
+            io["nvme_read"] += u.state
+            io["nvme_write"] += u.state
+    gb = 1e9
+    io_s = {"nvme_read": io["nvme_read"] / (b.disk_read_gbps * gb),
+            "nvme_write": io["nvme_write"] / (b.disk_write_gbps * gb),
+            "h2d": io["h2d"] / (b.h2d_gbps * gb), "d2h": io["d2h"] / (b.d2h_gbps * gb)}
+
+    tokens = batch * w.seq_len
+    mult = {"full": 3.0, "lora": 2.0, "qlora": 2.0, "zo": 2.0}[w.method]
+    flops = 0.0
+    for u in us:
+        per_tok = forward_flops_per_token(w.spec, u, w.seq_len)
+        extra = 1.0 if (lay.activations == "recompute" and u.kind == "block" and w.has_backward) else 0.0
+        flops += tokens * per_tok * (mult + extra)
+    compute_s = flops / b.flops if b.flops > 0 else 0.0
+    # Optimizer update: memory-bound; read w, g, state and write w, state (ZO: 4 in-place passes over w).
+    if w.method == "zo":
+        upd_bytes = sum(8 * u.weights for u in us)
+    else:
+        upd_bytes = sum(2 * u.weights + u.grads + 2 * u.state for u in us if u.grads) + \
+            sum(2 * u.adapter_bytes for u in us)
+    update_s = upd_bytes / (b.host_mem_gbps * gb)
+    disk = io_s["nvme_read"] + io_s["nvme_write"]  # one disk: reads and writes share it
+    copy = io_s["h2d"] + io_s["d2h"]  # one copy engine (a DMA engine / one copy thread)
+    if b.device_kind == "cpu":  # the update runs on the same cores as the compute
+        lanes = [compute_s + update_s, disk, copy]
+        busy = compute_s + update_s
+    else:  # resident units update on the GPU (negligible); streamed ones on the CPU in parallel
+        host_update = update_s * (len(streamed) / n if n else 0.0)
+        lanes = [compute_s, disk, copy, host_update]
+        busy = compute_s
+    prologue = epilogue = 0.0
+    if streamed:
+        first = streamed[0]
+        prologue = _fetch_bytes(w, lay, first) / (b.h2d_gbps * gb)
+        if lay.weights[first] == Tier.NVME:
+            prologue += _fetch_bytes(w, lay, first) / (b.disk_read_gbps * gb)
+        last = us[streamed[0]]  # the backward ends at the first unit: its write-back is not hidden
+        if lay.state[streamed[0]] == Tier.NVME:
+            epilogue = (last.state + (last.weights if trains_weights else 0)) / (b.disk_write_gbps * gb)
+    step = prologue + max(lanes) + epilogue
+    return StepTime(io_bytes=io, io_s=io_s, compute_s=compute_s, update_s=update_s, step_s=step,
+                    exposed_io_s=max(0.0, step - busy))
+
+
+def prefetch_depth(w: Workload, lay: Layout, batch: int, max_depth: int = 4) -> int:
+    """Units to keep in flight so a unit's fetch hides behind the previous units' compute.
+
+    ``1 + ceil(fetch time / compute time)`` per unit, at least 2 (double
+    buffering), at most ``max_depth``: when I/O is slower than compute a deeper
+    queue cannot raise the rate, it only absorbs jitter.
+    """
+    streamed = lay.streamed
+    if not streamed:
+        return 0
+    st = step_time(w, replace(lay, prefetch=2), batch)
+    visits = max(1, len(streamed) * (2 if w.has_backward else 1))
+    per_unit_io = max(st.disk_s, st.io_s["h2d"] + st.io_s["d2h"]) / visits
+    per_unit_compute = max(st.compute_s, 1e-9) / max(1, len(w.units) * (2 if w.has_backward else 1))
+    return int(min(max_depth, max(2, 1 + math.ceil(per_unit_io / per_unit_compute))))

