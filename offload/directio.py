@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffer addresses (4 KiB covers every NVMe LBA size in use)
-DEFAULT_CHUNK_BYTES = 1 << 20  # one syscall moves at most this much (fio's 1 MiB block size)
+DEFAULT_CHUNK_BYTES = 4 << 20  # one syscall moves at most this much (4 MiB measured best here; 1 MiB is close)
 DEFAULT_QUEUE_DEPTH = 4  # syscalls in flight at once (= I/O threads)
 
 

@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--total-mib", type=int, default=1024, help="bytes written and read per measurement")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--queue-depth", type=int, default=4, help="engine threads = fio iodepth")
-    ap.add_argument("--chunk-mib", type=int, default=1, help="engine syscall size")
+    ap.add_argument("--chunk-mib", type=int, default=4, help="engine syscall size (fio uses 1 MiB blocks)")
     ap.add_argument("--headline-mib", type=int, default=None, help="size quoted as engine_*_gbps (default: largest)")
     ap.add_argument("--baseline", choices=["auto", "fio", "dd"], default="auto")
     ap.add_argument("--quick", action="store_true", help="256 MiB, sizes 1,64, 3 repeats")
