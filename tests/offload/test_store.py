@@ -245,3 +245,29 @@ def test_held_equals_sum_of_resident_blocks_and_rss(tmp_path):
         assert s.held(Tier.DEVICE) == 16 * MiB
         assert 60 * MiB <= grown <= s.budget(Tier.DEVICE) + 40 * MiB  # the slab is real, and bounded
         s.release(h, "device")
+
+
+def test_durable_write_back_syncs_data_before_journal(store, monkeypatch):
+    from outcore.offload import nvme as nvme_mod
+    calls = []
+    real = nvme_mod.os.fdatasync
+    monkeypatch.setattr(nvme_mod.os, "fdatasync", lambda fd: (calls.append(fd), real(fd))[1])
+    h = store.register("ckpt", data=torch.ones(100))
+    assert calls == []  # ordinary swap writes are not synced
+    t = store.fetch(h, "host").result()
+    t.add_(1)
+    store.mark_dirty(h, "host")
+    store.write_back(h, durable=True).result()
+    assert calls == [store.nvme.fd, store.nvme._ifd]  # data first, then the journal line
+    store.release(h, "host")
+    assert torch.equal(store.load(h), torch.full((100,), 2.0))
+
+
+def test_tier_stats_fill_a_step_event(store):
+    from outcore.events import StepEvent
+    h = store.register("x", data=torch.ones(10))
+    store.fetch(h, "device").result()
+    ev = StepEvent(step=1, total_steps=1, loss=0.0, lr=0.0, tokens_per_s=0.0, step_s=0.0,
+                   elapsed_s=0.0, rss_bytes=0, stall_s=store.stall_s, tiers=store.tier_stats())
+    assert set(ev.to_json()["tiers"]) == {"DEVICE", "HOST", "NVME"}
+    assert ev.tiers["DEVICE"].held_bytes == 4096
