@@ -1,0 +1,77 @@
+"""Shared helpers for outcore's ``torch.library`` ops and their Triton impls.
+
+Every fused op in ``kernels/`` is declared once as ``outcore::<name>`` with
+``torch.library.custom_op`` (schema + fake impl), has a pure-PyTorch reference
+that serves CPU (and any device without a faster impl), and may register a
+Triton impl for ``cuda`` (ARCHITECTURE.md §7). This module holds the few
+helpers those modules share; keep it tiny and stable.
+
+Nothing here imports triton at module import time (ARCHITECTURE.md §9).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .._optional import is_triton_available, triton_interpret
+
+NAMESPACE = "outcore"
+
+
+def op_name(name: str) -> str:
+    """The qualified name ``outcore::<name>`` of an op.
+
+    Args:
+        name: the op's bare name, e.g. ``"linear_cross_entropy_fwd"``.
+
+    Returns:
+        ``"outcore::" + name``.
+    """
+    return f"{NAMESPACE}::{name}"
+
+
+def triton_usable(*tensors: torch.Tensor) -> bool:
+    """Whether a Triton kernel can run on these tensors now.
+
+    True when triton is installed and either every tensor is on CUDA (compiled
+    kernels) or ``TRITON_INTERPRET=1`` is set and every tensor is on the CPU
+    (Triton's interpreter, used by the tests on machines without a GPU).
+
+    Args:
+        *tensors: the tensors the kernel would read or write (at least one).
+
+    Returns:
+        True if a Triton launch on these tensors is possible.
+    """
+    if not tensors or not is_triton_available():
+        return False
+    kinds = {t.device.type for t in tensors}
+    if kinds == {"cuda"}:
+        return True
+    return kinds == {"cpu"} and triton_interpret()
+
+
+def pick_config(configs: Sequence[dict[str, Any]], default: dict[str, Any]) -> dict[str, Any]:
+    """The launch config to use where ``triton.autotune`` is unavailable.
+
+    ``triton.autotune`` does not work in the interpreter (it times kernels), so
+    kernels carry an interpreter-safe default: large tiles, because the
+    interpreter's cost grows with the number of programs.
+
+    Args:
+        configs: the candidate configs a CUDA build may autotune over.
+        default: the config used under ``TRITON_INTERPRET=1``.
+
+    Returns:
+        ``default`` in the interpreter, else the first of ``configs`` (or ``default``).
+    """
+    if triton_interpret() or not configs:
+        return dict(default)
+    return dict(configs[0])
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (and >= 1)."""
+    n = int(n)
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
