@@ -205,34 +205,91 @@ def run_in_memory(model, batches, args) -> dict[str, Any]:
     return time_steps(step, batches, args.warmup)
 
 
-def _run_outcore(model, batches, args, offload: str) -> dict[str, Any]:
-    """Train through outcore's out-of-core engine (``outcore.offload.engine``)."""
+def _arena_bytes(plan, tier: str) -> int:
+    """Bytes of ``tier`` the store's arena must hold: the plan's total minus plain torch allocations."""
+    parts = plan.tier_bytes[tier]
+    return sum(v for k, v in parts.items() if k not in ("activations", "adapters"))
+
+
+def outcore_missing() -> str | None:
+    """Why the outcore modes cannot run yet (checked before any model is loaded), or None."""
     import importlib
 
     try:
-        engine_mod = importlib.import_module("outcore.offload.engine")
+        eng = importlib.import_module("outcore.offload.engine")
     except ImportError as e:
-        return {"status": "unavailable", "reason": f"outcore.offload.engine is not importable ({e})"}
-    build = getattr(engine_mod, "build_engine", None)
-    if build is None:
-        return {"status": "unavailable",
-                "reason": "outcore.offload.engine has no build_engine(model, ...) entry point yet"}
-    swap = tempfile.mkdtemp(prefix="bench_outcore_", dir=args.swap_dir)
-    try:
-        engine = build(model, offload=offload, swap_dir=swap, optim="adamw", lr=LR, betas=BETAS,
-                       eps=EPS, weight_decay=WEIGHT_DECAY, seq_len=args.seq, batch_size=args.batch)
-    except TypeError as e:  # the engine's signature differs from what this script expects
-        return {"status": "unavailable", "reason": f"build_engine rejected the benchmark's arguments ({e})"}
+        return f"outcore.offload.engine is not importable ({e})"
+    if getattr(eng, "build_engine", None) is not None:
+        return None
+    adamw = getattr(importlib.import_module("outcore.optim"), "AdamW", None)
+    if adamw is None or not hasattr(adamw, "state_spec"):
+        return ("the engine needs an outcore.optim.AdamW with state_spec/update (not there yet), "
+                "or outcore.offload.engine.build_engine")
+    return None
+
+
+def _build_outcore(model, args, offload: str, swap: str):
+    """An engine with a ``train_step(ids) -> float``, or a string saying why there is none.
+
+    Prefers ``outcore.offload.engine.build_engine(model, offload=, swap_dir=, optim=, lr=, betas=,
+    eps=, weight_decay=, seq_len=, batch_size=)``; otherwise composes the engine from its parts
+    (``OutOfCoreEngine`` + ``StoreUnitMemory`` + ``TieredStore``), sized by the memory plan.
+    """
+    import importlib
+
+    missing = outcore_missing()
+    if missing:
+        return missing
+    eng = importlib.import_module("outcore.offload.engine")
+    hyper = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    build = getattr(eng, "build_engine", None)
+    if build is not None:
+        engine = build(model, offload=offload, swap_dir=swap, optim="adamw", seq_len=args.seq,
+                       batch_size=args.batch, **hyper)
+        return lambda ids: float(engine.train_step(input_ids=ids, labels=ids)), engine
+    adamw = getattr(importlib.import_module("outcore.optim"), "AdamW")
+    from outcore.offload.handle import Tier
+    from outcore.offload.plan import Budgets, make_plan
+    from outcore.offload.store import TieredStore
+    from outcore.offload.unit_memory import StoreUnitMemory
+
+    plan = make_plan(model, offload=offload, seq_len=args.seq, batch_size=args.batch,
+                     budgets=Budgets.unlimited(flops=1e11))
+    store = TieredStore(device_bytes=_arena_bytes(plan, "DEVICE"), host_bytes=_arena_bytes(plan, "HOST"),
+                        nvme_bytes=plan.tier_total("NVME") or None,
+                        swap_dir=os.path.join(swap, "swap") if offload == "nvme" else None, device="cpu")
+    home = Tier.NVME if offload == "nvme" else Tier.HOST
+    opt = adamw([p for p in model.parameters() if p.requires_grad], **hyper)
+    engine = eng.OutOfCoreEngine(model, opt, lambda units, o: StoreUnitMemory(store, units, o, home=home),
+                                 prefetch=max(1, plan.prefetch_depth))
+    engine.store = store
 
     def step(ids):
-        return float(engine.train_step(input_ids=ids, labels=ids))
+        loss = engine.train_step(lambda m, b: m(input_ids=b, labels=b).loss, [ids], LR)
+        return float(loss)  # a host sync: the step is complete once the loss is read
 
+    return step, engine
+
+
+def _run_outcore(model, batches, args, offload: str) -> dict[str, Any]:
+    """Train through outcore's out-of-core engine; "unavailable" (with the reason) until it exists."""
+    swap = tempfile.mkdtemp(prefix="bench_outcore_", dir=args.swap_dir)
     try:
-        return time_steps(step, batches, args.warmup)
+        built = _build_outcore(model, args, offload, swap)
+        if isinstance(built, str):
+            return {"status": "unavailable", "reason": built}
+        step, engine = built
+        try:
+            return time_steps(step, batches, args.warmup)
+        finally:
+            for obj in (engine, getattr(engine, "store", None)):
+                close = getattr(obj, "close", None) or getattr(obj, "remove", None)
+                if close is not None:
+                    close()
     finally:
-        close = getattr(engine, "close", None)
-        if close is not None:
-            close()
+        import shutil
+
+        shutil.rmtree(swap, ignore_errors=True)
 
 
 def run_outcore_nvme(model, batches, args):
@@ -289,18 +346,23 @@ def _run_deepspeed(model, batches, args, device: str) -> dict[str, Any]:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     import deepspeed
 
+    import shutil
+
     swap = tempfile.mkdtemp(prefix=f"bench_ds_{device}_", dir=args.swap_dir)
-    deepspeed.init_distributed(dist_backend="gloo")
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                           config=deepspeed_config(device, swap, args.batch))
+    try:
+        deepspeed.init_distributed(dist_backend="gloo")
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=deepspeed_config(device, swap, args.batch))
 
-    def step(ids):
-        out = engine(input_ids=ids, labels=ids)
-        engine.backward(out.loss)
-        engine.step()
-        return float(out.loss.detach())
+        def step(ids):
+            out = engine(input_ids=ids, labels=ids)
+            engine.backward(out.loss)
+            engine.step()
+            return float(out.loss.detach())
 
-    return time_steps(step, batches, args.warmup)
+        return time_steps(step, batches, args.warmup)
+    finally:
+        shutil.rmtree(swap, ignore_errors=True)
 
 
 def run_deepspeed_nvme(model, batches, args):
@@ -318,16 +380,16 @@ RUNNERS: dict[str, Callable] = {
 
 
 def _fits_in_ram(mode: str, args) -> str | None:
-    """Why ``mode`` cannot run on this machine's RAM (from the memory plan), or None."""
-    if mode != "in_memory" or args.model != "smol-1.7b-random":
+    """Why ``mode`` cannot run in this machine's RAM (sized by the memory plan), or None."""
+    if mode != "in_memory":
         return None
     import psutil
 
-    from outcore.offload.plan import format_bytes, model_spec_from_config, estimate_bytes
+    from outcore.offload.plan import Budgets, format_bytes, make_plan
 
-    need = estimate_bytes(model_spec_from_config(model_config(args.model)), optim="adamw",
-                          batch_size=args.batch, seq_len=args.seq)
-    avail = psutil.virtual_memory().available
+    plan = make_plan(model_config(args.model), offload="none", seq_len=args.seq, batch_size=args.batch,
+                     budgets=Budgets.unlimited(flops=1e11))
+    need, avail = plan.expected_peak_rss_bytes, psutil.virtual_memory().available
     if need > 0.9 * avail:
         return f"in-memory training needs about {format_bytes(need)}; this machine has {format_bytes(avail)} free"
     return None
@@ -340,6 +402,8 @@ def child_main(args) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
     result: dict[str, Any]
     why_not = _fits_in_ram(args.child, args)
+    if args.child.startswith("outcore_"):
+        why_not = why_not or outcore_missing()
     if why_not:
         result = {"status": "unavailable", "reason": why_not}
     else:
