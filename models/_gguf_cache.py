@@ -14,6 +14,8 @@ the next load sees no directory, or a complete one.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -140,17 +142,44 @@ def build_gguf_cache(gguf_file: str | Path, cache_dir: str | Path | None = None)
     try:
         _dequantize_into(gguf_file, tmp)
         _fsync_tree(tmp)
+        if entry.exists() and not is_complete(entry):
+            # Entries appear only by rename with their marker inside, so one without a
+            # marker was damaged after the fact (never "in progress"): replace it.
+            log.warning("replacing damaged model cache entry %s", entry)
+            shutil.rmtree(entry, ignore_errors=True)
         try:
             os.rename(tmp, entry)  # atomic publish: readers see nothing or a complete entry
-        except OSError:
+        except OSError as err:
             if not is_complete(entry):  # not a lost race with another process: a real error
-                raise
+                raise ModelError(f"cannot publish the model cache entry '{entry}': "
+                                 f"{err.strerror}; remove it and retry") from err
             log.info("another process cached %s first; using its entry", gguf_file.name)
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return entry
+
+
+@contextlib.contextmanager
+def _memoized_tensor_name_map():
+    """Memoize ``gguf.get_tensor_name_map`` while transformers maps GGUF names to HF names.
+
+    transformers rebuilds the (arch, n_blocks) name map once per module it visits
+    (~400 times for a 30-block model, about a quarter of the whole GGUF load);
+    the map is a pure function of its arguments, so one build per key suffices.
+    """
+    import gguf
+
+    original = getattr(gguf, "get_tensor_name_map", None)
+    if original is None:  # layout of the gguf package changed: nothing to speed up
+        yield
+        return
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=8)(original)
+    try:
+        yield
+    finally:
+        gguf.get_tensor_name_map = original
 
 
 def _dequantize(gguf_file: Path):
@@ -166,8 +195,9 @@ def _dequantize(gguf_file: Path):
         pass
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
-                                                     dtype=torch.float32, **kwargs)
+        with _memoized_tensor_name_map():
+            model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
+                                                         dtype=torch.float32, **kwargs)
     except (OSError, ValueError, KeyError, RuntimeError, NotImplementedError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ModelError(f"cannot read GGUF file '{gguf_file}': {first}; outcore loads GGUF "

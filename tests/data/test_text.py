@@ -115,3 +115,11 @@ def test_use_cache_false_writes_nothing(tok, tmp_path, monkeypatch):
     assert not (tmp_path / "cache").exists()
     build_datasets(str(f), tok, 8)  # default cache root follows OUTCORE_CACHE
     assert len(list((tmp_path / "cache" / "tokens").glob("*.npy"))) == 1
+
+
+def test_default_corpus_with_the_real_tokenizer(smol_tokenizer, tmp_path):
+    train, val = build_datasets("default", smol_tokenizer, 128, max_bytes=40_000,
+                                cache_dir=tmp_path)
+    assert len(train) > 50 and len(val) >= 1
+    text = smol_tokenizer.decode(torch.cat([train[0]["input_ids"], train[1]["input_ids"]]))
+    assert "WELL" in text.upper()  # the sorted corpus starts with All's Well That Ends Well
