@@ -1,0 +1,214 @@
+"""Apply per-block activation policies to a Hugging Face model without changing its code.
+
+Each decoder block's ``forward`` is wrapped on the *instance* (``layer.forward =
+wrapper``; ``handle.remove()`` deletes the attribute and the class method is
+back). The wrapper does nothing outside autograd (eval, ``no_grad``); in
+training it runs the block under ``torch.utils.checkpoint`` (RECOMPUTE), or
+inside the :class:`ActivationOffloader`'s pack hooks with a gradient hook on the
+block's output that starts the reverse-order prefetch (OFFLOAD_*).
+
+``"auto"`` measures the first training forward (saved bytes and time per block,
+with everything kept), then calls :func:`choose_policy` with the budgets and
+bandwidths, and applies its choice from the next step on.
+"""
+from __future__ import annotations
+
+import tempfile
+import time
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..errors import ConfigError, ModelError
+from .offload import ActivationOffloader
+from .policy import ActivationPolicy, BlockProfile, choose_policy, expand_policy
+
+_LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers",
+                "model.language_model.layers", "layers")
+_DEFAULT_NVME_BPS = (2.0e9, 3.0e9)  # read, write: this hardware class (BENCHMARKING.md), until probed
+
+
+def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's list of decoder blocks (``model.model.layers`` for Llama-likes).
+
+    Raises:
+        ModelError: no known block list is found.
+    """
+    for path in _LAYER_PATHS:
+        obj: Any = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, nn.ModuleList) and len(obj) > 0:
+            return obj
+    raise ModelError(f"cannot find the decoder blocks of {type(model).__name__} (looked for "
+                     f"{', '.join(_LAYER_PATHS)}); pass a model with one of those attributes")
+
+
+def _first_tensor(out: Any) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None
+
+
+class ActivationHandle:
+    """The applied policies; ``remove()`` restores the model and frees the I/O machinery.
+
+    Attributes:
+        policies: one :class:`ActivationPolicy` per block (for "auto": after the first step).
+        offloader: the :class:`ActivationOffloader` (None when nothing offloads).
+        profiles: per-block :class:`BlockProfile` measured by "auto" (else None).
+    """
+
+    def __init__(self, model: nn.Module, layers: nn.ModuleList, policies: list[ActivationPolicy] | None,
+                 store: Any, auto: dict | None, prefetch_depth: int):
+        self.model, self.layers = model, layers
+        self.policies = policies if policies is not None else [ActivationPolicy.KEEP] * len(layers)
+        self.profiles: list[BlockProfile] | None = None
+        self._auto = auto
+        self._store, self._own_store = store, False
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._prefetch_depth = prefetch_depth
+        self.offloader: ActivationOffloader | None = None
+        self._measure: list[list[float]] = [[0, 0, 0.0] for _ in layers]  # saved, input, seconds
+        self._ensure_offloader()
+        for i, layer in enumerate(layers):
+            layer.forward = self._wrap(i, layer.forward, layer)
+
+    # ------------------------------------------------------------------ plumbing
+    def _ensure_offloader(self) -> None:
+        if self.offloader is not None or not any(p.offloads for p in self.policies):
+            return
+        if self._store is None:  # no store given: a private one with a temporary swap dir
+            from ..offload import TieredStore
+            host = (self._auto or {}).get("host_budget", 1 << 30)
+            need_host = ActivationPolicy.OFFLOAD_HOST in self.policies
+            self._tmp = tempfile.TemporaryDirectory(prefix="outcore-act-")
+            self._store = TieredStore(device_bytes=0, host_bytes=host if need_host else 0,
+                                      swap_dir=f"{self._tmp.name}/swap")
+            self._own_store = True
+        self.offloader = ActivationOffloader(self._store, prefetch_depth=self._prefetch_depth)
+
+    def _wrap(self, index: int, forward, layer: nn.Module):
+        def wrapped(*args, **kwargs):
+            if not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            if index == 0 and self.offloader is not None:
+                self.offloader.new_step()
+            if self._auto is not None and self.profiles is None:
+                return self._measured(index, forward, args, kwargs)
+            policy = self.policies[index]
+            if policy is ActivationPolicy.RECOMPUTE:
+                return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            if policy.offloads:
+                with self.offloader.block(index, policy, layer):
+                    out = forward(*args, **kwargs)
+                t = _first_tensor(out)
+                if t is not None and t.requires_grad:
+                    # fires when d loss / d output exists: block `index`'s backward is next
+                    t.register_hook(lambda g, i=index: self.offloader.backward_reached(i))
+                return out
+            return forward(*args, **kwargs)
+        return wrapped
+
+    def _measured(self, index: int, forward, args, kwargs):
+        """KEEP, while counting the bytes autograd saves and timing the block."""
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        params = {p.untyped_storage().data_ptr() for p in self.layers[index].parameters()}
+        rec = self._measure[index]
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        rec[1] = hidden.numel() * hidden.element_size() if isinstance(hidden, torch.Tensor) else 0
+
+        def pack(t):
+            base = t._base if t._base is not None else t
+            if not isinstance(base, nn.Parameter) and t.untyped_storage().data_ptr() not in params:
+                rec[0] += t.numel() * t.element_size()
+            return outer[0](t) if outer is not None else t
+
+        t0 = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, outer[1] if outer is not None else (lambda x: x)):
+            out = forward(*args, **kwargs)
+        rec[2] = time.perf_counter() - t0
+        if index == len(self.layers) - 1:
+            self._decide()
+        return out
+
+    def _decide(self) -> None:
+        a = self._auto
+        self.profiles = [BlockProfile(int(s), int(i), float(t)) for s, i, t in self._measure]
+        self.policies = choose_policy(
+            self.profiles, a["device_budget"], host_budget=a.get("host_budget", 0),
+            host_bps=a.get("host_bps", 0.0), nvme_budget=a.get("nvme_budget"),
+            nvme_read_bps=a.get("nvme_read_bps", _DEFAULT_NVME_BPS[0]),
+            nvme_write_bps=a.get("nvme_write_bps", _DEFAULT_NVME_BPS[1]))
+        self._ensure_offloader()
+
+    def remove(self) -> None:
+        """Unwrap every block and stop the offload threads (and a private store)."""
+        for layer in self.layers:
+            layer.__dict__.pop("forward", None)
+        if self.offloader is not None:
+            self.offloader.close()
+            self.offloader = None
+        if self._own_store:
+            self._store.close()
+            self._own_store = False
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+
+def apply_activation_policy(model: nn.Module,
+                            policy: "ActivationPolicy | str | Sequence[ActivationPolicy | str]" = "keep",
+                            store: Any = None, *, device_budget: int | None = None,
+                            prefetch_depth: int = 2, **bandwidth: float) -> ActivationHandle:
+    """Apply activation policies to ``model``'s decoder blocks.
+
+    Args:
+        model: a Hugging Face causal LM (or anything :func:`find_decoder_layers` accepts).
+        policy: one policy for all blocks, a list (one per block), or a name:
+            "keep", "recompute", "offload" (NVMe for all blocks but the last),
+            "offload_host", "offload_nvme", or "auto".
+        store: the run's :class:`~outcore.offload.TieredStore` (offloaded bytes go to
+            its HOST / NVME tiers under its budgets). None: a private store with a
+            temporary swap dir is made when something offloads.
+        device_budget: for "auto": bytes activations may hold on the device
+            (None: half the available memory of the device).
+        prefetch_depth: blocks whose activations are read ahead in the backward.
+        **bandwidth: for "auto": ``host_budget``, ``host_bps``, ``nvme_budget``,
+            ``nvme_read_bps``, ``nvme_write_bps`` (as in :func:`choose_policy`).
+
+    Returns:
+        An :class:`ActivationHandle`; call ``.remove()`` to undo.
+
+    Raises:
+        ModelError: no decoder blocks found, or the model is already wrapped.
+        ConfigError: an unknown policy name, a list of the wrong length, or an
+            unknown keyword.
+    """
+    layers = find_decoder_layers(model)
+    if any("forward" in layer.__dict__ for layer in layers):
+        raise ModelError(f"{type(model).__name__} already has wrapped blocks; remove() the "
+                         f"previous activation policy first")
+    unknown = set(bandwidth) - {"host_budget", "host_bps", "nvme_budget", "nvme_read_bps", "nvme_write_bps"}
+    if unknown:
+        raise ConfigError(f"unknown keyword(s) {sorted(unknown)} for apply_activation_policy")
+    if isinstance(policy, str) and policy.lower() == "auto":
+        if device_budget is None:
+            device_budget = _available_device_bytes(next(model.parameters()).device) // 2
+        auto = dict(bandwidth, device_budget=int(device_budget))
+        return ActivationHandle(model, layers, None, store, auto, prefetch_depth)
+    return ActivationHandle(model, layers, expand_policy(policy, len(layers)), store, None,
+                            prefetch_depth)
+
+
+def _available_device_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])  # a sync point, once per apply
+    import psutil
+    return int(psutil.virtual_memory().available)

@@ -1,0 +1,177 @@
+"""Per-block activation policies and the SSDTrain-style choice between them.
+
+In the forward pass each decoder block saves tensors for its backward (its
+*activations*). Per block, outcore can
+
+- ``KEEP``: leave them in device memory (fastest, most memory);
+- ``RECOMPUTE``: save only the block's inputs and run its forward again in the
+  backward (``torch.utils.checkpoint``; costs one block forward);
+- ``OFFLOAD_HOST`` / ``OFFLOAD_NVME``: move the large saved tensors to the HOST
+  or NVME tier of the ``TieredStore`` as soon as they are saved, and prefetch
+  them back ahead of the backward in reverse block order (costs bandwidth; free
+  when the transfer hides behind compute).
+
+:func:`choose_policy` picks one per block from the budgets, the measured
+activation sizes and compute times, and the measured bandwidths, the way
+SSDTrain adapts offloading: an offload is free while its transfer fits behind
+the compute between the save and the use; early blocks have the most slack.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..errors import BudgetError, ConfigError
+
+
+class ActivationPolicy(enum.Enum):
+    """What happens to one block's saved activations."""
+
+    KEEP = "keep"
+    RECOMPUTE = "recompute"
+    OFFLOAD_HOST = "offload_host"
+    OFFLOAD_NVME = "offload_nvme"
+
+    @classmethod
+    def parse(cls, value: "ActivationPolicy | str") -> "ActivationPolicy":
+        """``ActivationPolicy.KEEP``, ``"keep"`` or ``"KEEP"`` -> the policy.
+
+        Raises:
+            ConfigError: an unknown name.
+        """
+        if isinstance(value, ActivationPolicy):
+            return value
+        try:
+            return cls(str(value).lower())
+        except ValueError:
+            names = ", ".join(p.value for p in cls)
+            raise ConfigError(f"activation policy {value!r} is not one of: {names}") from None
+
+    @property
+    def offloads(self) -> bool:
+        return self in (ActivationPolicy.OFFLOAD_HOST, ActivationPolicy.OFFLOAD_NVME)
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """What one block's activations cost (measured in a forward pass)."""
+
+    saved_bytes: int  # bytes saved for backward with KEEP (parameters excluded)
+    input_bytes: int  # bytes of its input hidden states (what RECOMPUTE keeps)
+    forward_s: float  # seconds of its forward compute
+
+
+def _per_block(value, n: int, name: str) -> list:
+    if isinstance(value, (int, float)):
+        return [value] * n
+    value = list(value)
+    if len(value) != n:
+        raise ConfigError(f"{name} has {len(value)} entries for {n} blocks")
+    return value
+
+
+def choose_policy(profiles: Sequence[BlockProfile], device_budget: int, *,
+                  host_budget: int = 0, host_bps: float = 0.0,
+                  nvme_budget: int | None = 0, nvme_read_bps: float = 0.0,
+                  nvme_write_bps: float = 0.0, keep_last: int = 1,
+                  backward_factor: float = 2.0) -> list[ActivationPolicy]:
+    """Choose a policy per block so the activations fit ``device_budget`` at least cost.
+
+    Start from KEEP everywhere. While the kept bytes exceed the budget, change the
+    block whose change costs the least time per byte freed (ties: the earliest
+    block, whose activations are needed last). Costs, with ``f`` the block's
+    forward time and ``b = backward_factor * f``:
+
+    - RECOMPUTE: ``f`` (one more forward); keeps ``input_bytes``.
+    - OFFLOAD to a tier with bandwidth ``bw``: the stall
+      ``max(0, s/bw_write - f) + max(0, s/bw_read - b)`` (the write hides behind the
+      next block's forward, the read behind a later block's backward); keeps 0.
+      Only while that tier's budget still holds the bytes.
+
+    The last ``keep_last`` blocks stay KEEP: their backward comes first, so there
+    is nothing to hide an offload behind.
+
+    Args:
+        profiles: one :class:`BlockProfile` per block, in forward order.
+        device_budget: bytes the activations may hold on the device.
+        host_budget: HOST bytes available for activations (0: no HOST offload).
+        host_bps: device<->host bandwidth in bytes/s (0: no HOST offload).
+        nvme_budget: NVME bytes for activations (None: unbounded; 0: no NVMe offload).
+        nvme_read_bps, nvme_write_bps: measured NVMe bandwidth in bytes/s.
+        keep_last: blocks at the end that always KEEP.
+        backward_factor: backward time as a multiple of forward time.
+
+    Returns:
+        One :class:`ActivationPolicy` per block.
+
+    Raises:
+        ConfigError: negative budgets or ``keep_last``.
+        BudgetError: even recomputing every other block does not fit the budget.
+    """
+    if device_budget < 0 or host_budget < 0 or (nvme_budget is not None and nvme_budget < 0):
+        raise ConfigError(f"budgets must be >= 0 (device={device_budget}, host={host_budget}, "
+                          f"nvme={nvme_budget})")
+    if keep_last < 0:
+        raise ConfigError(f"keep_last={keep_last} must be >= 0")
+    n = len(profiles)
+    policy = [ActivationPolicy.KEEP] * n
+    held = [int(p.saved_bytes) for p in profiles]
+    room = {ActivationPolicy.OFFLOAD_HOST: host_budget if host_bps > 0 else 0,
+            ActivationPolicy.OFFLOAD_NVME: (0 if nvme_read_bps <= 0 or nvme_write_bps <= 0
+                                            else (float("inf") if nvme_budget is None else nvme_budget))}
+    bw = {ActivationPolicy.OFFLOAD_HOST: (host_bps, host_bps),
+          ActivationPolicy.OFFLOAD_NVME: (nvme_read_bps, nvme_write_bps)}
+
+    def options(i: int):
+        p = profiles[i]
+        out = []
+        if p.input_bytes < held[i]:
+            out.append((p.forward_s, held[i] - p.input_bytes, ActivationPolicy.RECOMPUTE))
+        for tier, (rd, wr) in bw.items():
+            if room[tier] >= p.saved_bytes and rd > 0 and wr > 0:
+                stall = (max(0.0, p.saved_bytes / wr - p.forward_s)
+                         + max(0.0, p.saved_bytes / rd - backward_factor * p.forward_s))
+                out.append((stall, held[i], tier))
+        return out
+
+    while sum(held) > device_budget:
+        best = None
+        for i in range(max(0, n - keep_last)):
+            if policy[i] is not ActivationPolicy.KEEP:
+                continue
+            for cost, freed, choice in options(i):
+                key = (cost / max(freed, 1), i)
+                if freed > 0 and (best is None or key < best[0]):
+                    best = (key, i, choice)
+        if best is None:
+            raise BudgetError(
+                f"activations need {sum(held)} bytes on the device even with every block but the "
+                f"last {keep_last} recomputed or offloaded; the budget is {device_budget} bytes: "
+                f"lower the batch size or sequence length, or raise the device budget")
+        _, i, choice = best
+        policy[i] = choice
+        if choice is ActivationPolicy.RECOMPUTE:
+            held[i] = profiles[i].input_bytes
+        else:
+            room[choice] -= profiles[i].saved_bytes
+            held[i] = 0
+    return policy
+
+
+def expand_policy(policy: "ActivationPolicy | str | Sequence[ActivationPolicy | str]",
+                  n_blocks: int) -> list[ActivationPolicy]:
+    """One policy per block from a single policy, a name, or a list.
+
+    ``"offload"`` means OFFLOAD_NVME for every block but the last (whose backward
+    comes first, so its offload could not be hidden).
+
+    Raises:
+        ConfigError: an unknown name, or a list of the wrong length.
+    """
+    if isinstance(policy, str) and policy.lower() == "offload":
+        return [ActivationPolicy.OFFLOAD_NVME] * max(0, n_blocks - 1) + [ActivationPolicy.KEEP][:n_blocks]
+    if isinstance(policy, (str, ActivationPolicy)):
+        return [ActivationPolicy.parse(policy)] * n_blocks
+    out = [ActivationPolicy.parse(p) for p in _per_block(policy, n_blocks, "policy")]
+    return out
