@@ -173,23 +173,22 @@ class Dashboard:
                     Text.assemble(("elapsed ", "dim"), fmt_duration(ev.elapsed_s if ev else None),
                                   ("  ETA ", "dim"), (fmt_duration(snap.eta_s), "bold")))
         grid.add_row("step", row)
+        if snap.last_eval is not None:
+            estep, eloss = snap.last_eval
+            ev_text = Text.assemble(("eval ", "dim"), (fmt_float(eloss), "bold"),
+                                    (f"  ppl {fmt_float(perplexity(eloss), 2)}", ""),
+                                    (f"  @{estep}  ", "dim"), (sparkline(snap.eval_losses, 16), "red"))
+        else:
+            ev_text = Text("eval -", style="dim")
         if ev is None:
-            grid.add_row("", Text("waiting for the first step...", style="dim italic"))
+            loss = Text("waiting for the first step...", style="dim italic")
         else:
             loss = Text.assemble((fmt_float(ev.loss), "bold"), "  ",
                                  (sparkline(snap.losses, SPARK_WIDTH), "blue"))
-            if snap.last_eval is not None:
-                estep, eloss = snap.last_eval
-                ev_text = Text.assemble(("eval ", "dim"), (fmt_float(eloss), "bold"),
-                                        (f"  ppl {fmt_float(perplexity(eloss), 2)}", ""),
-                                        (f"  @{estep}  ", "dim"),
-                                        (sparkline(snap.eval_losses, 16), "red"))
-            else:
-                ev_text = Text("eval -", style="dim")
-            pair = Table.grid(padding=(0, 4))
-            pair.add_row(loss, ev_text)
-            grid.add_row("loss", pair)
-
+        pair = Table.grid(padding=(0, 4))
+        pair.add_row(loss, ev_text)
+        grid.add_row("loss", pair)
+        if ev is not None:
             speed = Text.assemble((fmt_count(ev.tokens_per_s), "bold"), " tokens/s   ",
                                   (fmt_seconds(ev.step_s), "bold"), "/step   ",
                                   ("lr ", "dim"), fmt_lr(ev.lr), "   ",

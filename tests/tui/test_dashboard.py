@@ -78,7 +78,9 @@ def test_finished_and_interrupted_titles(make_step):
 def test_waiting_before_first_step_and_narrow_terminal(make_step):
     dash = Dashboard(_console(80), live=False)
     dash.emit(_started())
-    assert "waiting for the first step" in _text(dash, 80)
+    dash.emit(EvalEvent(0, 3.0, math.exp(3.0)))  # the base model's eval comes before step 1
+    text = _text(dash, 80)
+    assert "waiting for the first step" in text and "eval 3.0000" in text and "@0" in text
     dash.emit(make_step(1, tiers=True, device=True))
     text = _text(dash, 80)
     assert "…" not in text  # every column fits without being cut
