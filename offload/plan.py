@@ -211,7 +211,7 @@ def _budget_error(w: Workload, lay: Layout, batch: int, offload: str) -> BudgetE
     hints = []
     if offload == "none":
         hints.append("--offload auto (or cpu / nvme)")
-    elif tier not in ("DEVICE", "NVME") and lay.name() != "nvme":
+    elif tier not in ("DEVICE", "NVME") and lay.name(w.grads_kept) != "nvme":
         hints.append("--offload nvme")
     best = _max_batch(w, lay)
     if batch > 1 and best >= 1:
@@ -321,7 +321,7 @@ def _build(w: Workload, lay: Layout, st: StepTime, batch: int, offload: str, opt
     return MemoryPlan(
         model_type=w.spec.model_type, params=w.spec.numel, trainable=trainable, method=w.method,
         optim=optim, dtype=w.dtype, seq_len=w.seq_len, batch_size=batch, offload=offload,
-        layout=lay.name(), activations=lay.activations, prefetch_depth=lay.prefetch,
+        layout=lay.name(w.grads_kept), activations=lay.activations, prefetch_depth=lay.prefetch,
         max_micro_batch=_max_batch(w, lay), grads_kept=w.grads_kept, units=units,
         tier_bytes={t.name: dict(acc.parts[t]) for t in Tier}, budgets=w.budgets, time=st, notes=notes)
 

@@ -72,11 +72,16 @@ class Layout:
     def streamed(self) -> list[int]:
         return [i for i, r in enumerate(self.resident) if not r]
 
-    def name(self) -> str:
-        """``none`` (all on DEVICE), ``cpu`` (streamed from HOST), ``nvme`` or ``mixed``."""
+    def name(self, grads_kept: bool = True) -> str:
+        """``none`` (all on DEVICE), ``cpu`` (streamed from HOST), ``nvme`` or ``mixed``.
+
+        Args:
+            grads_kept: whether gradients are stored (else their tier does not count).
+        """
         if all(self.resident):
             return "none"
-        tiers = {t for i in self.streamed for t in (self.weights[i], self.grads[i], self.state[i])}
+        classes = (self.weights, self.grads, self.state) if grads_kept else (self.weights, self.state)
+        tiers = {c[i] for i in self.streamed for c in classes}
         if not any(self.resident) and tiers == {Tier.HOST}:
             return "cpu"
         if not any(self.resident) and tiers == {Tier.NVME}:

@@ -338,3 +338,30 @@ def test_table_shows_tiers_units_and_step(tiny):
     for needle in ("DEVICE", "HOST", "NVME", "embed", "block.0-3 x4", "head", "NVMe -> HOST",
                    "step (estimate)", "prefetch depth"):
         assert needle in text, needle
+
+
+def test_cuda_probe_budgets_do_not_share_ram(tiny):
+    from types import SimpleNamespace
+
+    probe = SimpleNamespace(devices=[{"name": "gpu", "total_bytes": 80 * GiB, "free_bytes": 40 * GiB}],
+                            ram_available_bytes=16 * GiB, swap_free_bytes=100 * GiB, disk_read_gbps=None,
+                            disk_write_gbps=None, h2d_gbps=None, d2h_gbps=None, swap_dir="/tmp")
+    b = budgets_from_probe(probe, host_mem="4GiB", flops=1e14)
+    assert b.device_kind == "cuda" and not b.shared_ram and not b.measured
+    assert b.device_bytes == int(40 * GiB * 0.85) and b.host_bytes == 4 * GiB
+    plan = make_plan(tiny, offload="cpu", budgets=b, seq_len=32)
+    assert "grad window" in plan.tier_bytes["HOST"]  # gradients land in HOST for the CPU update
+    assert any("fallbacks" in n for n in plan.notes)
+
+
+def test_all_nvme_layout_is_named_nvme_when_grads_are_transient(tiny):
+    nv = make_plan(tiny, offload="nvme", budgets=BIG, seq_len=32)
+    assert nv.layout == "nvme"
+    assert all(u.grads is None for u in nv.units)
+
+
+@pytest.mark.gpu
+def test_matmul_flops_measured_on_cuda():
+    from outcore.offload.plan_budget import measure_matmul_flops
+
+    assert measure_matmul_flops("cuda") > measure_matmul_flops("cpu")
