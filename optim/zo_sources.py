@@ -26,7 +26,7 @@ import queue
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -85,13 +85,16 @@ class FileBlockSource:
         swap_dir: an existing writable directory (files ``zo_block_<b>.bin``).
         prefetch: blocks read ahead of the one computing.
         direct: use ``O_DIRECT`` (falls back to buffered I/O where refused).
+        materialize: called with each block just before its weights are written, so a
+            model built on the ``meta`` device can be initialized one block at a time
+            (it never exists whole in RAM).
 
     Raises:
         SwapDirError: ``swap_dir`` does not exist or is not writable.
     """
 
     def __init__(self, blocks: list[ZOBlock], swap_dir: str | Path, prefetch: int = 2,
-                 direct: bool = True) -> None:
+                 direct: bool = True, materialize: Callable[[ZOBlock], None] | None = None) -> None:
         from ..offload.directio import IOPool, aligned_empty, open_direct
 
         swap = Path(swap_dir)
@@ -125,6 +128,8 @@ class FileBlockSource:
             fd, direct = open_direct(swap / f"zo_block_{b}.bin", os.O_RDWR | os.O_CREAT | os.O_TRUNC)
             self._fds.append(fd)
             self.direct &= direct
+            if materialize is not None:
+                materialize(blk)
             buf = self._free.get()
             for (_, p), spec in zip(blk.params, self._layout[b]):
                 if spec[1] >= 0:

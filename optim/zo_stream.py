@@ -67,6 +67,8 @@ class ZOBlockTrainer:
         split: ``"samples"`` (rank r evaluates samples i with i % world == r on the same
             batch) or ``"data"`` (every rank evaluates every sample on its own batch and
             the losses are averaged over ranks).
+        materialize: with ``swap_dir``, called per block before it is written to disk
+            (initialize a ``meta``-device model block by block; see FileBlockSource).
 
     Raises:
         ConfigError: ``world`` / ``rank`` inconsistent, or ``exchange`` missing with world > 1.
@@ -74,7 +76,7 @@ class ZOBlockTrainer:
 
     def __init__(self, model: torch.nn.Module, hyper: ZOHyper, seed: int = 0, swap_dir: str | None = None,
                  prefetch: int = 2, rank: int = 0, world: int = 1, exchange: Exchange | None = None,
-                 split: str = "samples") -> None:
+                 split: str = "samples", materialize: Callable[..., None] | None = None) -> None:
         if world < 1 or not 0 <= rank < world:
             raise ConfigError(f"rank={rank}, world={world}: need world >= 1 and 0 <= rank < world")
         if world > 1 and exchange is None:
@@ -92,7 +94,7 @@ class ZOBlockTrainer:
         self._work = {dt: torch.empty(max(sum(p.numel() for _, p in blk.params if p.dtype == dt) for blk in bl),
                                       dtype=dt) for dt in dtypes}  # one block of scratch per dtype
         self.source: BlockSource = (HostBlockSource(bl) if swap_dir is None
-                                    else FileBlockSource(bl, swap_dir, prefetch=prefetch))
+                                    else FileBlockSource(bl, swap_dir, prefetch=prefetch, materialize=materialize))
         self.prefetch_depth = prefetch if swap_dir is not None else 0
         # what a parameter holds between visits: its clean tensor in RAM, or a 0-element
         # placeholder when the disk holds it (a stray forward then fails loudly, never uses stale bytes)

@@ -1,0 +1,140 @@
+"""The optimizer contract the out-of-core engine relies on.
+
+Every outcore optimizer is a ``torch.optim.Optimizer`` whose persistent state is a fixed
+set of tensors per parameter, declared up front, so that a tiered store can allocate,
+stream and write back that state without knowing the optimizer:
+
+* :meth:`OutcoreOptimizer.state_spec` — name -> (shape, dtype) of each state tensor of p,
+* :meth:`OutcoreOptimizer.init_state` — fresh state tensors matching the spec,
+* :meth:`OutcoreOptimizer.update` — one block's update, in place, on tensors that may come
+  from anywhere (a store's arena); it never reads ``self.state``.
+
+``step()`` is the in-memory driver: for each group, lazily initialize ``self.state[p]``
+then call ``update`` once for the group's parameters that have gradients. The step count
+is a tensor in the state like everything else, so ``state_dict()`` /
+``load_state_dict()`` round-trip exactly (dtypes included: torch's loader would cast the
+uint8 codes and int64 seeds of our states to the parameter dtype, so we restore them).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+StateSpec = dict[str, tuple[torch.Size, torch.dtype]]
+
+
+class OutcoreOptimizer(torch.optim.Optimizer):
+    """Base class: subclasses implement :meth:`state_spec` and :meth:`update`."""
+
+    def state_spec(self, p: Tensor, group: dict[str, Any]) -> StateSpec:
+        """Every persistent state tensor of ``p``: name -> (shape, dtype).
+
+        Args:
+            p: the parameter (any shape).
+            group: its param group (hyper-parameters).
+
+        Returns:
+            An ordered mapping; a store allocates exactly these tensors.
+        """
+        raise NotImplementedError
+
+    def init_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
+        """Fresh state of ``p`` on ``p.device``, matching :meth:`state_spec` (zeros by default).
+
+        Args:
+            p: the parameter.
+            group: its param group.
+
+        Returns:
+            name -> tensor.
+        """
+        return {name: torch.zeros(shape, dtype=dtype, device=p.device)
+                for name, (shape, dtype) in self.state_spec(p, group).items()}
+
+    def update(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]],
+               group: dict[str, Any]) -> None:
+        """Update ``params`` and ``states`` in place from ``grads`` (one block, one group).
+
+        Args:
+            params: parameters (or their storage in an arena), updated in place.
+            grads: gradients, same shapes.
+            states: per parameter, the tensors of :meth:`state_spec`, updated in place.
+            group: the param group's hyper-parameters.
+        """
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------
+    def param_index(self, p: Tensor) -> int:
+        """Position of ``p`` among all parameters of all groups (0-based), by identity.
+
+        Raises:
+            KeyError: ``p`` is not a parameter of this optimizer.
+        """
+        i = 0
+        for group in self.param_groups:
+            for q in group["params"]:
+                if q is p:
+                    return i
+                i += 1
+        raise KeyError("tensor is not a parameter of this optimizer")
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimization step over every parameter that has a gradient.
+
+        Args:
+            closure: optional; re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, states = [], [], []
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse:
+                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state.update(self.init_state(p, group))
+                params.append(p)
+                grads.append(p.grad)
+                states.append(state)
+            if params:
+                self.update(params, grads, states, group)
+        return loss
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`, keeping every state tensor's dtype (and copying it).
+
+        Args:
+            state_dict: from ``state_dict()`` of an optimizer of the same class and groups.
+        """
+        saved = state_dict["state"]
+        super().load_state_dict({**state_dict, "state": {}})
+        params = [p for g in self.param_groups for p in g["params"]]
+        ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        by_id = dict(zip(ids, params))
+        for pid, st in saved.items():
+            p = by_id[pid]
+            self.state[p] = {k: (v.detach().to(device=p.device, copy=True)
+                                 if isinstance(v, Tensor) else v) for k, v in st.items()}
+
+
+def check_hparams(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """Validate the common Adam hyper-parameters; raise ValueError naming the value."""
+    if not lr >= 0.0:
+        raise ValueError(f"lr={lr!r} must be >= 0")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"betas={betas!r} must be two numbers in [0, 1)")
+    if not eps >= 0.0:
+        raise ValueError(f"eps={eps!r} must be >= 0")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"weight_decay={weight_decay!r} must be >= 0")

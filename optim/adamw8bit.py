@@ -1,0 +1,108 @@
+"""AdamW with block-wise 8-bit moments (Dettmers et al., "8-bit Optimizers via Block-wise
+Quantization", 2022), on the outcore contract.
+
+Per parameter with at least ``min_8bit_size`` (4096) elements the state is
+
+    step      ()          float32
+    m_codes   (numel,)    uint8    first moment, signed dynamic map
+    m_absmax  (nblocks,)  float32  one per 256 elements
+    v_codes   (numel,)    uint8    second moment, unsigned dynamic map
+    v_absmax  (nblocks,)  float32
+
+i.e. 2 + 8/256 bytes per parameter instead of AdamW's 8. Smaller tensors (norms,
+biases) keep fp32 ``exp_avg`` / ``exp_avg_sq`` and are updated exactly like
+:class:`outcore.optim.AdamW` (their bytes do not matter, their precision does).
+
+The update is the fused op ``outcore::adamw8bit_update`` (``kernels/adamw8bit.py``): the
+C++ extension on CPU, Triton on CUDA, the pure-PyTorch reference elsewhere — all
+bit-identical. Parameters must be float32 (they are the master weights).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import Tensor
+
+from ..kernels.adamw8bit import IMPLS, adamw8bit_update, init_codes
+from ..kernels.quantize import SMALL_TENSOR_NUMEL, num_blocks
+from ._base import OutcoreOptimizer, StateSpec, check_hparams
+
+
+class AdamW8bit(OutcoreOptimizer):
+    """AdamW whose moments are stored in 8 bits, block-wise.
+
+    Args:
+        params: parameters or param-group dicts (float32).
+        lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW` (decoupled decay).
+        min_8bit_size: tensors with fewer elements keep fp32 moments.
+        impl: "auto" (fastest available), "ref", "cpp" or "compile" (benchmarks, tests).
+
+    Raises:
+        ValueError: a hyper-parameter is out of range, or ``impl`` is unknown.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, min_8bit_size: int = SMALL_TENSOR_NUMEL,
+                 impl: str = "auto") -> None:
+        check_hparams(lr, betas, eps, weight_decay)
+        if impl not in IMPLS:
+            raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+        if min_8bit_size < 1:
+            raise ValueError(f"min_8bit_size={min_8bit_size} must be >= 1")
+        self.impl = impl
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                      weight_decay=weight_decay, min_8bit_size=min_8bit_size))
+
+    @staticmethod
+    def is_8bit(p: Tensor, group: dict[str, Any]) -> bool:
+        """Whether ``p``'s moments are quantized (else fp32)."""
+        return p.numel() >= group["min_8bit_size"]
+
+    def state_spec(self, p: Tensor, group: dict[str, Any]) -> StateSpec:
+        """See the module docstring."""
+        if p.dtype != torch.float32:
+            raise ValueError(f"AdamW8bit needs float32 parameters (master weights), got {p.dtype} "
+                             f"for a tensor of shape {tuple(p.shape)}")
+        step = {"step": (torch.Size([]), torch.float32)}
+        if not self.is_8bit(p, group):
+            return {**step, "exp_avg": (p.shape, p.dtype), "exp_avg_sq": (p.shape, p.dtype)}
+        n, nb = p.numel(), num_blocks(p.numel())
+        return {**step, "m_codes": (torch.Size([n]), torch.uint8),
+                "m_absmax": (torch.Size([nb]), torch.float32),
+                "v_codes": (torch.Size([n]), torch.uint8),
+                "v_absmax": (torch.Size([nb]), torch.float32)}
+
+    def init_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
+        """Zero moments: codes set to each map's index of 0 (not code 0)."""
+        state = super().init_state(p, group)
+        if "m_codes" in state:
+            state["m_codes"] = init_codes(p.numel(), True, p.device)
+            state["v_codes"] = init_codes(p.numel(), False, p.device)
+        return state
+
+    def update(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]],
+               group: dict[str, Any]) -> None:
+        """8-bit update of the large tensors, fused fp32 AdamW of the small ones."""
+        beta1, beta2 = group["betas"]
+        small = [i for i, s in enumerate(states) if "exp_avg" in s]
+        for i, (p, g, s) in enumerate(zip(params, grads, states)):
+            if "exp_avg" in s:
+                continue
+            s["step"].add_(1)
+            # .item() of a CPU tensor is free; on CUDA this is a sync point, once per tensor
+            # (the step count must reach the kernel as a scalar).
+            adamw8bit_update(p, g, s["m_codes"], s["m_absmax"], s["v_codes"], s["v_absmax"],
+                             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                             weight_decay=group["weight_decay"], step=float(s["step"].item()),
+                             impl=self.impl)
+        if small:
+            steps = [states[i]["step"] for i in small]
+            torch._foreach_add_(steps, 1)
+            torch._fused_adamw_([params[i] for i in small], [grads[i] for i in small],
+                                [states[i]["exp_avg"] for i in small],
+                                [states[i]["exp_avg_sq"] for i in small], [], steps,
+                                lr=group["lr"], beta1=beta1, beta2=beta2,
+                                weight_decay=group["weight_decay"], eps=group["eps"],
+                                amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
