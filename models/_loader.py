@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError, ModelError
-from ._gguf_cache import build_gguf_cache
+from ._gguf_cache import build_gguf_cache, gguf_cache_path, is_complete
 from ._structure import SUPPORTED_MODEL_TYPES
 
 log = logging.getLogger(__name__)
@@ -228,9 +228,7 @@ def load_tokenizer(spec: str | Path = "default", *, cache_dir: str | Path | None
     Raises:
         ModelError: as for :func:`load_model`.
     """
-    from transformers import AutoTokenizer
-
-    from ._gguf_cache import gguf_cache_path, is_complete
+    from transformers import AutoTokenizer  # lazy: ~2 s import
 
     source = resolve_model_spec(spec)
     try:
