@@ -145,6 +145,9 @@ def eval_batches(dataset, batch_size: int, max_batches: int = 0
 
     Yields:
         Batches in row order: the same rows every call.
+
+    Raises:
+        ConfigError: ``batch_size`` < 1.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ConfigError(f"batch_size={batch_size!r} must be an integer >= 1")
