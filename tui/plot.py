@@ -67,6 +67,7 @@ def plot_loss_curve(train: Sequence[tuple[int, float]], evals: Sequence[tuple[in
         raise ValueError("no loss values to plot")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(7.0, 4.0), dpi=110)
     FigureCanvasAgg(fig)
@@ -79,6 +80,7 @@ def plot_loss_curve(train: Sequence[tuple[int, float]], evals: Sequence[tuple[in
         xs, ys = zip(*evals)
         ax.plot(xs, ys, color="#d62728", linewidth=1.0, linestyle="--", marker="o",
                 markersize=5, label="eval loss")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(True, alpha=0.3)

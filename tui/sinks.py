@@ -111,7 +111,8 @@ class RunSink:
             ram_bytes=(last.ram_bytes or None) if last else None,
             peak_device_bytes=st.peak_device_bytes, base_eval_loss=base, final_eval_loss=final,
             mean_tokens_per_s=st.mean_tokens_per_s(),
-            paths=summary_paths(out, event.final_dir, self.metrics.path, self.loss_curve_path))
+            paths=summary_paths(out, event.final_dir, self.metrics.path, self.loss_curve_path,
+                                event.interrupted))
 
     def close(self) -> None:
         """Flush and close the metrics file and stop the view (idempotent)."""

@@ -73,12 +73,15 @@ def summary_rows(summary: RunSummary) -> list[tuple[str, str]]:
     steps = f"{summary.steps_done}" + (f"/{summary.total_steps}" if summary.total_steps else "")
     rows.append(("steps", steps + ("  (interrupted)" if summary.interrupted else "")))
     rows.append(("wall time", fmt_duration(summary.wall_s)))
-    if summary.base_eval_loss is not None or summary.final_eval_loss is not None:
+    if summary.final_eval_loss is not None:
         rows.append(("eval perplexity",
                      f"base {fmt_float(summary.base_perplexity, 2)} -> final "
                      f"{fmt_float(summary.final_perplexity, 2)}{_ppl_change(summary)}"))
         rows.append(("eval loss",
                      f"base {fmt_float(summary.base_eval_loss)} -> final {fmt_float(summary.final_eval_loss)}"))
+    elif summary.base_eval_loss is not None:
+        rows.append(("eval perplexity", f"base {fmt_float(summary.base_perplexity, 2)} (no final eval)"))
+        rows.append(("eval loss", f"base {fmt_float(summary.base_eval_loss)}"))
     peak = fmt_bytes(summary.peak_rss_bytes)
     if summary.ram_bytes:
         peak += f" of {fmt_bytes(summary.ram_bytes)} RAM"
@@ -132,8 +135,11 @@ def _escape(text: str) -> str:
 
 
 def summary_paths(output_dir: Path | None, final_dir: str | None, metrics: Path | None,
-                  loss_curve: Path | None) -> dict[str, str]:
-    """The output paths worth printing, only those that exist (or were just written)."""
+                  loss_curve: Path | None, interrupted: bool = False) -> dict[str, str]:
+    """The output paths worth printing, only those that exist (or were just written).
+
+    An interrupted run with checkpoints also gets the command that resumes it.
+    """
     paths: dict[str, str] = {}
     if output_dir is not None:
         paths["output"] = str(output_dir)
@@ -145,4 +151,6 @@ def summary_paths(output_dir: Path | None, final_dir: str | None, metrics: Path 
         paths["metrics"] = str(metrics)
     if loss_curve is not None and loss_curve.is_file():
         paths["loss curve"] = str(loss_curve)
+    if interrupted and output_dir is not None and (output_dir / "checkpoints").is_dir():
+        paths["resume with"] = f"outcore finetune --resume {output_dir}"
     return paths

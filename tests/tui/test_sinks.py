@@ -98,10 +98,23 @@ def test_interrupted_before_first_step_has_no_plot(tmp_path):
     stream = io.StringIO()
     sink = make_sink("plain", tmp_path, stream=stream)
     sink.emit(RunStarted("r", "m", 10, 10, 5, str(tmp_path)))
-    sink.emit(RunFinished(0, 0.5, 1 << 30, str(tmp_path), interrupted=True))
+    sink.emit(RunFinished(0, 0.5, 1 << 30, str(tmp_path), base_eval_loss=2.0, interrupted=True))
     sink.close()
     assert not (tmp_path / "loss_curve.png").exists()
-    assert "run interrupted" in stream.getvalue() and "(interrupted)" in stream.getvalue()
+    text = stream.getvalue()
+    assert "run interrupted" in text and "(interrupted)" in text
+    assert f"base {math.exp(2.0):.2f} (no final eval)" in text
+    assert "resume with" not in text  # no checkpoint to resume from
+
+
+def test_interrupted_run_with_checkpoints_says_how_to_resume(tmp_path, make_step):
+    (tmp_path / "checkpoints").mkdir()
+    stream = io.StringIO()
+    sink = make_sink("plain", tmp_path, stream=stream)
+    sink.emit(make_step(1))
+    sink.emit(RunFinished(1, 0.5, 1 << 30, str(tmp_path), interrupted=True))
+    sink.close()
+    assert f"outcore finetune --resume {tmp_path}" in stream.getvalue()
 
 
 def test_metrics_row_is_written_before_the_view_fails(tmp_path, make_step):

