@@ -95,6 +95,12 @@ class MemoryPlan:
         return {Tier.DEVICE: self.budgets.device_bytes, Tier.HOST: self.budgets.host_bytes,
                 Tier.NVME: self.budgets.nvme_bytes}[t]
 
+    def arena_bytes(self, tier: Tier | str) -> int:
+        """Bytes the TieredStore's arena for ``tier`` must hold: the tier's total minus what
+        lives in ordinary torch allocations (activations, resident LoRA adapters)."""
+        parts = self.tier_bytes[Tier.parse(tier).name]
+        return sum(v for k, v in parts.items() if k not in ("activations", "adapters"))
+
     @property
     def expected_peak_rss_bytes(self) -> int:
         """Process RSS to expect: the RAM tiers plus the fixed runtime overhead."""

@@ -109,8 +109,9 @@ def model_spec_from_model(model: Any) -> ModelSpec:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     units = []
     for u in causal_lm_units(base):
-        params = tuple(ParamInfo(s.name, tuple(int(d) for d in s.shape)) for s in u.slots
-                       if "lora_" not in s.name)
+        # peft wraps a targeted linear: "q_proj.base_layer.weight" is q_proj's frozen weight.
+        params = tuple(ParamInfo(s.name.replace(".base_layer.", "."), tuple(int(d) for d in s.shape))
+                       for s in u.slots if "lora_" not in s.name)
         kind = "block" if u.name.startswith("block.") else u.name
         units.append(UnitSpec(u.index, u.name, kind, params, tuple(u.borrows)))
     dims = _dims(base.config)

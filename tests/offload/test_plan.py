@@ -178,6 +178,8 @@ def test_nvme_mode_streams_everything_and_counts_the_traffic(tiny):
     n = _total(tiny)
     assert plan.tier_bytes["NVME"] == {"weights": 4 * n, "optimizer state": 8 * n}
     assert plan.tier_bytes["HOST"]["NVMe staging"] > 0
+    assert plan.arena_bytes("HOST") == plan.tier_total("HOST")
+    assert plan.arena_bytes("DEVICE") == plan.tier_total("DEVICE") - plan.tier_bytes["DEVICE"]["activations"]
     # Reads: weights for forward and backward (the last k units of the forward are still
     # resident when the backward starts; the tied head also fetches the embedding), plus state.
     fetch = [4 * e] + [4 * b for b in blocks] + [4 * (h + e)]
@@ -365,3 +367,13 @@ def test_matmul_flops_measured_on_cuda():
     from outcore.offload.plan_budget import measure_matmul_flops
 
     assert measure_matmul_flops("cuda") > measure_matmul_flops("cpu")
+
+
+def test_peft_wrapped_model_plans_like_the_base(tiny_llama_factory):
+    peft = pytest.importorskip("peft")
+    base = make_plan(tiny_llama_factory(), method="lora", offload="none", budgets=BIG, seq_len=32, lora_r=4)
+    wrapped = peft.get_peft_model(tiny_llama_factory(), peft.LoraConfig(
+        r=4, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+    plan = make_plan(wrapped, method="lora", offload="none", budgets=BIG, seq_len=32, lora_r=4)
+    assert plan.trainable == base.trainable == sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
+    assert plan.params == base.params
