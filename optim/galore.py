@@ -7,8 +7,11 @@ runs in that low-rank space, and the normalized update is projected back and sca
 ``update_proj_gap`` steps (step 0 included). Other parameters get plain Adam.
 
 State per projected parameter: ``step`` () float32, ``exp_avg`` / ``exp_avg_sq`` (m, r) or
-(r, n), ``proj`` (r, n) or (m, r) — the projection must be stored (an SVD cannot be
-regenerated from a seed), but it is r/m of the parameter's size.
+(r, n), ``proj`` — the projection (r, n) or (m, r) stored *transposed* (n, r) or (r, m).
+It must be stored (an SVD cannot be regenerated from a seed), but it is r/m of the
+parameter's size. Transposed because LAPACK returns singular vectors column-major and the
+reference multiplies with those views: the same memory layout gives the same BLAS
+summation order, hence the same bits.
 
 Numerics follow ``galore_torch.GaLoreAdamW`` op for op (tested: equal after 10 steps):
 ``eps`` outside the sqrt, bias correction folded into the step size, and weight decay
@@ -57,8 +60,8 @@ class GaLore(OutcoreOptimizer):
         if not projects(p, group):
             return {**spec, "exp_avg": (p.shape, p.dtype), "exp_avg_sq": (p.shape, p.dtype)}
         low = low_rank_shape(p.shape, group["rank"])
-        proj = (torch.Size([low[1], p.shape[1]]) if right_side(p.shape)
-                else torch.Size([p.shape[0], low[0]]))
+        proj = (torch.Size([p.shape[1], low[1]]) if right_side(p.shape)  # stored transposed
+                else torch.Size([low[0], p.shape[0]]))
         return {**spec, "exp_avg": (low, p.dtype), "exp_avg_sq": (low, p.dtype),
                 "proj": (proj, p.dtype)}
 
@@ -68,7 +71,7 @@ class GaLore(OutcoreOptimizer):
         beta1, beta2 = group["betas"]
         for p, grad, s in zip(params, grads, states):
             step = int(s["step"].item())  # CPU scalar; on CUDA a sync, once per tensor
-            proj = s.get("proj")
+            proj = s["proj"].t() if "proj" in s else None  # (r, n) or (m, r), column-major
             right = proj is not None and right_side(p.shape)
             if proj is not None:
                 if step % group["update_proj_gap"] == 0:
