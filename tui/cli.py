@@ -2,8 +2,8 @@
 
 Subcommands are listed once, in :func:`commands`; each is a module with
 ``HELP``, ``DESCRIPTION``, ``add_arguments(parser)`` and ``run(args) -> int``
-(``finetune_cmd.py``, ``doctor.py``). ``plan``, ``bench`` and ``export`` are added
-there when their engines exist.
+(``finetune_cmd.py``, ``plan_cmd.py``, ``doctor.py``). ``bench`` and ``export``
+are added there when their engines exist.
 
 Exit codes: 0 success; 2 bad input (any :class:`outcore.errors.OutcoreError`,
 printed as exactly one line ``outcore: error: <message>``, or an argparse usage
@@ -40,11 +40,13 @@ class Command:
 
 def commands() -> list[Command]:
     """Every subcommand, in the order ``--help`` lists them (add new ones here)."""
-    from . import doctor, finetune_cmd
+    from . import doctor, finetune_cmd, plan_cmd
 
     return [
         Command("finetune", finetune_cmd.HELP, finetune_cmd.DESCRIPTION, finetune_cmd.add_arguments,
                 finetune_cmd.run, accepts_overrides=True),
+        Command("plan", plan_cmd.HELP, plan_cmd.DESCRIPTION, plan_cmd.add_arguments, plan_cmd.run,
+                accepts_overrides=True),
         Command("doctor", doctor.HELP, doctor.DESCRIPTION, doctor.add_arguments, doctor.run),
     ]
 

@@ -55,8 +55,12 @@ FLAGS: tuple[tuple[str, str, Any, str | None, str], ...] = (
 )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Declare the finetune options on ``parser`` (defaults suppressed: absent = not given)."""
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the options that build a FinetuneConfig (``--config``, ``key=value``, the flags).
+
+    Flag defaults are suppressed: a flag that is absent from the namespace was not given.
+    Shared by ``finetune`` and ``plan``.
+    """
     parser.add_argument("--config", metavar="FILE.yaml", default=None, help="a YAML file of config keys")
     parser.add_argument("overrides", nargs="*", metavar="key=value", default=[],
                         help="set any config key (e.g. lr=1e-4 optim_args.rank=64)")
@@ -65,6 +69,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             default=argparse.SUPPRESS)
     parser.add_argument("--overwrite", dest="overwrite", action="store_true", default=argparse.SUPPRESS,
                         help="reuse an output directory that holds another run")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the finetune options on ``parser``."""
+    add_config_arguments(parser)
     parser.add_argument("--dry-run", action="store_true",
                         help="print the resolved config as YAML and exit without training")
 
@@ -73,6 +82,17 @@ def given_flags(args: argparse.Namespace) -> dict[str, Any]:
     """The config fields set by flags on this command line (and only those)."""
     fields = [f for _, f, *_ in FLAGS] + ["overwrite"]
     return {f: getattr(args, f) for f in fields if hasattr(args, f)}
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    """The FinetuneConfig of a command line built by :func:`add_config_arguments`.
+
+    Raises:
+        ConfigError: a missing or malformed --config file, an unknown key or a bad value.
+    """
+    from ..recipes.config import load_config
+
+    return load_config(args.config, list(args.overrides or []), **given_flags(args))
 
 
 def _output_dir(result: Any, fallback: str) -> Path:
@@ -91,9 +111,7 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         OutcoreError: bad config, model, data or output directory (the CLI prints it).
     """
-    from ..recipes.config import load_config
-
-    config = load_config(args.config, list(args.overrides or []), **given_flags(args))
+    config = config_from_args(args)
     if args.dry_run:
         import yaml
 

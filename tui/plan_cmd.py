@@ -1,0 +1,88 @@
+"""``outcore plan``: the MemoryPlan of a run, printed before anything is loaded or trained.
+
+The model is sized from its config alone (``outcore.offload.plan`` builds it on the
+meta device), so planning a 70B model is as quick as a 135M one; the budgets come
+from the hardware probe plus ``--device-mem`` / ``--host-mem``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from ..errors import ModelError
+from .finetune_cmd import add_config_arguments, config_from_args
+
+HELP = "show where a run's tensors would live and the expected step time"
+DESCRIPTION = """\
+Plan a fine-tuning run without running it: for each class of tensor (weights,
+gradients, optimizer state, activations) the tier that holds it (DEVICE, HOST,
+NVME), the prefetch depth, the largest micro-batch that fits, bytes per tier and
+the expected step time split into compute and I/O. Takes the same options as
+'outcore finetune'.
+
+examples:
+  outcore plan
+  outcore plan --model ./llama-8b --offload nvme --device-mem 6GiB --host-mem 16GiB
+  outcore plan --config run.yaml --json
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the plan options (the finetune config options plus output switches)."""
+    add_config_arguments(parser)
+    parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.add_argument("--no-measure", action="store_true",
+                        help="do not measure disk and copy bandwidth (use fallback figures)")
+
+
+def model_config(spec: str) -> Any:
+    """The Hugging Face config of a model spec, read without loading any weights.
+
+    Args:
+        spec: ``"default"``, a local HF directory, a ``.gguf`` file or a hub id.
+
+    Returns:
+        A ``transformers.PretrainedConfig``.
+
+    Raises:
+        ModelError: the spec names nothing loadable, or a hub id cannot be reached.
+    """
+    from transformers import AutoConfig
+
+    from ..models import hub_offline, resolve_model_spec
+
+    source = resolve_model_spec(spec)
+    try:
+        if source.kind == "gguf":
+            path = Path(source.location)
+            return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        if source.kind == "hub" and hub_offline():
+            raise ModelError(f"model {spec!r} is a hub id but the hub is offline (HF_HUB_OFFLINE); "
+                             "download it first or pass a local directory")
+        return AutoConfig.from_pretrained(source.location)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"cannot read the config of model {spec!r}: {first}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Probe, plan and print (a text table, or JSON with ``--json``). Returns 0.
+
+    Raises:
+        OutcoreError: a bad config, an unreadable model, or a plan that cannot fit
+            (BudgetError naming the tier, its budget and the need).
+    """
+    from ..offload.plan import plan_for_config
+    from ..offload.probe import probe_hardware
+
+    config = config_from_args(args)
+    hf_config = model_config(config.model)
+    probe = probe_hardware(config.swap_dir, measure=not args.no_measure)
+    plan = plan_for_config(config, hf_config, probe)
+    if args.json:
+        print(json.dumps(plan.to_dict(), indent=2, default=str))
+    else:
+        print(plan.table().rstrip("\n"))
+    return 0
