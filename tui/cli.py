@@ -7,7 +7,7 @@ are added there when their engines exist.
 
 Exit codes: 0 success; 2 bad input (any :class:`outcore.errors.OutcoreError`,
 printed as exactly one line ``outcore: error: <message>``, or an argparse usage
-error); 130 interrupted (Ctrl-C). Other exceptions are bugs and keep their
+error); 130 interrupted (Ctrl-C); 141 stdout closed by its reader (a pipe). Other exceptions are bugs and keep their
 traceback.
 
 Importing this module imports neither torch nor transformers (``--help`` is
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from ..errors import OutcoreError
 
 PROG = "outcore"
-EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED = 0, 2, 130
+EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 2, 130, 141
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,16 @@ def main(argv: list[str] | None = None) -> int:
         # say so in one line instead of a traceback.
         print(f"{PROG}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # stdout was closed by the reader (``outcore doctor --json | head``): not an error
+        # of ours; silence the flush at exit that would raise again.
+        import os
+
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError, AttributeError):  # stdout is not a real file (tests, notebooks)
+            pass
+        return EXIT_BROKEN_PIPE
 
 
 if __name__ == "__main__":  # pragma: no cover

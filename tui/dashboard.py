@@ -147,8 +147,8 @@ class Dashboard:
         dot = (" · ", "dim")
         return Text.assemble(("outcore ", "bold magenta"), (ev.run_name, "bold"), dot,
                              (ev.model, "cyan"), dot, (f"{ev.method}/{ev.optim}", "green"), dot,
-                             (_params(ev.n_params, ev.n_trainable), "dim"), dot, (f"{ev.total_steps} steps", ""), ("  -> ", "dim"),
-                             (ev.output_dir, "underline"))
+                             (_params(ev.n_params, ev.n_trainable), "dim"), dot,
+                             (f"{ev.total_steps} steps", ""), ("  -> ", "dim"), (ev.output_dir, "underline"))
 
     def _main_panel(self, snap: _Snapshot) -> Any:
         from rich import box

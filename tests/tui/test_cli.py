@@ -194,7 +194,9 @@ def test_cli_and_views_import_no_torch():
         "from outcore.events import RunStarted, StepEvent\n"
         "for ui in ('plain', 'rich'):\n"
         "    s = outcore.tui.make_sink(ui, None, stream=io.StringIO())\n"
-        "    s.emit(RunStarted('r', 'm', 1, 1, 1, '')); s.emit(StepEvent(1, 1, 1.0, 1e-4, 1.0, 1.0, 1.0, 1)); s.close()\n"
+        "    s.emit(RunStarted('r', 'm', 1, 1, 1, ''))\n"
+        "    s.emit(StepEvent(1, 1, 1.0, 1e-4, 1.0, 1.0, 1.0, 1))\n"
+        "    s.close()\n"
         "heavy = [m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules]\n"
         "print('HEAVY', heavy)\n"
     )
@@ -216,3 +218,14 @@ def test_python_m_outcore_error_is_one_line():
     assert res.returncode == 2
     assert res.stderr.splitlines() == [res.stderr.strip()]
     assert res.stderr.startswith("outcore: error: optim='sgd' is not one of")
+
+
+def test_closed_pipe_exits_quietly():
+    code = ("import sys\n"
+            "from outcore.tui import cli, doctor\n"
+            "def run(args):\n"
+            "    raise BrokenPipeError(32, 'Broken pipe')\n"
+            "doctor.run = run\n"
+            "sys.exit(cli.main(['doctor']))\n")
+    res = _run(["-c", code])
+    assert res.returncode == 141 and res.stderr == ""
