@@ -19,7 +19,8 @@ Ops (ARCHITECTURE.md §7), declared with ``torch.library.custom_op``:
 - ``outcore::linear_cross_entropy_fwd`` -> (loss, d_hidden, d_weight, d_bias)
 - ``outcore::linear_cross_entropy_bwd`` -> (d_hidden, d_weight, d_bias)
 
-Their default (CPU and any device) impl is pure PyTorch; on CUDA the per-chunk
+Their default impl (CPU and any device) is pure PyTorch; the impl registered for
+``cuda`` runs the same chunk loop, but the per-chunk
 softmax/gradient pass is a Triton kernel (``linear_cross_entropy_triton.py``)
 while the matmuls stay with cuBLAS.
 """
@@ -96,12 +97,12 @@ def ce_chunk_reference(logits: torch.Tensor, targets: torch.Tensor, scale: torch
     return loss
 
 
-def _ce_chunk_for(hidden: torch.Tensor) -> ChunkFn:
-    """The per-chunk CE impl for this device: Triton where usable, else the reference."""
-    if hidden.device.type == "cuda" and triton_usable(hidden):
-        from .linear_cross_entropy_triton import ce_chunk_triton
-        return ce_chunk_triton
-    return ce_chunk_reference
+def _ce_chunk_cuda(logits, targets, scale, ignore_index, label_smoothing, need_grad):
+    """The CUDA chunk impl: the Triton kernel where triton is installed, else the reference."""
+    if triton_usable(logits):
+        from .linear_cross_entropy_triton import ce_chunk_triton  # lazy: triton only on use
+        return ce_chunk_triton(logits, targets, scale, ignore_index, label_smoothing, need_grad)
+    return ce_chunk_reference(logits, targets, scale, ignore_index, label_smoothing, need_grad)
 
 
 def lce_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -167,6 +168,12 @@ def _lce_fwd(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
              bias: Optional[torch.Tensor], ignore_index: int, label_smoothing: float,
              reduction: int, chunk_size: int, need_dh: bool, need_dw: bool, need_db: bool
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _fwd_impl(hidden, weight, targets, bias, ignore_index, label_smoothing, reduction,
+                     chunk_size, need_dh, need_dw, need_db, ce_chunk_reference)
+
+
+def _fwd_impl(hidden, weight, targets, bias, ignore_index, label_smoothing, reduction, chunk_size,
+              need_dh, need_dw, need_db, ce_chunk: ChunkFn):
     n_valid = (targets != ignore_index).sum().to(torch.float32)
     if reduction == REDUCTIONS["none"]:
         need_dh = need_dw = need_db = False  # per-row grads: the backward op recomputes them
@@ -176,7 +183,7 @@ def _lce_fwd(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
         scale = torch.ones((), dtype=torch.float32, device=hidden.device)
     loss_rows, dh, dw, db = lce_chunks(hidden, weight, targets, bias, scale, ignore_index,
                                        label_smoothing, chunk_size, need_dh, need_dw, need_db,
-                                       _ce_chunk_for(hidden))
+                                       ce_chunk)
     if reduction == REDUCTIONS["mean"]:
         loss = loss_rows.sum() / n_valid
     elif reduction == REDUCTIONS["sum"]:
@@ -205,9 +212,14 @@ def _lce_bwd(grad_rows: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor
              targets: torch.Tensor, bias: Optional[torch.Tensor], ignore_index: int,
              label_smoothing: float, chunk_size: int, need_dh: bool, need_dw: bool,
              need_db: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _bwd_impl(grad_rows, hidden, weight, targets, bias, ignore_index, label_smoothing,
+                     chunk_size, need_dh, need_dw, need_db, ce_chunk_reference)
+
+
+def _bwd_impl(grad_rows, hidden, weight, targets, bias, ignore_index, label_smoothing, chunk_size,
+              need_dh, need_dw, need_db, ce_chunk: ChunkFn):
     _, dh, dw, db = lce_chunks(hidden, weight, targets, bias, grad_rows, ignore_index,
-                               label_smoothing, chunk_size, need_dh, need_dw, need_db,
-                               _ce_chunk_for(hidden))
+                               label_smoothing, chunk_size, need_dh, need_dw, need_db, ce_chunk)
     return (dh if dh is not None else _empty(hidden),
             dw.to(weight.dtype) if dw is not None else _empty(weight),
             db.to(bias.dtype) if db is not None else _empty(weight))
@@ -219,6 +231,21 @@ def _lce_bwd_fake(grad_rows, hidden, weight, targets, bias, ignore_index, label_
     return (torch.empty_like(hidden) if need_dh else _empty(hidden),
             torch.empty_like(weight) if need_dw else _empty(weight),
             torch.empty_like(bias) if need_db else _empty(weight))
+
+
+# CUDA: the same chunk loop (cuBLAS matmuls) with the Triton softmax/gradient kernel per chunk.
+@_lce_fwd.register_kernel("cuda")
+def _lce_fwd_cuda(hidden, weight, targets, bias, ignore_index, label_smoothing, reduction,
+                  chunk_size, need_dh, need_dw, need_db):
+    return _fwd_impl(hidden, weight, targets, bias, ignore_index, label_smoothing, reduction,
+                     chunk_size, need_dh, need_dw, need_db, _ce_chunk_cuda)
+
+
+@_lce_bwd.register_kernel("cuda")
+def _lce_bwd_cuda(grad_rows, hidden, weight, targets, bias, ignore_index, label_smoothing,
+                  chunk_size, need_dh, need_dw, need_db):
+    return _bwd_impl(grad_rows, hidden, weight, targets, bias, ignore_index, label_smoothing,
+                     chunk_size, need_dh, need_dw, need_db, _ce_chunk_cuda)
 
 
 def _setup_context(ctx, inputs, output):
@@ -241,7 +268,11 @@ def _backward(ctx, g_loss, _g_dh, _g_dw, _g_db):
                               need_dh, need_dw, need_db)
     else:
         dh, dw, db = ctx.saved_tensors
-        dh, dw, db = dh * g_loss, dw * g_loss, db * g_loss
+        # The usual incoming gradient is exactly 1: then the saved grads are the answer and
+        # no [V, H] temporary is made. Reading it is free on CPU (on CUDA it would be a sync);
+        # only a plain tensor is read: under tracing (fake/functional subclasses) it has no value.
+        if not (type(g_loss) is torch.Tensor and g_loss.device.type == "cpu" and g_loss.item() == 1.0):
+            dh, dw, db = dh * g_loss, dw * g_loss, db * g_loss
     return (dh if need_dh else None, dw if need_dw else None, None,
             db if need_db else None, None, None, None, None, None, None, None)
 

@@ -138,3 +138,17 @@ def test_bad_inputs(model):
     with pytest.raises(ModelError, match="remove"):
         apply_activation_policy(model, "keep")
     handle.remove()
+
+
+@pytest.mark.gpu
+def test_offload_on_cuda_is_bit_identical(tiny_llama_factory):
+    model = tiny_llama_factory().cuda().train()
+    ids = _ids().cuda()
+    ref = _step(model, ids)
+    handle = apply_activation_policy(model, ["offload_nvme", "offload_host", "recompute", "keep"])
+    handle.offloader.min_bytes = 0
+    try:
+        got = _step(model, ids)
+    finally:
+        handle.remove()
+    assert _same(got, ref)

@@ -141,6 +141,8 @@ def test_causal_lm_loss_matches_hugging_face(tiny_llama):
 
 
 def test_ops_are_registered_and_pass_opcheck():
+    for name in ("linear_cross_entropy_fwd", "linear_cross_entropy_bwd"):  # CPU reference + CUDA impl
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(f"outcore::{name}", "CUDA")
     # opcheck: schema, fake impl and autograd registration agree with the real impl.
     h, w, b = torch.randn(12, 4).requires_grad_(), torch.randn(9, 4).requires_grad_(), torch.randn(9)
     t = torch.tensor([1, 2, -100, 8, 0, 3, 3, 4, 5, 6, 7, -100])

