@@ -245,7 +245,7 @@ class Dashboard:
         from rich.text import Text
 
         wide = self._width() >= MAX_WIDTH
-        table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), expand=False, show_edge=False,
+        table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), expand=wide, show_edge=False,
                       pad_edge=False, collapse_padding=not wide)
         table.add_column("tier", style="bold", no_wrap=True)
         table.add_column("held / budget", no_wrap=True)
