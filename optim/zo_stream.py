@@ -93,6 +93,7 @@ class ZOBlockTrainer:
         dtypes = {p.dtype for blk in bl for _, p in blk.params}
         self._work = {dt: torch.empty(max(sum(p.numel() for _, p in blk.params if p.dtype == dt) for blk in bl),
                                       dtype=dt) for dt in dtypes}  # one block of scratch per dtype
+        self._delta = {dt: torch.empty_like(t) for dt, t in self._work.items()}  # eps * z of the block
         self.source: BlockSource = (HostBlockSource(bl) if swap_dir is None
                                     else FileBlockSource(bl, swap_dir, prefetch=prefetch, materialize=materialize))
         self.prefetch_depth = prefetch if swap_dir is not None else 0
@@ -141,19 +142,35 @@ class ZOBlockTrainer:
                 self.state.thresholds[j] = threshold_of(w, self.hyper.sparsity)
         return dirty
 
-    def _point(self, b: int, clean: list[torch.Tensor], seed: int | None, scale: float,
-               masks: list[torch.Tensor | None]) -> None:
-        """Make block ``b``'s parameters hold ``clean + scale * z`` (or ``clean`` when seed is None)."""
+    def _views(self, b: int, clean: list[torch.Tensor], pool: dict[torch.dtype, torch.Tensor]) -> list[torch.Tensor]:
+        """Per-parameter views of block ``b``'s shape carved from a one-block scratch pool."""
         offs: dict[torch.dtype, int] = {}
-        for (j, p), w, m in zip(self.blocks.blocks[b].params, clean, masks):
-            if seed is None:
-                p.data = w
-                continue
+        out = []
+        for w in clean:
             o = offs.get(w.dtype, 0)
-            work = self._work[w.dtype][o:o + w.numel()].view(w.shape)
+            out.append(pool[w.dtype][o:o + w.numel()].view(w.shape))
             offs[w.dtype] = o + w.numel()
-            perturb_(work, seed, j, scale, m, src=w)
-            p.data = work
+        return out
+
+    def _draw(self, b: int, clean: list[torch.Tensor], seed: int, masks: list[torch.Tensor | None]
+              ) -> list[torch.Tensor]:
+        """``d = fl32(eps * z) * mask`` for every parameter of block ``b`` (one z draw serves + and -)."""
+        ds = self._views(b, clean, self._delta)
+        for (j, _), d, m in zip(self.blocks.blocks[b].params, ds, masks):
+            d.zero_()
+            perturb_(d, seed, j, self.hyper.eps, m)  # 0 + d == d exactly
+        return ds
+
+    def _point(self, b: int, clean: list[torch.Tensor], ds: list[torch.Tensor] | None, sign: int) -> None:
+        """Make block ``b``'s parameters hold ``clean + sign * d`` (or ``clean`` when ``ds`` is None).
+
+        ``clean - d`` is bit-for-bit ``clean + fl32(-eps * z)``: rounding is symmetric in sign.
+        """
+        works = self._views(b, clean, self._work) if ds is not None else clean
+        for k, ((_, p), w) in enumerate(zip(self.blocks.blocks[b].params, clean)):
+            if ds is not None:
+                (torch.add if sign > 0 else torch.sub)(w, ds[k], out=works[k])
+            p.data = works[k]
 
     def _release(self, b: int, dirty: bool) -> None:
         """Hand block ``b`` back; its parameters then hold the clean weights (RAM) or nothing (disk)."""
@@ -194,9 +211,10 @@ class ZOBlockTrainer:
             dirty = self._prepare(b, clean, t)
             masks = [mask_for(w, self.state, j) for (j, _), w in zip(self.blocks.blocks[b].params, clean)]
             for i in mine:
-                self._point(b, clean, seeds[i], self.hyper.eps, masks)
+                ds = self._draw(b, clean, seeds[i], masks)
+                self._point(b, clean, ds, +1)
                 hp[i] = self.blocks.run(b, hp[i], ctx)
-                self._point(b, clean, seeds[i], -self.hyper.eps, masks)
+                self._point(b, clean, ds, -1)
                 hm[i] = self.blocks.run(b, hm[i], ctx)
             del masks
             self._release(b, dirty)
@@ -242,7 +260,7 @@ class ZOBlockTrainer:
         for b in range(len(self.blocks)):
             clean = src.acquire(b)
             src.prefetch(b + self.prefetch_depth)
-            self._point(b, clean, None, 0.0, [None] * len(clean))
+            self._point(b, clean, None, 0)
             h = self.blocks.run(b, h, ctx)
             self._release(b, False)
         return float(h)
