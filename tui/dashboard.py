@@ -191,8 +191,9 @@ class Dashboard:
         if ev is not None:
             speed = Text.assemble((fmt_count(ev.tokens_per_s), "bold"), " tokens/s   ",
                                   (fmt_seconds(ev.step_s), "bold"), "/step   ",
-                                  ("lr ", "dim"), fmt_lr(ev.lr), "   ",
-                                  ("grad norm ", "dim"), fmt_float(ev.grad_norm, 3))
+                                  ("lr ", "dim"), fmt_lr(ev.lr))
+            if ev.grad_norm is not None:  # zeroth-order runs have no gradient
+                speed.append_text(Text.assemble("   ", ("grad norm ", "dim"), fmt_float(ev.grad_norm, 3)))
             grid.add_row("speed", speed)
 
             mem = Table.grid(padding=(0, 1))

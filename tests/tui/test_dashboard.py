@@ -53,6 +53,8 @@ def test_device_memory_and_tier_panel_when_present(make_step):
     dash.emit(make_step(2, tiers=True, device=True))
     text = _text(dash)
     assert "device" in text and "2.0 GiB / 8.0 GiB" in text
+    dash.emit(make_step(3, grad_norm=None))  # a zeroth-order run: no gradient, no grad norm
+    assert "grad norm" not in _text(dash)
     assert "I/O stall 20% of the step" in text
     lines = {line.split()[1]: line for line in text.splitlines() if line.split()[1:2] in (["HOST"], ["NVME"])}
     host, nvme = lines["HOST"], lines["NVME"]
