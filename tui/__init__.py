@@ -1,7 +1,13 @@
 """The ``outcore`` command line, the live dashboard, plain logs, ``metrics.jsonl`` and plots.
 
-Nothing here imports torch: the UI renders :mod:`outcore.events` (ARCHITECTURE.md §1).
-rich and matplotlib are imported only when a dashboard or a plot is made.
+Nothing here imports torch at import time: the UI renders :mod:`outcore.events`
+(ARCHITECTURE.md §1); rich and matplotlib are imported only when a dashboard or a
+plot is made, and torch only when a command that needs it (finetune, plan, doctor) runs.
+
+Modules: ``cli`` (entry point, subcommand registry), ``finetune_cmd`` / ``plan_cmd`` /
+``doctor`` (subcommands), ``sinks`` (make_sink fan-out), ``dashboard`` (rich Live view),
+``plain`` (log lines), ``metrics`` (metrics.jsonl), ``plot`` (loss_curve.png),
+``summary`` (end-of-run summary), ``state`` (events folded for the views), ``format``.
 
     from outcore.tui import make_sink
     sink = make_sink(config.ui, config.output)   # view + OUTPUT/metrics.jsonl + loss_curve.png
