@@ -203,3 +203,92 @@ class FileBlockSource:
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+
+
+class StoreBlockSource:
+    """Blocks streamed from NVMe through :class:`outcore.offload.TieredStore` (the default).
+
+    One handle per block (the block's non-shared parameters packed into one flat
+    byte tensor, home NVME, checksummed extents, ``O_DIRECT``); a cyclic
+    :class:`outcore.offload.PrefetchQueue` over the blocks in visit order fetches
+    ``prefetch`` blocks ahead into the HOST tier (the compute tier on a CPU run)
+    and writes updated blocks back asynchronously. The HOST budget is
+    ``prefetch + 2`` blocks, so the store — not a convention — bounds RSS.
+
+    Args:
+        blocks: the schedule's blocks (parameters emptied as in FileBlockSource).
+        swap_dir: the run's swap directory (created 0700 and locked by the store;
+            removed on :meth:`close`).
+        prefetch: blocks fetched ahead.
+        materialize: as for FileBlockSource.
+    """
+
+    def __init__(self, blocks: list[ZOBlock], swap_dir: str | Path, prefetch: int = 2,
+                 materialize: Callable[[ZOBlock], None] | None = None) -> None:
+        from ..offload import PrefetchQueue, Tier, TieredStore
+
+        shared = _shared_indices(blocks)
+        self._resident: dict[int, torch.Tensor] = {}
+        self._layout: list[list[tuple[int, int, torch.Size, torch.dtype]]] = []
+        nbytes = []
+        for blk in blocks:
+            lay, off = [], 0
+            for j, p in blk.params:
+                if j in shared:
+                    lay.append((j, -1, p.shape, p.dtype))
+                    continue
+                lay.append((j, off, p.shape, p.dtype))
+                off += (p.numel() * p.element_size() + 63) // 64 * 64
+            self._layout.append(lay)
+            nbytes.append(max(off, 64))
+        depth = max(0, int(prefetch))
+        total = sum(nbytes)
+        self.store = TieredStore(device_bytes=0, host_bytes=(depth + 2) * max(nbytes) + _ALIGN * (depth + 2),
+                                 nvme_bytes=None, swap_dir=swap_dir)
+        self._handles = []
+        try:
+            for b, blk in enumerate(blocks):
+                if materialize is not None:
+                    materialize(blk)
+                flat = torch.empty(nbytes[b], dtype=torch.uint8)  # transient: one block
+                for (_, p), spec in zip(blk.params, self._layout[b]):
+                    if spec[1] < 0:
+                        self._resident.setdefault(spec[0], p.data)
+                    else:
+                        FileBlockSource._view(flat, spec).copy_(p.data)
+                        p.data = torch.empty(0, dtype=p.dtype)  # the store holds it now
+                self._handles.append(self.store.register(f"zo_block{b}", data=flat, home=Tier.NVME))
+                del flat
+            self.pq = PrefetchQueue(self.store, self._handles, Tier.HOST, depth=depth, cyclic=True)
+        except BaseException:
+            self.store.close()
+            raise
+        self.nvme_bytes = total
+        self.direct = True
+
+    @property
+    def stall_s(self) -> float:
+        return self.pq.stall_s
+
+    @property
+    def read_bytes(self) -> int:
+        return self.store.tier_stats()["NVME"].read_bytes
+
+    @property
+    def written_bytes(self) -> int:
+        return self.store.tier_stats()["NVME"].written_bytes
+
+    def acquire(self, b: int) -> list[torch.Tensor]:
+        flat = self.pq.get(self._handles[b])  # waits only if the prefetch is late (a stall)
+        return [self._resident[spec[0]] if spec[1] < 0 else FileBlockSource._view(flat, spec)
+                for spec in self._layout[b]]
+
+    def prefetch(self, b: int) -> None:
+        return None  # the PrefetchQueue follows the cyclic order by itself
+
+    def release(self, b: int, dirty: bool) -> None:
+        self.pq.done(self._handles[b], dirty=dirty)  # async write-back to NVMe when dirty
+
+    def close(self) -> None:
+        self.pq.close()
+        self.store.close()

