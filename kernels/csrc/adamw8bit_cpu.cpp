@@ -47,24 +47,91 @@ inline uint8_t quantize_one(float y, const uint8_t* bucket, const float* thr) {
 }
 
 #ifdef OUTCORE_AVX512
-inline __m512i bucket_index16(__m512 y) {
-  const __m512i bits = _mm512_castps_si512(y);
-  __m512i mag = _mm512_srli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)), 16);
-  mag = _mm512_min_epi32(_mm512_max_epi32(mag, _mm512_set1_epi32(kBucketMin)),
-                         _mm512_set1_epi32(kBucketMax));
-  mag = _mm512_sub_epi32(mag, _mm512_set1_epi32(kBucketMin));
-  const __mmask16 neg = _mm512_movepi32_mask(bits);  // sign bits
-  return _mm512_mask_add_epi32(mag, neg, mag, _mm512_set1_epi32(kBucketsPerSign));
-}
+// AVX-512 path without gathers (gathers run at ~1 element/cycle on the CPUs measured,
+// which made them the bottleneck): every table lookup is done in registers with permutes.
+//
+// Lookup of a 256-entry float table (dequantization): 8 two-register permutes over
+// 32-entry slices, then a 3-level blend on index bits 5..7.
+struct Table256 {
+  __m512 r[16];
+  explicit Table256(const float* t) {
+    for (int k = 0; k < 16; ++k) r[k] = _mm512_loadu_ps(t + 16 * k);
+  }
+  inline __m512 lookup(__m512i idx) const {
+    __m512 s[8];
+    for (int k = 0; k < 8; ++k) s[k] = _mm512_permutex2var_ps(r[2 * k], idx, r[2 * k + 1]);
+    const __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+    const __mmask16 b6 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
+    const __mmask16 b7 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(128));
+    for (int k = 0; k < 4; ++k) s[k] = _mm512_mask_blend_ps(b5, s[2 * k], s[2 * k + 1]);
+    s[0] = _mm512_mask_blend_ps(b6, s[0], s[1]);
+    s[1] = _mm512_mask_blend_ps(b6, s[2], s[3]);
+    return _mm512_mask_blend_ps(b7, s[0], s[1]);
+  }
+};
 
-// One full 256-element block with AVX-512: 16 lanes, gathers for the 256-entry maps and
-// the 7K-entry bucket tables (all in L1). Same operations, same order as the scalar loop.
+// Quantization = #{k : t[k] < y} by a branch-free binary search over the 255 sorted
+// thresholds: level L (step 128 >> L) compares y with t[pos + step - 1]; the candidates
+// of level L are the 2^L values t[j * (256 >> L) + (128 >> L) - 1], j = pos >> (8 - L),
+// held in registers (levels 0-4: one permute, 5: two-register permute, 6: two, 7: four).
+struct Thresholds {
+  __m512 l04[5];  // levels 0..4, up to 16 entries each
+  __m512 l5[2], l6[4], l7[8];
+  explicit Thresholds(const float* t) {
+    alignas(64) float buf[128];
+    for (int L = 0; L <= 4; ++L) {
+      const int n = 1 << L, stride = 256 >> L, off = (128 >> L) - 1;
+      for (int j = 0; j < 16; ++j) buf[j] = t[(j % n) * stride + off];
+      l04[L] = _mm512_load_ps(buf);
+    }
+    for (int j = 0; j < 32; ++j) buf[j] = t[j * 8 + 3];
+    for (int k = 0; k < 2; ++k) l5[k] = _mm512_load_ps(buf + 16 * k);
+    for (int j = 0; j < 64; ++j) buf[j] = t[j * 4 + 1];
+    for (int k = 0; k < 4; ++k) l6[k] = _mm512_load_ps(buf + 16 * k);
+    for (int j = 0; j < 128; ++j) buf[j] = t[j * 2];
+    for (int k = 0; k < 8; ++k) l7[k] = _mm512_load_ps(buf + 16 * k);
+  }
+  static inline __m512i step(__m512i pos, __m512 t, __m512 y, int s) {
+    const __mmask16 lt = _mm512_cmp_ps_mask(t, y, _CMP_LT_OQ);
+    return _mm512_mask_add_epi32(pos, lt, pos, _mm512_set1_epi32(s));
+  }
+  inline __m512i codes(__m512 y) const {
+    __m512i pos = _mm512_setzero_si512();
+    for (int L = 0; L <= 4; ++L) {
+      const __m512i j = _mm512_srli_epi32(pos, 8 - L);
+      pos = step(pos, _mm512_permutexvar_ps(j, l04[L]), y, 128 >> L);
+    }
+    __m512i j = _mm512_srli_epi32(pos, 3);
+    pos = step(pos, _mm512_permutex2var_ps(l5[0], j, l5[1]), y, 4);
+    j = _mm512_srli_epi32(pos, 2);
+    {
+      const __mmask16 b5 = _mm512_test_epi32_mask(j, _mm512_set1_epi32(32));
+      const __m512 t = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(l6[0], j, l6[1]),
+                                            _mm512_permutex2var_ps(l6[2], j, l6[3]));
+      pos = step(pos, t, y, 2);
+    }
+    j = _mm512_srli_epi32(pos, 1);
+    {
+      const __mmask16 b5 = _mm512_test_epi32_mask(j, _mm512_set1_epi32(32));
+      const __mmask16 b6 = _mm512_test_epi32_mask(j, _mm512_set1_epi32(64));
+      const __m512 a = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(l7[0], j, l7[1]),
+                                            _mm512_permutex2var_ps(l7[2], j, l7[3]));
+      const __m512 b = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(l7[4], j, l7[5]),
+                                            _mm512_permutex2var_ps(l7[6], j, l7[7]));
+      pos = step(pos, _mm512_mask_blend_ps(b6, a, b), y, 1);
+    }
+    return pos;
+  }
+};
+
+// One full 256-element block, 16 lanes at a time. Same operations, same order as the
+// scalar loop below (and as the PyTorch reference).
 inline void update_block_avx512(float* __restrict pb, const float* __restrict gb,
                                 uint8_t* __restrict mcb, float* __restrict ma_b,
                                 uint8_t* __restrict vcb, float* __restrict va_b,
-                                const float* qm, const float* qv, const uint8_t* bm,
-                                const float* tm, const uint8_t* bv, const float* tv,
-                                float* __restrict mbuf, float* __restrict vbuf, const Coeffs& c) {
+                                const Table256& qm, const Table256& qv, const Thresholds& tm,
+                                const Thresholds& tv, float* __restrict mbuf,
+                                float* __restrict vbuf, const Coeffs& c) {
   const __m512 am = _mm512_set1_ps(*ma_b), av = _mm512_set1_ps(*va_b);
   const __m512 b1 = _mm512_set1_ps(c.beta1), omb1 = _mm512_set1_ps(c.one_minus_beta1);
   const __m512 b2 = _mm512_set1_ps(c.beta2), omb2 = _mm512_set1_ps(c.one_minus_beta2);
@@ -75,8 +142,8 @@ inline void update_block_avx512(float* __restrict pb, const float* __restrict gb
     const __m512 g = _mm512_loadu_ps(gb + i);
     const __m512i mi_idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mcb + i)));
     const __m512i vi_idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vcb + i)));
-    __m512 m = _mm512_mul_ps(_mm512_i32gather_ps(mi_idx, qm, 4), am);
-    __m512 v = _mm512_mul_ps(_mm512_i32gather_ps(vi_idx, qv, 4), av);
+    __m512 m = _mm512_mul_ps(qm.lookup(mi_idx), am);
+    __m512 v = _mm512_mul_ps(qv.lookup(vi_idx), av);
     m = _mm512_add_ps(_mm512_mul_ps(m, b1), _mm512_mul_ps(g, omb1));
     v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(g, g), omb2));
     const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), ibc2), eps);
@@ -93,17 +160,9 @@ inline void update_block_avx512(float* __restrict pb, const float* __restrict gb
   *va_b = av_new;
   const __m512 inv_m = _mm512_set1_ps(am_new > 0.f ? 1.f / am_new : 1.f);
   const __m512 inv_v = _mm512_set1_ps(av_new > 0.f ? 1.f / av_new : 1.f);
-  const __m512i one = _mm512_set1_epi32(1);
-  const __m512i byte_mask = _mm512_set1_epi32(0xFF);
   for (int64_t i = 0; i < kBlock; i += 16) {
-    const __m512 ym = _mm512_mul_ps(_mm512_load_ps(mbuf + i), inv_m);
-    const __m512 yv = _mm512_mul_ps(_mm512_load_ps(vbuf + i), inv_v);
-    __m512i cm = _mm512_and_si512(_mm512_i32gather_epi32(bucket_index16(ym), bm, 1), byte_mask);
-    __m512i cv = _mm512_and_si512(_mm512_i32gather_epi32(bucket_index16(yv), bv, 1), byte_mask);
-    const __mmask16 gm = _mm512_cmp_ps_mask(ym, _mm512_i32gather_ps(cm, tm, 4), _CMP_GT_OQ);
-    const __mmask16 gv = _mm512_cmp_ps_mask(yv, _mm512_i32gather_ps(cv, tv, 4), _CMP_GT_OQ);
-    cm = _mm512_mask_add_epi32(cm, gm, cm, one);
-    cv = _mm512_mask_add_epi32(cv, gv, cv, one);
+    const __m512i cm = tm.codes(_mm512_mul_ps(_mm512_load_ps(mbuf + i), inv_m));
+    const __m512i cv = tv.codes(_mm512_mul_ps(_mm512_load_ps(vbuf + i), inv_v));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(mcb + i), _mm512_cvtepi32_epi8(cm));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(vcb + i), _mm512_cvtepi32_epi8(cv));
   }
@@ -118,13 +177,17 @@ void update_range(float* __restrict p, const float* __restrict g, uint8_t* __res
                   int64_t n, int64_t block_begin, int64_t block_end, const Coeffs c) {
   alignas(64) float mbuf[kBlock];
   alignas(64) float vbuf[kBlock];
+#ifdef OUTCORE_AVX512
+  const Table256 qm_r(qm), qv_r(qv);  // per thread, once per range: tables into registers
+  const Thresholds tm_r(tm), tv_r(tv);
+#endif
   for (int64_t b = block_begin; b < block_end; ++b) {
     const int64_t start = b * kBlock;
     const int64_t len = std::min(kBlock, n - start);
 #ifdef OUTCORE_AVX512
     if (len == kBlock) {
-      update_block_avx512(p + start, g + start, mc + start, ma + b, vc + start, va + b, qm, qv,
-                          bm, tm, bv, tv, mbuf, vbuf, c);
+      update_block_avx512(p + start, g + start, mc + start, ma + b, vc + start, va + b, qm_r,
+                          qv_r, tm_r, tv_r, mbuf, vbuf, c);
       continue;
     }
 #endif
