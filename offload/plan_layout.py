@@ -18,6 +18,13 @@ from .plan_sizes import (DTYPE_BYTES, ModelSpec, UnitBytes, block_activation_byt
                          forward_flops_per_token, head_activation_bytes)
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
+ALIGN = 4096  # the store aligns every arena block and NVMe extent to 4 KiB (offload/directio.py)
+PARAM_ALIGN = 64  # each parameter's offset in a unit's flat buffer is 64-byte aligned (offload/units.py)
+
+
+def _slack(u: UnitBytes, allocations: int = 1) -> int:
+    """Upper bound of the padding the store adds to ``allocations`` flat buffers of unit ``u``."""
+    return allocations * (ALIGN + PARAM_ALIGN * u.tensors)
 
 
 @dataclass(frozen=True)
@@ -149,24 +156,34 @@ def account(w: Workload, lay: Layout, batch: int) -> Accounting:
             acc.add(Tier.DEVICE, "optimizer state", u.state)
             continue
         acc.add(lay.weights[i], "weights", u.weights)
-        if w.grads_kept:
+        acc.add(lay.weights[i], "alignment", _slack(u))
+        if w.grads_kept and u.grads:
             acc.add(lay.grads[i], "grads", u.grads)
-        acc.add(lay.state[i], "optimizer state", u.state)
+            acc.add(lay.grads[i], "alignment", _slack(u))
+        if u.state:
+            acc.add(lay.state[i], "optimizer state", u.state)
+            acc.add(lay.state[i], "alignment", _slack(u, u.state_kinds))
     streamed = lay.streamed
     if streamed:
         k = max(lay.prefetch, 1)
+        slack = max(_slack(us[i]) for i in streamed)
         # The unit computing plus k in flight; gradients: one being produced, one being handed off.
         acc.add(Tier.DEVICE, "prefetch window", (k + 1) * max(_fetch_bytes(w, lay, i) for i in streamed))
         acc.add(Tier.DEVICE, "grad window", 2 * max(us[i].grads for i in streamed))
+        acc.add(Tier.DEVICE, "alignment", (k + 3) * slack)
         nvme_w = [us[i].weights for i in streamed if lay.weights[i] == Tier.NVME]
         nvme_s = [us[i].state for i in streamed if lay.state[i] == Tier.NVME]
         nvme_g = [us[i].grads for i in streamed if lay.grads[i] == Tier.NVME and w.grads_kept]
+        kinds = max(us[i].state_kinds for i in streamed)
         if nvme_w:
             acc.add(Tier.HOST, "NVMe staging", k * max(nvme_w))
+            acc.add(Tier.HOST, "alignment", k * slack)
         if nvme_s:  # one unit's state being updated, the next one read ahead
             acc.add(Tier.HOST, "NVMe staging", 2 * max(nvme_s))
+            acc.add(Tier.HOST, "alignment", 2 * kinds * slack)
         if nvme_g:
             acc.add(Tier.HOST, "NVMe staging", 2 * max(nvme_g))
+            acc.add(Tier.HOST, "alignment", 2 * slack)
         if w.budgets.device_kind == "cuda" and w.has_backward:  # grads land in HOST for the CPU update
             acc.add(Tier.HOST, "grad window", 2 * max(us[i].grads for i in streamed))
     dev, host = activation_bytes(w, lay.activations, batch, lay.prefetch)

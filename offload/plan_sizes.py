@@ -27,6 +27,9 @@ NF4_BLOCK = 64  # QLoRA NF4: 4-bit codes, one fp32 absmax per 64 weights (no dou
 DEFAULT_RANK = {"galore": 128, "apollo": 256, "apollo-mini": 1}
 DEFAULT_FRUGAL_DENSITY = 0.25  # share of each matrix with full Adam state (FRUGAL's rho)
 ZO_OPTIMIZERS = ("mezo", "sparse-mezo")
+#: Flat state buffers per unit for each optimizer (each one a separately aligned allocation).
+STATE_KINDS = {"adamw": 2, "adamw8bit": 4, "galore": 3, "apollo": 2, "apollo-mini": 2, "frugal": 2,
+               "mezo": 0, "sparse-mezo": 0}
 OPTIMIZERS = ("adamw", "adamw8bit", "galore", "apollo", "apollo-mini", "frugal") + ZO_OPTIMIZERS
 
 
@@ -234,6 +237,8 @@ class UnitBytes:
     adapter_bytes: int  # weights + grads + state of LoRA adapters (kept resident)
     matmul_params: int  # elements of matrices multiplied per token (FLOPs)
     borrows: tuple[int, ...] = ()
+    tensors: int = 0  # parameters the unit owns (each is 64-byte aligned in the unit's flat buffer)
+    state_kinds: int = 0  # flat state buffers per unit (exp_avg, exp_avg_sq, ..., fp32 master)
 
 
 def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str,
@@ -261,6 +266,7 @@ def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str,
         raise ConfigError(f"method={method!r} is not one of: full, lora, qlora, zo")
     c = DTYPE_BYTES[dtype]
     master = 4 if (c != 4 and method != "zo") else 0  # ZO updates in place in the compute dtype
+    kinds = STATE_KINDS.get(optim, 2) + (1 if master else 0)
     out = []
     for u in spec.units:
         matmul = sum(p.numel for p in u.params if len(p.shape) == 2 and u.kind != "embed")
@@ -271,7 +277,8 @@ def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str,
             st = sum(state_bytes(optim, p, u, optim_args) for p in u.params) + master * n
             out.append(UnitBytes(u.name, u.kind, weights=c * n, grads=0 if method == "zo" else c * n,
                                  state=st, trainable=n, frozen_weights=0, adapter_bytes=0,
-                                 matmul_params=matmul, borrows=u.borrows))
+                                 matmul_params=matmul, borrows=u.borrows, tensors=len(u.params),
+                                 state_kinds=kinds if st else 0))
             continue
         # LoRA / QLoRA: a frozen base that streams read-only, plus small resident adapters.
         shapes = _lora_shapes(u, tuple(lora_targets), lora_r)
@@ -289,7 +296,7 @@ def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str,
             base = c * u.numel
         out.append(UnitBytes(u.name, u.kind, weights=base, grads=0, state=0, trainable=adapter_n,
                              frozen_weights=base, adapter_bytes=adapter,
-                             matmul_params=matmul + adapter_n, borrows=u.borrows))
+                             matmul_params=matmul + adapter_n, borrows=u.borrows, tensors=len(u.params)))
     return out
 
 

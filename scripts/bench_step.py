@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import subprocess
 import sys
@@ -205,10 +204,15 @@ def run_in_memory(model, batches, args) -> dict[str, Any]:
     return time_steps(step, batches, args.warmup)
 
 
+#: Room the bench gives the store beyond the plan's arena bytes: its first-fit arenas can
+#: fragment when handles of different sizes come and go (the plan counts bytes, not holes).
+ARENA_SLACK = (0.05, 64 << 20)
+
+
 def _arena_bytes(plan, tier: str) -> int:
-    """Bytes of ``tier`` the store's arena must hold: the plan's total minus plain torch allocations."""
-    parts = plan.tier_bytes[tier]
-    return sum(v for k, v in parts.items() if k not in ("activations", "adapters"))
+    """The store's budget for ``tier``: the plan's arena bytes plus ``ARENA_SLACK``."""
+    need = plan.arena_bytes(tier)
+    return int(need * (1 + ARENA_SLACK[0])) + ARENA_SLACK[1] if need else 0
 
 
 def outcore_missing() -> str | None:
@@ -256,7 +260,7 @@ def _build_outcore(model, args, offload: str, swap: str):
     plan = make_plan(model, offload=offload, seq_len=args.seq, batch_size=args.batch,
                      budgets=Budgets.unlimited(flops=1e11))
     store = TieredStore(device_bytes=_arena_bytes(plan, "DEVICE"), host_bytes=_arena_bytes(plan, "HOST"),
-                        nvme_bytes=plan.tier_total("NVME") or None,
+                        nvme_bytes=_arena_bytes(plan, "NVME") or None,
                         swap_dir=os.path.join(swap, "swap") if offload == "nvme" else None, device="cpu")
     home = Tier.NVME if offload == "nvme" else Tier.HOST
     opt = adamw([p for p in model.parameters() if p.requires_grad], **hyper)
@@ -300,69 +304,14 @@ def run_outcore_host(model, batches, args):
     return _run_outcore(model, batches, args, "cpu")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def deepspeed_config(device: str, nvme_path: str, batch: int) -> dict[str, Any]:
-    """The peer's config, exactly as in BENCHMARKING.md (ZeRO-3, fp32, its CPU AdamW)."""
-    zero: dict[str, Any] = {
-        "stage": 3,
-        "offload_param": {"device": device, "pin_memory": False},
-        "offload_optimizer": {"device": device, "pin_memory": False},
-        "stage3_param_persistence_threshold": 0,
-        "sub_group_size": int(1e8),
-    }
-    if device == "nvme":
-        zero["offload_param"].update(nvme_path=nvme_path, buffer_count=5, buffer_size=int(1e8),
-                                     max_in_cpu=int(1e9))
-        zero["offload_optimizer"].update(nvme_path=nvme_path)
-    return {
-        "train_micro_batch_size_per_gpu": batch,
-        "gradient_accumulation_steps": 1,
-        "zero_optimization": zero,
-        "aio": {"block_size": 1048576, "queue_depth": 8, "thread_count": 1,
-                "single_submit": False, "overlap_events": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
-                                                   "weight_decay": WEIGHT_DECAY}},
-        "bf16": {"enabled": False},
-        "fp16": {"enabled": False},
-        "gradient_clipping": 0.0,
-        "steps_per_print": 10**9,
-        "wall_clock_breakdown": False,
-    }
-
-
 def _run_deepspeed(model, batches, args, device: str) -> dict[str, Any]:
-    """DeepSpeed ZeRO-3 in one process on the CPU accelerator (BENCHMARKING.md)."""
-    import importlib.util
+    """DeepSpeed ZeRO-3 with both offloads on ``device`` (scripts/_deepspeed_peer.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
+    from _deepspeed_peer import run_deepspeed
 
-    if importlib.util.find_spec("deepspeed") is None:
-        return {"status": "unavailable", "reason": "deepspeed is not installed "
-                "(DS_BUILD_OPS=0 pip install deepspeed; apt-get install libaio-dev)"}
-    os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    import deepspeed
-
-    import shutil
-
-    swap = tempfile.mkdtemp(prefix=f"bench_ds_{device}_", dir=args.swap_dir)
-    try:
-        deepspeed.init_distributed(dist_backend="gloo")
-        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=deepspeed_config(device, swap, args.batch))
-
-        def step(ids):
-            out = engine(input_ids=ids, labels=ids)
-            engine.backward(out.loss)
-            engine.step()
-            return float(out.loss.detach())
-
-        return time_steps(step, batches, args.warmup)
-    finally:
-        shutil.rmtree(swap, ignore_errors=True)
+    return run_deepspeed(model, batches, device, batch=args.batch, swap_dir=args.swap_dir,
+                         warmup=args.warmup, time_steps=time_steps,
+                         hyper=dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY))
 
 
 def run_deepspeed_nvme(model, batches, args):
@@ -399,7 +348,7 @@ def child_main(args) -> None:
     """Run one mode in this process and write its result as JSON to ``args.result``."""
     import torch
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
     result: dict[str, Any]
     why_not = _fits_in_ram(args.child, args)
     if args.child.startswith("outcore_"):
@@ -428,9 +377,12 @@ def run_child(mode: str, args) -> dict[str, Any]:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, __file__, "--child", mode, "--result", str(out), "--model", args.model,
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--seq", str(args.seq),
-               "--batch", str(args.batch), "--seed", str(args.seed), "--swap-dir", args.swap_dir]
+               "--batch", str(args.batch), "--seed", str(args.seed), "--swap-dir", args.swap_dir,
+               "--threads", str(args.threads)]
+        # OpenMP pools outside torch's own (DeepSpeed's CPU Adam) size themselves from this.
+        env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         t0 = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0 or not out.exists():
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
             return {"status": "failed", "reason": f"exit {proc.returncode}: {' | '.join(tail)}",
@@ -446,6 +398,31 @@ def _ratio(a: dict, b: dict) -> float | None:
     return None
 
 
+def plan_estimates(args) -> dict[str, Any]:
+    """What the memory plan expects of each outcore mode on this machine (measured probe).
+
+    Printed next to the measurements so the planner's model can be checked against them.
+    """
+    from outcore.offload.plan import budgets_from_probe, make_plan
+    from outcore.offload.probe import probe_hardware
+
+    budgets = budgets_from_probe(probe_hardware(args.swap_dir, measure=True, seconds=1.0)).with_flops()
+    out: dict[str, Any] = {"budgets": budgets.to_dict()}
+    cfg = model_config(args.model)
+    for mode, offload in (("in_memory", "none"), ("outcore_host", "cpu"), ("outcore_nvme", "nvme")):
+        try:
+            plan = make_plan(cfg, offload=offload, seq_len=args.seq, batch_size=args.batch, budgets=budgets)
+        except Exception as e:  # noqa: BLE001 - a plan that does not fit is a result too
+            out[mode] = {"error": str(e)}
+            continue
+        t = plan.time
+        out[mode] = {"step_s": t.step_s, "compute_s": t.compute_s, "update_s": t.update_s,
+                     "exposed_io_s": t.exposed_io_s, "prefetch_depth": plan.prefetch_depth,
+                     "expected_peak_rss_bytes": plan.expected_peak_rss_bytes,
+                     "nvme_read_bytes": t.io_bytes["nvme_read"], "nvme_write_bytes": t.io_bytes["nvme_write"]}
+    return out
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -458,9 +435,14 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=2, help="sequences per step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="torch / OpenMP threads for every mode (default: all cores, as BENCHMARKING.md asks; "
+                        "on a shared machine fewer threads than cores avoids OpenMP stalls)")
     p.add_argument("--swap-dir", default=tempfile.gettempdir(), help="where NVMe modes put swap files")
     p.add_argument("--quick", action="store_true", help="tiny model, seq 64, batch 1, 5 steps, 1 warm-up")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-plan", dest="plan", action="store_false",
+                   help="skip the memory plan's estimates (they probe the swap dir's disk for ~1 s)")
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -470,8 +452,8 @@ def parse_args(argv=None):
     bad = [m for m in args.modes if m not in MODES]
     if bad:
         p.error(f"unknown mode {bad[0]!r}; choose from {', '.join(MODES)}")
-    if args.steps < 1 or args.warmup < 0 or args.seq < 2 or args.batch < 1:
-        p.error("--steps >= 1, --warmup >= 0, --seq >= 2 and --batch >= 1 are required")
+    if args.steps < 1 or args.warmup < 0 or args.seq < 2 or args.batch < 1 or args.threads < 1:
+        p.error("--steps >= 1, --warmup >= 0, --seq >= 2, --batch >= 1 and --threads >= 1 are required")
     return args
 
 
@@ -482,7 +464,7 @@ def main(argv=None) -> int:
         return 0
     results: dict[str, Any] = {
         "model": args.model, "seq_len": args.seq, "batch_size": args.batch, "steps": args.steps,
-        "warmup": args.warmup, "dtype": "float32", "threads": os.cpu_count(),
+        "warmup": args.warmup, "dtype": "float32", "threads": args.threads,
         "machine": {"cpus": os.cpu_count(), "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
     }
     for mode in args.modes:
@@ -491,6 +473,8 @@ def main(argv=None) -> int:
         results[mode] = run_child(mode, args)
     for mode in MODES:
         results.setdefault(mode, {"status": "skipped", "reason": "not in --modes"})
+    if args.plan:
+        results["plan_estimates"] = plan_estimates(args)
     results["ratio_outcore_nvme_vs_in_memory"] = _ratio(results["outcore_nvme"], results["in_memory"])
     results["ratio_deepspeed_nvme_vs_outcore_nvme"] = _ratio(results["deepspeed_nvme"], results["outcore_nvme"])
     if args.json:
@@ -514,6 +498,11 @@ def print_table(results: dict[str, Any]) -> None:
         print(f"{mode:<16}{r['median_step_s']:>10.3f}{r['min_step_s']:>8.3f}{r['max_step_s']:>8.3f}"
               f"{r['peak_rss_bytes'] / gb:>9.2f}GB{r['bytes_read_per_step'] / gb:>10.3f}GB"
               f"{r['bytes_written_per_step'] / gb:>10.3f}GB  {losses}")
+    for mode, est in results.get("plan_estimates", {}).items():
+        if mode != "budgets":
+            line = est.get("error") or (f"step {est['step_s']:.2f} s (compute {est['compute_s']:.2f} s), "
+                                        f"peak RSS {est['expected_peak_rss_bytes'] / 1e9:.2f} GB")
+            print(f"plan estimate {mode:<14}{line}")
     for key in ("ratio_outcore_nvme_vs_in_memory", "ratio_deepspeed_nvme_vs_outcore_nvme"):
         v = results[key]
         print(f"{key}: {'n/a' if v is None else f'{v:.2f}'}")

@@ -12,16 +12,28 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_step.py"
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_step", SCRIPT)
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-def test_deepspeed_config_is_the_documented_one(bench):
-    cfg = bench.deepspeed_config("nvme", "/swap", batch=2)
+@pytest.fixture(scope="module")
+def bench():
+    return _load(SCRIPT)
+
+
+@pytest.fixture(scope="module")
+def peer():
+    return _load(SCRIPT.parent / "_deepspeed_peer.py")
+
+
+HYPER = dict(lr=5e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+
+def test_deepspeed_config_is_the_documented_one(peer):
+    cfg = peer.deepspeed_config("nvme", "/swap", batch=2, **HYPER)
     z = cfg["zero_optimization"]
     assert z["stage"] == 3 and z["stage3_param_persistence_threshold"] == 0 and z["sub_group_size"] == 10**8
     assert z["offload_param"] == {"device": "nvme", "pin_memory": False, "nvme_path": "/swap",
@@ -32,8 +44,11 @@ def test_deepspeed_config_is_the_documented_one(bench):
     assert cfg["optimizer"]["type"] == "AdamW"
     assert not cfg["bf16"]["enabled"] and not cfg["fp16"]["enabled"]
     assert cfg["train_micro_batch_size_per_gpu"] == 2
-    cpu = bench.deepspeed_config("cpu", "/swap", batch=2)["zero_optimization"]
+    assert cfg["optimizer"]["params"] == {"lr": 5e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+    cpu = peer.deepspeed_config("cpu", "/swap", batch=2, **HYPER)["zero_optimization"]
     assert cpu["offload_param"] == {"device": "cpu", "pin_memory": False}
+    with pytest.raises(ValueError, match="device='disk'"):
+        peer.deepspeed_config("disk", "/swap", batch=2, **HYPER)
 
 
 def test_time_steps_reports_median_min_max_and_io(bench):
