@@ -147,3 +147,23 @@ def test_replay_rejects_mismatched_base(tmp_path):
     (tmp_path / "zo_log.jsonl").write_text('{"format": "x"}\n')
     with pytest.raises(CheckpointError, match="malformed"):
         ZOLog.load(tmp_path)
+
+
+def test_export_zo_run_from_safetensors_base(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from outcore.optim.zo_replay import export_zo_run
+
+    model, loss = _quadratic(seed=4)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "base.safetensors"))
+    opt = MeZO.from_model(model, lr=0.01, n_samples=2, seed=9)
+    for _ in range(4):
+        opt.step(loss)
+    ZOLog({**opt.header(), "base": {"kind": "safetensors", "path": "base.safetensors"}}, opt.log).save(tmp_path)
+    out = export_zo_run(tmp_path, tmp_path / "final")
+    got = load_file(str(out / "model.safetensors"))
+    for k, v in model.state_dict().items():
+        assert torch.equal(got[k], v), k
+    ZOLog(opt.header(), opt.log).save(tmp_path)  # no base named
+    with pytest.raises(CheckpointError, match="names no base"):
+        export_zo_run(tmp_path, tmp_path / "final2")

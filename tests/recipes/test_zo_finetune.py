@@ -81,6 +81,7 @@ def test_in_memory_and_nvme_runs_give_identical_exports(zo_inputs, tmp_path):
     assert any(not torch.equal(a[k], base[k]) for k in base)
 
 
+@pytest.mark.slow(ci=True)
 def test_resume_after_interrupt_matches_uninterrupted(zo_inputs, tmp_path):
     kw = dict(optim="sparse-mezo", optim_args={"eps": 1e-2, "sparsity": 0.5, "mask_every": 2,
                                                 "momentum": 0.5})
@@ -93,6 +94,7 @@ def test_resume_after_interrupt_matches_uninterrupted(zo_inputs, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow(ci=True)
 def test_zo_on_lora_adapters_only(zo_inputs, tmp_path):
     run = finetune(_cfg(zo_inputs, tmp_path / "lora", optim_args={"lora": True, "eps": 1e-2},
                         lora_targets=["q_proj", "v_proj"]), _Collect())
