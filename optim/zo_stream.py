@@ -93,6 +93,9 @@ class ZOBlockTrainer:
         self.rank, self.world, self.exchange = rank, world, exchange
         self.blocks = CausalLMBlocks(model)
         self.names = [n for n, _ in trainable_parameters(model)]
+        if not self.names:
+            raise ConfigError(f"{type(model).__name__} has no parameter with requires_grad=True; "
+                              "unfreeze what ZO should train")
         self.shapes = [(list(p.shape), str(p.dtype).replace("torch.", "")) for _, p in trainable_parameters(model)]
         bl = self.blocks.blocks
         dtypes = {p.dtype for blk in bl for _, p in blk.params}

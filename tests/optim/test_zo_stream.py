@@ -107,3 +107,7 @@ def test_bad_arguments(tiny_llama, tmp_path):
     tr = ZOBlockTrainer(tiny_llama, ZOHyper())
     with pytest.raises(ConfigError, match="lr=0"):
         tr.step(_batches(1)[0], lr=0)
+    for p in tiny_llama.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ConfigError, match="LlamaForCausalLM has no parameter"):
+        ZOBlockTrainer(tiny_llama, ZOHyper())
