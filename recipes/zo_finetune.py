@@ -54,6 +54,9 @@ def zo_options(cfg: FinetuneConfig) -> tuple[Any, dict[str, Any]]:
     """
     from ..optim.zo_core import ZOHyper
 
+    if cfg.grad_accum != 1:
+        raise ConfigError(f"grad_accum={cfg.grad_accum} does not apply to method zo (no gradients); "
+                          "use optim_args.n_samples or a larger batch_size")
     args = dict(cfg.optim_args)
     recipe = {"prefetch": int(args.pop("prefetch", 2)), "lora": bool(args.pop("lora", False))}
     if cfg.optim == "sparse-mezo":

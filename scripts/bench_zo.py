@@ -116,11 +116,13 @@ def run_mode(args: argparse.Namespace) -> dict:
 
         model, tok = load_model(args.model, dtype=torch.float32)
         batch = _batch(tok, args.seq_len, args.batch)
-    weight_bytes = sum(p.numel() * 4 for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if args.mode in ("nvme", "big"):
         swap = tempfile.mkdtemp(prefix="outcore-bench-zo-", dir=args.swap_dir)
     trainer = ZOBlockTrainer(model, ZOHyper(eps=1e-3, n_samples=1), seed=0, swap_dir=swap,
                              prefetch=args.prefetch, materialize=materialize)
+    max_block = max(sum(p.numel() * p.element_size() for _, p in b.params) for b in trainer.blocks.blocks) \
+        if swap is None else max(t.numel() * t.element_size() for t in trainer._work.values())
     _reset_peak()
     times, losses = [], []
     r0 = w0 = 0
@@ -144,7 +146,7 @@ def run_mode(args: argparse.Namespace) -> dict:
             "losses": losses, "peak_rss_bytes": _hwm(), "weight_bytes": weight_bytes,
             "read_bytes_per_step": (r1 - r0) // max(1, args.steps),
             "written_bytes_per_step": (w1 - w0) // max(1, args.steps), "stall_s_total": stall,
-            "direct_io": getattr(trainer.source, "direct", None)}
+            "direct_io": getattr(trainer.source, "direct", None), "max_block_bytes": max_block}
 
 
 def _child(args: argparse.Namespace, mode: str) -> dict:
@@ -172,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--big", action="store_true", help="also fine-tune a random model larger than the RSS it uses")
     ap.add_argument("--big-layers", type=int, default=40)
     ap.add_argument("--big-hidden", type=int, default=1024)
+    ap.add_argument("--rss-budget", type=float, default=1.0, help="GiB: report the largest model that fits it")
     ap.add_argument("--quick", action="store_true", help="small run: seq 64, 2 timed steps, small --big model")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--_mode", default=None, help=argparse.SUPPRESS)
@@ -194,6 +197,16 @@ def main(argv: list[str] | None = None) -> int:
            "same_losses": mem["losses"] == nvme["losses"],
            "in_memory_min_max_s": [mem["min_s"], mem["max_s"]], "nvme_min_max_s": [nvme["min_s"], nvme["max_s"]],
            "threads": os.cpu_count(), "seq_len": args.seq_len, "batch": args.batch, "steps": args.steps}
+    # What fits a budget B: in memory the whole model must (B - the non-weight part of the
+    # in-memory peak); streamed only (prefetch + 4) blocks must (pool + scratch + delta),
+    # the rest of the model lives on disk.
+    budget = int(args.rss_budget * 2 ** 30)
+    held = args.prefetch + 4
+    overhead_mem = mem["peak_rss_bytes"] - mem["weight_bytes"]
+    overhead_nvme = nvme["peak_rss_bytes"] - held * nvme["max_block_bytes"]
+    res.update({"rss_budget_bytes": budget, "largest_in_memory_model_bytes": max(0, budget - overhead_mem),
+                "largest_streamed_block_bytes": max(0, (budget - overhead_nvme) // held),
+                "largest_streamed_model": "bounded by free disk, not RAM"})
     if args.big:
         big = _child(args, "big")
         res.update({"big_weight_bytes": big["weight_bytes"], "big_peak_rss_bytes": big["peak_rss_bytes"],

@@ -107,6 +107,7 @@ def test_zo_on_lora_adapters_only(zo_inputs, tmp_path):
     ({"optim_args": {"sparsity": 0.5}}, "needs optim=sparse-mezo"),
     ({"optim_args": {"epsilon": 1e-3}}, "optim_args.epsilon"),
     ({"optim": "sparse-mezo", "optim_args": {"sparsity": 0.0}}, "sparsity=0.0"),
+    ({"grad_accum": 2}, "grad_accum=2"),
 ])
 def test_bad_zo_options(zo_inputs, tmp_path, kw, match):
     with pytest.raises(ConfigError, match=match):
