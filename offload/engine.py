@@ -90,15 +90,16 @@ class OutOfCoreEngine:
         prefetch: how many units ahead to prefetch (k).
         max_grad_norm: global-norm clipping (0 = off).
         grad_accum: micro-batches per optimizer step.
+        units: the model cut into units (default: ``causal_lm_units(model)``).
     """
 
     def __init__(self, model: nn.Module, optimizer: Any,
                  memory: Callable[[list[Unit], Any], UnitMemory], *, prefetch: int = 2,
-                 max_grad_norm: float = 0.0, grad_accum: int = 1):
+                 max_grad_norm: float = 0.0, grad_accum: int = 1, units: list[Unit] | None = None):
         self.model = model
         self.optimizer = optimizer
         self.group = optimizer.param_groups[0]
-        self.units = causal_lm_units(model)
+        self.units = units if units is not None else causal_lm_units(model)
         self.prefetch_depth = max(1, prefetch)
         self.max_grad_norm = max_grad_norm
         self.grad_accum = grad_accum

@@ -46,12 +46,14 @@ class StoreUnitMemory:
         optimizer: an ``OutcoreOptimizer``: ``state_spec`` gives the state layout and
             ``init_state`` the initial values.
         home: tier of the authoritative copies (``Tier.NVME`` or ``Tier.HOST``).
+        homes: per unit, (weights home, state home); overrides ``home``.
     """
 
-    def __init__(self, store: TieredStore, units: list[Unit], optimizer, home: Tier = Tier.NVME):
+    def __init__(self, store: TieredStore, units: list[Unit], optimizer, home: Tier = Tier.NVME,
+                 homes: list[tuple[Tier, Tier]] | None = None):
         self.store = store
         self.units = units
-        self.home = Tier.parse(home)
+        self.homes = homes or [(Tier.parse(home), Tier.parse(home))] * len(units)
         self.handles: dict[tuple[int, str], TensorHandle] = {}
         self.state_layout: list[list[dict[str, _StateSlot]]] = []
         kinds: list[str] = []
@@ -60,7 +62,8 @@ class StoreUnitMemory:
             w = torch.empty(unit.numel, dtype=_unit_dtype(unit))
             for slot in unit.slots:
                 unit.view(w, slot).copy_(slot.param.data)
-            self.handles[(unit.index, WEIGHTS)] = store.register(f"{unit.name}:w", data=w, home=self.home)
+            w_home, s_home = self.homes[unit.index]
+            self.handles[(unit.index, WEIGHTS)] = store.register(f"{unit.name}:w", data=w, home=w_home)
             del w
             layout, sizes, dtypes = [], {}, {}
             inits: list[dict[str, torch.Tensor]] = []
@@ -85,8 +88,10 @@ class StoreUnitMemory:
                         s = entry[kind]
                         flat[s.offset:s.offset + s.shape.numel()].view(s.shape).copy_(init[kind])
                 self.handles[(unit.index, kind)] = store.register(f"{unit.name}:{kind}", data=flat,
-                                                                  home=self.home)
+                                                                  home=s_home)
             self.state_layout.append(layout)
+            for slot in unit.slots:  # the store holds the unit now: free the model's own copy
+                slot.param.data = torch.empty(0, dtype=slot.param.dtype)
         self.state_kinds = kinds
         self._pinned: dict[tuple[int, str], Future] = {}  # fetched and not yet released
         self._unpinned: OrderedDict[tuple[int, str], None] = OrderedDict()  # resident, evictable (LRU)
@@ -95,6 +100,9 @@ class StoreUnitMemory:
     # -- the UnitMemory protocol ----------------------------------------------------
     def _tier(self, kind: str) -> Tier:
         return Tier.DEVICE if kind == WEIGHTS else Tier.HOST
+
+    def _home(self, key: tuple[int, str]) -> Tier:
+        return self.handles[key].home
 
     def prefetch(self, unit: int, kind: str) -> None:
         key = (unit, kind)
@@ -130,10 +138,10 @@ class StoreUnitMemory:
         self._pinned.pop(key)
         if dirty:
             self.store.mark_dirty(h, tier)
-            if tier is not self.home:
+            if tier is not h.home:
                 self._writes.append(self.store.write_back(h))
         self.store.release(h, tier)
-        if tier is self.home:
+        if tier is h.home:
             return
         if keep:
             self._unpinned[key] = None
@@ -194,6 +202,37 @@ class StoreUnitMemory:
 
     def state(self, unit: int, kind: str) -> torch.Tensor:
         return self.store.load(self.handles[(unit, kind)])
+
+    def overwrite(self, unit: int, kind: str, value: torch.Tensor) -> None:
+        """Replace a handle's value (resume from a checkpoint): through a pinned working copy,
+        marked dirty and written home, so every tier agrees afterwards."""
+        key = (unit, kind)
+        h, tier = self.handles[key], self._tier(kind)
+        self.store.fetch(h, tier).result().copy_(value.view(h.shape))
+        self.store.mark_dirty(h, tier)
+        if tier is not h.home:
+            self.store.write_back(h).result()
+        self.store.release(h, tier)
+        if tier is not h.home:
+            self.store.evict(h, tier).result()
+            self._unpinned.pop(key, None)
+
+
+def unit_state_bytes(units: list[Unit], optimizer) -> list[dict[str, int]]:
+    """Bytes of each optimizer-state handle (kind -> bytes) per unit, from ``state_spec``.
+
+    Nothing is allocated: this sizes the store before anything is registered.
+    """
+    group = optimizer.param_groups[0]
+    out = []
+    for unit in units:
+        kinds: dict[str, int] = {}
+        for slot in unit.slots:
+            for kind, (shape, dtype) in optimizer.state_spec(slot.param, group).items():
+                n = _pad(max(torch.Size(shape).numel(), 1), dtype.itemsize) * dtype.itemsize
+                kinds[kind] = kinds.get(kind, 0) + n
+        out.append(kinds)
+    return out
 
 
 def _unit_dtype(unit: Unit) -> torch.dtype:

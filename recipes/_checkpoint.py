@@ -21,7 +21,7 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -83,7 +83,7 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(output_dir: str | Path, step: int, model_state: dict[str, torch.Tensor],
                     optimizer_state: dict[str, Any], trainer_state: dict[str, Any],
-                    keep: int = 2) -> Path:
+                    keep: int = 2, write_extra: Callable[[Path], None] | None = None) -> Path:
     """Write one checkpoint atomically and prune old ones.
 
     Args:
@@ -93,6 +93,8 @@ def save_checkpoint(output_dir: str | Path, step: int, model_state: dict[str, to
         optimizer_state: ``optimizer.state_dict()``.
         trainer_state: everything else needed to resume (picklable).
         keep: how many complete checkpoints to keep (>= 1).
+        write_extra: writes more files into the (temporary) checkpoint directory,
+            e.g. the unit files of an out-of-core run; they are checksummed too.
 
     Returns:
         The checkpoint directory.
@@ -106,9 +108,12 @@ def save_checkpoint(output_dir: str | Path, step: int, model_state: dict[str, to
     save_file(model_state, str(tmp / "model.safetensors"))
     torch.save(optimizer_state, tmp / "optimizer.pt")
     torch.save(trainer_state, tmp / "trainer.pt")
-    digests = {f.name: _digest(f) for f in sorted(tmp.iterdir())}
+    if write_extra is not None:
+        write_extra(tmp)
+    files = sorted(f for f in tmp.rglob("*") if f.is_file())
+    digests = {str(f.relative_to(tmp)): _digest(f) for f in files}
     (tmp / _COMPLETE).write_text(json.dumps({"step": step, "xxh64": digests}))
-    for f in tmp.iterdir():
+    for f in [*files, tmp / _COMPLETE]:
         _fsync(f)
     if final.exists():  # re-saving the same step (e.g. final save after a periodic one)
         shutil.rmtree(final)

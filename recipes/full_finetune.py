@@ -71,7 +71,17 @@ class Recipe:
         self.loader = BatchLoader(self.train_set, cfg.batch_size, seed=cfg.seed)
 
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(cfg, self.params)
+        self.offloaded = None
+        self.plan = None
+        if cfg.offload != "none":
+            self.plan = make_plan(cfg, self.model)
+            if self.plan.layout == "none":  # `auto` found that everything fits in memory
+                self.plan.notes.append("everything fits in memory: training in memory")
+        if self.plan is not None and self.plan.layout != "none":
+            self.optimizer = build_optimizer(cfg, self.params, streaming=True)
+            self.offloaded = offload_from_plan(cfg, self.model, self.optimizer, self.plan, self.out)
+        else:
+            self.optimizer = build_optimizer(cfg, self.params)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
 
@@ -87,11 +97,14 @@ class Recipe:
             raise CheckpointError(f"--resume {self.cfg.resume!r}: the run has no complete checkpoint; "
                                   "start over with --overwrite")
         model_state, optim_state, trainer = ckpt.load_checkpoint(last)
-        named = dict(self.model.named_parameters())
-        with torch.no_grad():
-            for name, t in model_state.items():
-                named[name].copy_(t)
-        self.optimizer.load_state_dict(optim_state)
+        if self.offloaded is not None:
+            self.offloaded.load(last / "units")
+        else:
+            named = dict(self.model.named_parameters())
+            with torch.no_grad():
+                for name, t in model_state.items():
+                    named[name].copy_(t)
+            self.optimizer.load_state_dict(optim_state)
         self.scheduler.load_state_dict(trainer["scheduler"])
         self.loader.load_state_dict(trainer["loader"])
         ckpt.set_rng_state(trainer["rng"])
@@ -106,10 +119,14 @@ class Recipe:
     def train(self) -> None:
         cfg = self.cfg
         n_params = sum(p.numel() for p in self.model.parameters())
+        if self.offloaded is not None:  # parameters point at empty tensors now: count the units
+            n_params = sum(s.numel for u in self.offloaded.engine.units for s in u.slots)
         self.sink.emit(RunStarted(run_name=self.out.name, model=cfg.model, n_params=n_params,
-                                  n_trainable=sum(p.numel() for p in self.params),
+                                  n_trainable=n_params if self.offloaded is not None
+                                  else sum(p.numel() for p in self.params),
                                   total_steps=cfg.max_steps, output_dir=str(self.out),
-                                  method=cfg.method, optim=cfg.optim, config=cfg.to_dict()))
+                                  method=cfg.method, optim=cfg.optim, config=cfg.to_dict(),
+                                  plan_table=None if self.plan is None else self.plan.table()))
         if self.base_eval_loss is None:
             self.base_eval_loss = self._eval(step=0)
         self.losses: list[float] = []
@@ -117,16 +134,23 @@ class Recipe:
         t_start = time.perf_counter()
         while self.step < cfg.max_steps:
             t0 = time.perf_counter()
-            loss_sum = torch.zeros(())
-            for _ in range(cfg.grad_accum):
-                loss = self.loss(self.loader.next_batch()) / cfg.grad_accum
-                loss.backward()
-                loss_sum += loss.detach()
-            grad_norm = None
-            if cfg.max_grad_norm > 0:
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
+            stall0 = self.offloaded.stall_s if self.offloaded is not None else 0.0
             lr = self.scheduler.get_last_lr()[0]
-            self.optimizer.step()
+            if self.offloaded is not None:
+                # forward, backward and every unit's update, streamed through the tiers
+                micro = [self.loader.next_batch() for _ in range(cfg.grad_accum)]
+                loss_sum = self.offloaded.train_step(lambda m, b: m(**b).loss, micro, lr)
+                grad_norm = self.offloaded.last_grad_norm
+            else:
+                loss_sum = torch.zeros(())
+                for _ in range(cfg.grad_accum):
+                    loss = self.loss(self.loader.next_batch()) / cfg.grad_accum
+                    loss.backward()
+                    loss_sum += loss.detach()
+                grad_norm = None
+                if cfg.max_grad_norm > 0:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
+                self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
@@ -147,9 +171,14 @@ class Recipe:
                     elapsed_s=time.perf_counter() - t_start, rss_bytes=rss_bytes(),
                     ram_bytes=ram_total_bytes(),
                     grad_norm=None if grad_norm is None else float(grad_norm),
-                    eval_loss=eval_loss, **_device_memory()))
+                    eval_loss=eval_loss, **self._tier_fields(stall0), **_device_memory()))
             if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
                 self.save()
+
+    def _tier_fields(self, stall0: float) -> dict[str, Any]:
+        if self.offloaded is None:
+            return {}
+        return {"stall_s": self.offloaded.stall_s - stall0, "tiers": self.offloaded.tier_stats()}
 
     def _eval(self, step: int) -> float:
         self.model.eval()
@@ -163,6 +192,9 @@ class Recipe:
         trainer_state = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                          "loader": self.loader.state_dict(), "rng": ckpt.rng_state(),
                          "base_eval_loss": self.base_eval_loss}
+        if self.offloaded is not None:  # weights and state stream out of the store, unit by unit
+            return ckpt.save_checkpoint(self.out, self.step, {}, {}, trainer_state,
+                                        write_extra=lambda d: self.offloaded.save(d / "units"))
         return ckpt.save_checkpoint(self.out, self.step, ckpt.trainable_state(self.model),
                                     self.optimizer.state_dict(), trainer_state)
 
@@ -172,8 +204,12 @@ class Recipe:
         if not interrupted:
             final_eval = self._eval(self.step)
             self.save()
-            if self.cfg.export:
+            if self.cfg.export and self.offloaded is not None:
+                final_dir = self.offloaded.export_hf(self.out / "final", self.model.config, self.tokenizer)
+            elif self.cfg.export:
                 final_dir = export_hf(self.model, self.tokenizer, self.out / "final")
+        if self.offloaded is not None:
+            self.offloaded.close()  # finishes writes, removes the swap directory
         self.sink.emit(RunFinished(steps_done=self.step, wall_s=time.perf_counter() - self._t0,
                                    peak_rss_bytes=peak_rss_bytes(), output_dir=str(self.out),
                                    base_eval_loss=self.base_eval_loss, final_eval_loss=final_eval,
@@ -194,24 +230,66 @@ class Recipe:
             self.cleanup(interrupted=True)
             raise
         except BaseException:
+            if getattr(self, "offloaded", None) is not None:
+                self.offloaded.close()
             self.sink.close()
             raise
         return self.cleanup()
 
 
 # ---------------------------------------------------------------------- builders
-def build_optimizer(cfg: FinetuneConfig, params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+def build_optimizer(cfg: FinetuneConfig, params: list[torch.nn.Parameter], streaming: bool = False
+                    ) -> torch.optim.Optimizer:
     """The optimizer named by ``cfg.optim`` over ``params``.
 
-    ``adamw`` is torch's fused AdamW: the reference the out-of-core engine
-    matches bit for bit. The memory-lean optimizers come from ``outcore.optim``.
+    In memory, ``adamw`` is torch's fused AdamW: the reference. Streamed
+    (``streaming=True``), it is ``outcore.optim.AdamW``, whose per-unit update is
+    the same kernel, so both give the same bits. The memory-lean optimizers
+    come from ``outcore.optim``.
     """
     common = dict(lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if cfg.optim == "adamw":
+    if cfg.optim == "adamw" and not streaming:
         return torch.optim.AdamW(params, betas=cfg.betas, eps=cfg.eps, fused=True, **common)
     from .. import optim as oc_optim
 
-    return oc_optim.create(cfg.optim, params, betas=cfg.betas, eps=cfg.eps, **common, **cfg.optim_args)
+    return oc_optim.build_optimizer(cfg.optim, params, betas=cfg.betas, eps=cfg.eps, **common,
+                                    **cfg.optim_args)
+
+
+def make_plan(cfg: FinetuneConfig, model: torch.nn.Module):
+    """The MemoryPlan of this run (budgets from --device-mem / --host-mem and this machine)."""
+    from ..errors import ConfigError
+    from ..offload.plan import plan_for_config
+    from ..offload.probe import probe_hardware
+
+    if cfg.method != "full":
+        raise ConfigError(f"offload={cfg.offload!r} with method={cfg.method!r} is not supported yet: "
+                          "use --offload none (LoRA adapters are small) or --method full")
+    if cfg.dtype != "float32":
+        raise ConfigError(f"offload={cfg.offload!r} with dtype={cfg.dtype!r} is not supported yet: "
+                          "use dtype=float32 or --offload none")
+    probe = probe_hardware(_swap_dir(cfg, Path(cfg.output)).parent, measure=False)
+    return plan_for_config(cfg, model, probe=probe)
+
+
+def _swap_dir(cfg: FinetuneConfig, out: Path) -> Path:
+    return Path(cfg.swap_dir) if cfg.swap_dir else out / "swap"
+
+
+def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: Any, plan: Any, out: Path):
+    """Move the model's weights and optimizer state to the tiers ``plan`` chose."""
+    from ..offload.handle import Tier
+    from ..offload.plan import parse_bytes
+    from ..offload.training import offload_model
+
+    home = {Tier.DEVICE: Tier.HOST, Tier.HOST: Tier.HOST, Tier.NVME: Tier.NVME}
+    homes = [(home[u.weights], home[u.state or u.weights]) for u in plan.units]
+    mode = "nvme" if any(Tier.NVME in h for h in homes) else "cpu"
+    return offload_model(model, optimizer, offload=mode, swap_dir=_swap_dir(cfg, out),
+                         prefetch=max(1, plan.prefetch_depth), max_grad_norm=cfg.max_grad_norm,
+                         grad_accum=cfg.grad_accum, homes=homes,
+                         device_bytes=parse_bytes(cfg.device_mem) if cfg.device_mem else None,
+                         host_bytes=parse_bytes(cfg.host_mem) if cfg.host_mem else None)
 
 
 def _with_lora(model: torch.nn.Module, cfg: FinetuneConfig) -> torch.nn.Module:

@@ -1,0 +1,223 @@
+"""Out-of-core training, assembled: store + unit memory + engine, sized from the plan.
+
+:func:`offload_model` is what a recipe calls when ``offload`` is not ``none``;
+it returns an :class:`OffloadedModel` whose ``train_step`` replaces
+``loss.backward(); optimizer.step()``. Everything else (the schedule, the
+hooks, the tiers) stays behind it.
+
+Arena budgets are the *working set* the engine needs, not the machine's size:
+arenas are preallocated and touched (their budget is physically real), so a
+budget larger than the need would only waste RAM.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..errors import CheckpointError, ConfigError
+from ..events import TierStats
+from .directio import align_up
+from .engine import OutOfCoreEngine
+from .handle import Tier
+from .store import TieredStore
+from .unit_memory import WEIGHTS, StoreUnitMemory, unit_state_bytes
+from .units import Unit
+
+# The engine holds, at the turn of the step, the unit computing, its borrowed
+# (tied) weights, k prefetched and k+1 kept for the next phase: 2k + 3 units.
+_WINDOW_EXTRA = 3
+
+
+def _arena_bytes(handle_bytes: int | dict[str, int]) -> int:
+    """What one unit's handle(s) take in an arena: each handle 4 KiB-padded."""
+    sizes = handle_bytes.values() if isinstance(handle_bytes, dict) else [handle_bytes]
+    return sum(align_up(max(n, 1)) for n in sizes)
+
+
+def _window(sizes: list[int], count: int) -> int:
+    """Bytes for the ``count`` largest of ``sizes``, plus one more of the largest as slack
+    for fragmentation (the arena's free list is first-fit)."""
+    top = sorted(sizes, reverse=True)
+    return sum(top[:count]) + (top[0] if top else 0)
+
+
+class OffloadedModel:
+    """A model in training whose weights and optimizer state live in a TieredStore.
+
+    Build with :func:`offload_model`.
+    """
+
+    def __init__(self, engine: OutOfCoreEngine, store: TieredStore, swap_dir: Path | None):
+        self.engine, self.store, self.swap_dir = engine, store, swap_dir
+        self.mem: StoreUnitMemory = engine.mem  # type: ignore[assignment]
+
+    @property
+    def last_grad_norm(self) -> torch.Tensor | None:
+        return getattr(self.engine, "last_grad_norm", None)
+
+    def train_step(self, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], micro_batches: list[Any],
+                   lr: float) -> torch.Tensor:
+        """One optimizer step (forward, backward and every unit's update). See ``OutOfCoreEngine``."""
+        return self.engine.train_step(loss_fn, micro_batches, lr)
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        """Per-tier occupancy and traffic, bandwidth over the time since the previous call."""
+        return self.store.tier_stats(window=True)
+
+    @property
+    def stall_s(self) -> float:
+        """Seconds compute waited for a transfer, since the start."""
+        return self.mem.stall_s
+
+    # -- checkpoints: one safetensors file per unit, streamed (bounded memory) ----------
+    def save(self, directory: str | Path) -> None:
+        """Write every unit's newest weights and optimizer state into ``directory``.
+
+        One file per unit, read from the store one handle at a time, so the
+        memory needed is one unit's, whatever the size of the model.
+        """
+        self.mem.flush()
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        for unit in self.engine.units:
+            tensors = {kind: self.store.load(h) for (i, kind), h in self.mem.handles.items() if i == unit.index}
+            save_file({k: t.contiguous() for k, t in tensors.items()}, str(d / f"{unit.name}.safetensors"))
+        (d / "units.json").write_text(json.dumps([u.name for u in self.engine.units]))
+
+    def load(self, directory: str | Path) -> None:
+        """Replace every unit's weights and state with those saved by :meth:`save`.
+
+        Raises:
+            CheckpointError: files missing, or not of this model / optimizer.
+        """
+        d = Path(directory)
+        names = [u.name for u in self.engine.units]
+        try:
+            saved = json.loads((d / "units.json").read_text())
+        except (OSError, ValueError):
+            raise CheckpointError(f"{str(d)!r} holds no out-of-core checkpoint (units.json missing or damaged)") from None
+        if saved != names:
+            raise CheckpointError(f"{str(d)!r} was saved from another model ({len(saved)} units, "
+                                  f"this one has {len(names)}); resume with the same --model")
+        for unit in self.engine.units:
+            tensors = load_file(str(d / f"{unit.name}.safetensors"))
+            for (i, kind), h in self.mem.handles.items():
+                if i != unit.index:
+                    continue
+                t = tensors.get(kind)
+                if t is None or tuple(t.shape) != tuple(h.shape) or t.dtype != h.dtype:
+                    raise CheckpointError(f"{unit.name}.{kind} in {str(d)!r} does not match this run's "
+                                          "optimizer state; resume with the same --optim and --model")
+                self.mem.overwrite(unit.index, kind, t)
+
+    def named_weights(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """The unit's parameters by model name, copied out of the store (blocks)."""
+        flat = self.mem.weights(unit.index)
+        return {s.name: unit.view(flat, s).clone() for s in unit.slots}
+
+    def export_hf(self, out_dir: str | Path, hf_config: Any, tokenizer: Any = None) -> Path:
+        """Write a Hugging Face directory, one safetensors shard per unit (bounded memory).
+
+        ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it; tied weights are
+        stored once, as transformers expects.
+        """
+        out = Path(out_dir)
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        weight_map, total = {}, 0
+        for unit in self.engine.units:
+            tensors = self.named_weights(unit)
+            if not tensors:
+                continue
+            shard = f"model-{unit.index:05d}-{unit.name}.safetensors"
+            save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
+            for name, t in tensors.items():
+                weight_map[name] = shard
+                total += t.numel() * t.element_size()
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        cfg = hf_config
+        if getattr(cfg, "quantization_config", None) is not None:
+            cfg = type(cfg).from_dict({k: v for k, v in cfg.to_dict().items() if k != "quantization_config"})
+        cfg.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        os.replace(tmp, out)
+        return out
+
+    def close(self) -> None:
+        """Finish every write, take the hooks off, free the arenas and remove the swap directory."""
+        try:
+            self.mem.flush()
+        finally:
+            self.engine.remove()
+            self.store.close()
+
+
+def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_dir: str | Path | None,
+                  prefetch: int = 2, max_grad_norm: float = 0.0, grad_accum: int = 1,
+                  device_bytes: int | None = None, host_bytes: int | None = None,
+                  homes: list[tuple[Tier, Tier]] | None = None) -> OffloadedModel:
+    """Move ``model``'s weights and ``optimizer``'s state into tiers and wrap it for training.
+
+    Args:
+        model: a causal LM (see ``units.causal_lm_units``), weights initialized.
+        optimizer: an ``outcore.optim.OutcoreOptimizer`` over the trainable parameters.
+        offload: ``cpu`` (authoritative copies in HOST) or ``nvme`` (in the swap dir).
+        swap_dir: the swap directory (created 0700, locked; required for ``nvme``).
+        prefetch: units fetched ahead (k).
+        max_grad_norm, grad_accum: as in the config (either one disables step-in-backward).
+        device_bytes, host_bytes: caps on the DEVICE / HOST arenas (default: the working set).
+        homes: per unit (weights tier, state tier), e.g. from a ``MemoryPlan``; overrides ``offload``.
+
+    Returns:
+        The :class:`OffloadedModel`.
+
+    Raises:
+        ConfigError: an unknown ``offload`` or ``nvme`` without a swap dir.
+        BudgetError: a cap smaller than one unit needs.
+        SwapDirError: the swap dir cannot be used.
+    """
+    if offload not in ("cpu", "nvme"):
+        raise ConfigError(f"offload={offload!r}: the out-of-core engine takes 'cpu' or 'nvme'")
+    from .units import causal_lm_units
+
+    units = causal_lm_units(model)
+    home = Tier.NVME if offload == "nvme" else Tier.HOST
+    homes = homes or [(home, home)] * len(units)
+    uses_nvme = any(Tier.NVME in h for h in homes)
+    if uses_nvme and swap_dir is None:
+        raise ConfigError("offload=nvme needs a swap directory; pass --swap-dir DIR on a fast disk")
+
+    k = max(1, prefetch)
+    w_sizes = [_arena_bytes(u.numel * _itemsize(u)) for u in units]
+    s_sizes = [_arena_bytes(kinds) for kinds in unit_state_bytes(units, optimizer)]
+    need_device = _window(w_sizes, 2 * k + _WINDOW_EXTRA)
+    host_home = sum(w for w, (hw, _) in zip(w_sizes, homes) if hw is Tier.HOST)
+    host_home += sum(s for s, (_, hs) in zip(s_sizes, homes) if hs is Tier.HOST)
+    need_host = host_home + (_window(s_sizes, k + _WINDOW_EXTRA) if any(hs is Tier.NVME for _, hs in homes) else 0)
+    device = min(device_bytes, need_device) if device_bytes else need_device
+    host = min(host_bytes, need_host) if host_bytes else need_host
+    nvme_bytes = None
+    store = TieredStore(device_bytes=device, host_bytes=max(host, 4096), nvme_bytes=nvme_bytes,
+                        swap_dir=swap_dir if uses_nvme else None)
+    try:
+        engine = OutOfCoreEngine(model, optimizer,
+                                 lambda us, opt: StoreUnitMemory(store, us, opt, homes=homes),
+                                 prefetch=k, max_grad_norm=max_grad_norm, grad_accum=grad_accum, units=units)
+    except BaseException:
+        store.close()
+        raise
+    return OffloadedModel(engine, store, Path(swap_dir) if uses_nvme else None)
+
+
+def _itemsize(unit: Unit) -> int:
+    return unit.slots[0].param.element_size() if unit.slots else 4
