@@ -27,7 +27,8 @@ namespace {
 constexpr int64_t kBlock = 256;
 // Bucket index of a normalized value (kernels/quantize.py: bucket_index): sign and the top
 // 16 bits of |y| clamped to [kBucketMin, kBucketMax]. The tables hold one uint8 per bucket
-// and are padded by 4 bytes, because the vector path gathers 4 bytes and masks 3 of them.
+// (+4 bytes of padding, room for a 4-byte gather). Used by the scalar path; the AVX-512
+// path searches the thresholds in registers instead.
 constexpr int32_t kBucketMin = 100 << 7;
 constexpr int32_t kBucketMax = (128 << 7) - 1;
 constexpr int32_t kBucketsPerSign = kBucketMax - kBucketMin + 1;
