@@ -141,6 +141,10 @@ class Recipe:
                 micro = [self.loader.next_batch() for _ in range(cfg.grad_accum)]
                 loss_sum = self.offloaded.train_step(lambda m, b: m(**b).loss, micro, lr)
                 grad_norm = self.offloaded.last_grad_norm
+                # The engine updated every unit itself (optimizer.step() is never
+                # called), so the scheduler's "step before optimizer.step" check
+                # would warn about nothing.
+                self.optimizer._opt_called = True
             else:
                 loss_sum = torch.zeros(())
                 for _ in range(cfg.grad_accum):
@@ -154,12 +158,12 @@ class Recipe:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
+            step_s = time.perf_counter() - t0  # before any eval: tokens/s is training speed
 
             eval_loss = None
             if cfg.eval_every and self.step % cfg.eval_every == 0 and self.step < cfg.max_steps:
                 eval_loss = self._eval(self.step)
             if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or eval_loss is not None:
-                step_s = time.perf_counter() - t0
                 loss_value = float(loss_sum)  # host sync: only at log steps
                 self.losses.append(loss_value)
                 if not math.isfinite(loss_value):
