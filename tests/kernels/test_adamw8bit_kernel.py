@@ -114,7 +114,7 @@ import torch
 from outcore.kernels.adamw8bit import adamw8bit_update_ref, coefficients, init_codes
 from outcore.kernels.adamw8bit_triton import adamw8bit_update_triton
 from outcore.kernels.quantize import num_blocks
-n = 256 * 300 + 5
+n = 256 * 80 + 5
 g = torch.Generator().manual_seed(0)
 a = [torch.randn(n, generator=g), init_codes(n, True), torch.zeros(num_blocks(n)),
      init_codes(n, False), torch.zeros(num_blocks(n))]
