@@ -24,6 +24,11 @@ process's ``io_read_bytes``/``io_write_bytes`` from /proc, which prove the
 offload reached the disk), plus ``ratio_activation_peak_offload_vs_keep``,
 ``ratio_step_offload_vs_keep``, ``ratio_loss_peak_chunked_vs_full`` and
 ``ratio_loss_time_chunked_vs_full``. Threads: ``torch.set_num_threads(os.cpu_count())``.
+
+Caveat seen on an oversubscribed CPU machine: with KEEP every step's activations
+are fresh allocations (page faults; CPU torch has no caching allocator) and idle
+OpenMP workers spin against other processes, so KEEP can be *slower* than
+OFFLOAD there; read ``ratio_step_offload_vs_keep`` together with the machine load.
 """
 from __future__ import annotations
 
