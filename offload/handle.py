@@ -52,8 +52,10 @@ class TierCopy:
 
     residency: Residency = Residency.ABSENT
     slot: object | None = None  # arena Block (DEVICE/HOST) or Extent (NVME); None when ABSENT
-    future: Future | None = None  # the transfer into this tier (IN_FLIGHT) or its write-back
+    future: Future | None = None  # the transfer into this tier (done once it landed)
+    writing: Future | None = None  # this (dirty) copy's write-back to the home tier, while it runs
     pins: int = 0  # consumers holding a view; a pinned copy is never evicted
+    outgoing: list[Future] = field(default_factory=list)  # transfers reading this copy now
     generation: int = 0  # bumped by mark_dirty: a write-back of an older state must not mark it clean
 
     @property

@@ -146,9 +146,10 @@ class TieredStore:
 
     def _free_slot(self, tier: Tier, h: TensorHandle) -> None:
         c = h.copies[tier]
+        assert all(f.done() for f in c.outgoing), f"freeing {h.key!r} in {tier.name} while a transfer reads it"
         if c.slot is not None:
             (self.nvme if tier is Tier.NVME else self._arenas[tier]).free(c.slot)
-        c.slot, c.residency, c.future = None, Residency.ABSENT, None
+        c.slot, c.residency, c.future, c.writing = None, Residency.ABSENT, None, None
 
     def _bytes(self, tier: Tier, h: TensorHandle) -> torch.Tensor:
         return self._arenas[tier].bytes_of(h.copies[tier].slot)
@@ -249,26 +250,81 @@ class TieredStore:
             return completed(None)
         if c.residency is Residency.IN_FLIGHT:
             return c.future
-        src = self._source(h, tier)
         c.slot = self._alloc(tier, h)
-        c.residency = Residency.IN_FLIGHT
-        if src is None:  # never written: the value is zeros, and this copy is the newest
-            self._bytes(tier, h).zero_()
-            c.residency = Residency.DIRTY
-            return completed(None)
-        if src is Tier.NVME and tier is Tier.DEVICE and self.device.is_cuda:
-            # Disk -> GPU goes through pinned HOST memory (a HOST copy stays resident).
-            try:
-                ready, src = self._ensure(h, Tier.HOST), Tier.HOST
-            except BaseException:
-                self._free_slot(tier, h)
-                raise
-        else:
-            ready = h.copies[src].future if h.copies[src].residency is Residency.IN_FLIGHT else completed(None)
-        fut = then(ready, lambda _: self._copy(h, src, tier),
-                   on_error=lambda e: self._abort(h, tier))
-        c.future = then(fut, lambda _: self._landed(h, tier))
+        c.residency, c.future = Residency.IN_FLIGHT, Future()
+        c.future.set_running_or_notify_cancel()
+        self._pull(h, tier)
         return c.future
+
+    def _pull(self, h: TensorHandle, tier: Tier) -> None:
+        """Copy into ``tier``'s allocated slot from the best settled source. Completes its Future.
+
+        On CUDA a disk -> GPU fetch first stages the HOST copy and runs again when
+        that landed, re-choosing the source under the lock at that moment.
+        """
+        with self._lock:
+            c = h.copies[tier]
+            if c.residency is not Residency.IN_FLIGHT:
+                return  # aborted meanwhile
+            try:
+                src = self._source(h, tier)
+                if src is None:  # never written: the value is zeros, and this copy is the newest
+                    self._bytes(tier, h).zero_()
+                    c.residency = Residency.DIRTY
+                    c.future.set_result(None)
+                    return
+                if src is Tier.NVME and tier is Tier.DEVICE and self.device.is_cuda:
+                    # Disk -> GPU goes through pinned HOST memory (a HOST copy stays resident).
+                    self._ensure(h, Tier.HOST).add_done_callback(lambda f: self._pull(h, tier))
+                    return
+                f = self._copy(h, src, tier)
+            except BaseException as e:  # noqa: BLE001 - the fetch's waiter gets it
+                self._abort(h, tier, e)
+                return
+        f.add_done_callback(lambda f: self._landed(h, tier, f.exception()))
+
+    def _copy(self, h: TensorHandle, src: Tier, dst: Tier, durable: bool = False) -> Future:
+        """Move the bytes of ``h`` from ``src`` to ``dst`` (both slots allocated). Lock held.
+
+        The transfer is listed in the source copy's ``outgoing`` until it is
+        done: an eviction waits for it before the source's bytes are reused.
+        """
+        sc = h.copies[src]
+        if src is Tier.NVME:
+            f = self.nvme.read(sc.slot, self._bytes(dst, h))
+        elif dst is Tier.NVME:
+            f = self.nvme.write(h.copies[dst].slot, self._bytes(src, h), durable=durable)
+        else:
+            f = self.device.copy_async(self._bytes(dst, h), self._bytes(src, h))
+        sc.outgoing.append(f)
+        n = align_up(max(h.nbytes, 1))
+
+        def count(done: Future) -> None:
+            with self._lock:
+                sc.outgoing.remove(done)
+                if done.exception() is None:
+                    self._traffic[src].read += n
+                    self._traffic[dst].written += n
+        f.add_done_callback(count)
+        return f
+
+    def _landed(self, h: TensorHandle, tier: Tier, exc: BaseException | None) -> None:
+        with self._lock:
+            c = h.copies[tier]
+            if exc is not None:
+                self._abort(h, tier, exc)
+            elif c.residency is Residency.IN_FLIGHT:
+                c.residency = Residency.RESIDENT
+                c.future.set_result(None)
+
+    def _abort(self, h: TensorHandle, tier: Tier, exc: BaseException) -> None:
+        """A transfer into ``tier`` failed: free the slot, drop its pins, fail its Future. Lock held."""
+        c = h.copies[tier]
+        fut = c.future
+        c.pins = 0
+        self._free_slot(tier, h)
+        if fut is not None and not fut.done():
+            fut.set_exception(exc)
 
     def _newest(self, h: TensorHandle) -> Tier | None:
         """The tier holding the newest settled copy (dirty, else resident, else home); None = zeros."""
@@ -281,42 +337,19 @@ class TieredStore:
         return h.home if h.copies[h.home].valid else None
 
     def _source(self, h: TensorHandle, target: Tier) -> Tier | None:
-        """The tier to copy from: the dirty copy, else the fastest valid one; None = zeros."""
+        """The settled copy to copy from: the dirty one, else the fastest resident one; None = zeros.
+
+        Copies still in flight are never sources (the home copy is always
+        settled), so a transfer never waits on another one — no cycles.
+        """
         d = h.dirty_tier
         if d is not None:
             return d
         order = [Tier.HOST, Tier.DEVICE, Tier.NVME] if target is Tier.DEVICE else [Tier.DEVICE, Tier.HOST, Tier.NVME]
         for t in order:
-            if t is not target and h.copies[t].valid:
+            if t is not target and h.copies[t].residency is Residency.RESIDENT:
                 return t
         return None
-
-    def _copy(self, h: TensorHandle, src: Tier, dst: Tier) -> Future:
-        """Move the bytes of ``h`` from ``src`` to ``dst`` (both slots allocated)."""
-        if src is Tier.NVME:
-            f = self.nvme.read(h.copies[src].slot, self._bytes(dst, h))
-        elif dst is Tier.NVME:
-            f = self.nvme.write(h.copies[dst].slot, self._bytes(src, h))
-        else:
-            f = self.device.copy_async(self._bytes(dst, h), self._bytes(src, h))
-        n = align_up(max(h.nbytes, 1))
-
-        def count(_):
-            with self._lock:
-                self._traffic[src].read += n
-                self._traffic[dst].written += n
-        return then(f, count)
-
-    def _landed(self, h: TensorHandle, tier: Tier) -> None:
-        with self._lock:
-            c = h.copies[tier]
-            if c.residency is Residency.IN_FLIGHT:
-                c.residency = Residency.RESIDENT
-
-    def _abort(self, h: TensorHandle, tier: Tier) -> None:
-        with self._lock:
-            h.copies[tier].pins = 0
-            self._free_slot(tier, h)
 
     def wait(self, h: TensorHandle, tier: Tier | str) -> torch.Tensor:
         """Block until ``h`` is valid in ``tier`` (it must have been fetched) and return its view.
@@ -363,23 +396,24 @@ class TieredStore:
         Other working copies are now stale and are freed.
 
         Raises:
-            ValueError: the copy is not resident, or a stale copy is pinned or in flight.
+            ValueError: the copy is not resident, or a stale copy is pinned or in use by a transfer.
         """
         tier = Tier.parse(tier)
         with self._lock:
             c = h.copies[tier]
             if c.residency not in _HELD:
                 raise ValueError(f"mark_dirty({h.key!r}, {tier.name}): the copy is {c.residency.value}")
-            for t, other in h.copies.items():
-                if t in (tier, h.home) or not other.valid:
-                    continue
-                if other.pins or other.residency is Residency.IN_FLIGHT or (other.future and not other.future.done()):
+            stale = [t for t, o in h.copies.items() if t not in (tier, h.home) and o.valid]
+            for t in stale:
+                o = h.copies[t]
+                if o.pins or o.residency is Residency.IN_FLIGHT or any(not f.done() for f in o.outgoing):
                     raise ValueError(f"mark_dirty({h.key!r}, {tier.name}): its {t.name} copy would go "
-                                     "stale while pinned or in flight; release/wait for it first")
+                                     "stale while pinned or in use by a transfer; release/wait for it first")
+            for t in stale:
                 self._free_slot(t, h)
             if tier is not h.home:
                 c.residency = Residency.DIRTY
-            c.generation = c.generation + 1
+            c.generation += 1
 
     def write_back(self, h: TensorHandle, durable: bool = False) -> Future:
         """Copy the dirty copy of ``h`` to its home tier, asynchronously.
@@ -398,39 +432,27 @@ class TieredStore:
             if d is None:
                 return completed(None)
             c = h.copies[d]
-            if c.future is not None and not c.future.done():
-                return c.future
+            if c.writing is not None and not c.writing.done():
+                return c.writing
             gen = c.generation
             if h.home is Tier.NVME and d is Tier.DEVICE and self.device.is_cuda:
                 # GPU -> disk is staged in pinned HOST memory; the HOST copy stays (clean).
-                host = h.copies[Tier.HOST]
-                host.slot = self._alloc(Tier.HOST, h)
-                host.residency = Residency.IN_FLIGHT
-                f = then(self._copy(h, d, Tier.HOST), lambda _: self._copy_durable(h, Tier.HOST, durable))
+                staged = self._ensure(h, Tier.HOST)  # source: the dirty DEVICE copy
+
+                def to_disk(_):
+                    with self._lock:
+                        return self._copy(h, Tier.HOST, h.home, durable)
+                f = then(staged, to_disk)
             else:
-                f = self._copy_durable(h, d, durable)
+                f = self._copy(h, d, h.home, durable)
 
             def clean(_):
                 with self._lock:
                     if c.generation == gen and c.residency is Residency.DIRTY:
                         c.residency = Residency.RESIDENT
                     h.copies[h.home].residency = Residency.RESIDENT
-                    if h.copies[Tier.HOST].residency is Residency.IN_FLIGHT:
-                        h.copies[Tier.HOST].residency = Residency.RESIDENT
-            c.future = then(f, clean)
-            return c.future
-
-    def _copy_durable(self, h: TensorHandle, src: Tier, durable: bool) -> Future:
-        if h.home is Tier.NVME and durable:
-            f = self.nvme.write(h.copies[Tier.NVME].slot, self._bytes(src, h), durable=True)
-            n = h.copies[Tier.NVME].slot.length
-
-            def count(_):
-                with self._lock:
-                    self._traffic[src].read += n
-                    self._traffic[Tier.NVME].written += n
-            return then(f, count)
-        return self._copy(h, src, h.home)
+            c.writing = then(f, clean)
+            return c.writing
 
     def evict(self, h: TensorHandle, tier: Tier | str, write_back: bool = True) -> Future:
         """Free the copy of ``h`` in ``tier`` once no transfer needs it.
@@ -441,7 +463,9 @@ class TieredStore:
             write_back: a dirty copy is written back first; False drops the change.
 
         Returns:
-            A Future that completes when the bytes are free.
+            A Future that completes when the bytes are free (or the copy was
+            pinned again meanwhile, and stays). A failed write-back fails it and
+            keeps the dirty copy.
 
         Raises:
             ValueError: ``tier`` is the home tier, or the copy is pinned.
@@ -455,19 +479,36 @@ class TieredStore:
                 raise ValueError(f"evict({h.key!r}, {tier.name}): pinned by {c.pins} fetch(es); release first")
             if not c.valid:
                 return completed(None)
-            if c.residency is Residency.DIRTY and write_back:
-                pending = self.write_back(h)
-            elif c.future is not None and not c.future.done():
-                pending = c.future
-            else:
-                pending = completed(None)
+            done: Future = Future()
+            done.set_running_or_notify_cancel()
 
-            def free(_):
-                with self._lock:
-                    if not c.pins:  # a fetch may have re-pinned it meanwhile: then keep it
-                        self._free_slot(tier, h)
-            # A failed write-back keeps the dirty copy (its error is the Future's).
-            return then(pending, free)
+            def try_free(prev: Future | None = None) -> None:
+                while True:  # a loop, not recursion: the awaited Future may already be done
+                    if prev is not None and prev.exception() is not None and prev is c.writing:
+                        done.set_exception(prev.exception())  # keep the dirty copy
+                        return
+                    with self._lock:
+                        reading = [f for f in c.outgoing if not f.done()]
+                        if c.pins or not c.valid:
+                            nxt = None
+                        elif c.residency is Residency.DIRTY and write_back:
+                            nxt = self.write_back(h)
+                        elif reading:  # a transfer still reads these bytes
+                            nxt = reading[0]
+                        elif c.residency is Residency.IN_FLIGHT:
+                            nxt = c.future
+                        else:
+                            self._free_slot(tier, h)
+                            nxt = None
+                    if nxt is None:
+                        done.set_result(None)
+                        return
+                    if not nxt.done():
+                        nxt.add_done_callback(try_free)
+                        return
+                    prev = nxt
+            try_free()
+            return done
 
     def load(self, h: TensorHandle) -> torch.Tensor:
         """A fresh CPU tensor with the newest value of ``h`` (blocks; for checkpoints and tests)."""
@@ -511,8 +552,8 @@ class TieredStore:
         """Wait for every transfer and write-back in flight."""
         while True:
             with self._lock:
-                pending = [c.future for h in self._handles.values() for c in h.copies.values()
-                           if c.future is not None and not c.future.done()]
+                pending = [f for h in self._handles.values() for c in h.copies.values()
+                           for f in (c.future, c.writing, *c.outgoing) if f is not None and not f.done()]
             if not pending:
                 return
             for f in pending:
