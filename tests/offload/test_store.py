@@ -271,3 +271,32 @@ def test_tier_stats_fill_a_step_event(store):
                    elapsed_s=0.0, rss_bytes=0, stall_s=store.stall_s, tiers=store.tier_stats())
     assert set(ev.to_json()["tiers"]) == {"DEVICE", "HOST", "NVME"}
     assert ev.tiers["DEVICE"].held_bytes == 4096
+
+
+def test_evict_waits_for_a_transfer_reading_the_copy(store, monkeypatch):
+    """Regression: evicting a HOST copy while it is being copied to DEVICE must not reuse its bytes."""
+    import time as _time
+    x = torch.arange(50_000, dtype=torch.float32)
+    h = store.register("x", data=x)
+    store.fetch(h, "host").result()
+    store.release(h, "host")
+    real = store.device.copy_async
+    gate = threading.Event()
+
+    def slow_copy(dst, src):
+        def run():
+            gate.wait(5)
+            return dst.copy_(src)
+        return store.device._copier.submit(run)
+    monkeypatch.setattr(store.device, "copy_async", slow_copy)
+    fut = store.fetch(h, "device")  # HOST -> DEVICE, held at the gate
+    ev = store.evict(h, "host")
+    _time.sleep(0.05)
+    assert not ev.done() and h.residency("host") is Residency.RESIDENT  # still read by the copy
+    monkeypatch.setattr(store.device, "copy_async", real)
+    gate.set()
+    assert torch.equal(fut.result(), x)
+    ev.result()
+    assert h.residency("host") is Residency.ABSENT
+    other = store.register("y", data=torch.zeros(50_000), home="host")  # may reuse the freed block
+    assert torch.equal(store.view(h, "device"), x) and torch.equal(store.view(other, "host"), torch.zeros(50_000))
