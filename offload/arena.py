@@ -143,7 +143,7 @@ class Arena:
     @property
     def slab_bytes_created(self) -> int:
         """Bytes of slabs materialized so far (physical memory in use)."""
-        return sum(n for n, s in zip(self.slab_sizes, self._slabs) if s is not None)
+        return sum(n for n, s in zip(self.slab_sizes, self._slabs, strict=False) if s is not None)
 
     @property
     def largest_free(self) -> int:

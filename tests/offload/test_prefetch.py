@@ -72,7 +72,7 @@ def test_evicts_the_farthest_next_use(tmp_path, monkeypatch):
 def test_dirty_updates_are_written_back_under_pressure(store):
     hs = _blocks(store, 10)  # 160 KiB of state through a 64 KiB tier
     pq = PrefetchQueue(store, hs, Tier.DEVICE, depth=2, cyclic=True)
-    for step in range(3):
+    for _step in range(3):
         for h in hs:
             pq.get(h).add_(1)
             pq.done(h, dirty=True)
