@@ -390,3 +390,22 @@ def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     if reduction == "none":
         loss = loss.view(labels.shape)
     return loss
+
+
+class CausalLMHeadLoss(torch.nn.Module):
+    """``lm_head`` + the causal-LM loss as one module: ``(hidden [B,T,H], labels [B,T]) -> loss``.
+
+    Calling the head through a module (rather than reading ``lm_head.weight`` in
+    a loss function) keeps module hooks working: the out-of-core engine brings
+    the head's (possibly tied) weight in on this module's pre-forward hook.
+
+    Args:
+        lm_head: the model's output projection (``nn.Linear``; its weight may be tied).
+    """
+
+    def __init__(self, lm_head: torch.nn.Module):
+        super().__init__()
+        self.lm_head = lm_head
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return causal_lm_loss(hidden, self.lm_head.weight, labels, bias=getattr(self.lm_head, "bias", None))

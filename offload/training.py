@@ -165,7 +165,8 @@ class OffloadedModel:
 def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_dir: str | Path | None,
                   prefetch: int = 2, max_grad_norm: float = 0.0, grad_accum: int = 1,
                   device_bytes: int | None = None, host_bytes: int | None = None,
-                  homes: list[tuple[Tier, Tier]] | None = None) -> OffloadedModel:
+                  homes: list[tuple[Tier, Tier]] | None = None,
+                  head_modules: list[torch.nn.Module] | tuple[torch.nn.Module, ...] = ()) -> OffloadedModel:
     """Move ``model``'s weights and ``optimizer``'s state into tiers and wrap it for training.
 
     Args:
@@ -177,6 +178,8 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
         max_grad_norm, grad_accum: as in the config (either one disables step-in-backward).
         device_bytes, host_bytes: caps on the DEVICE / HOST arenas (default: the working set).
         homes: per unit (weights tier, state tier), e.g. from a ``MemoryPlan``; overrides ``offload``.
+        head_modules: modules that use the head's weights without calling ``lm_head``
+            (e.g. ``CausalLMHeadLoss``); see ``units.causal_lm_units``.
 
     Returns:
         The :class:`OffloadedModel`.
@@ -190,7 +193,7 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
         raise ConfigError(f"offload={offload!r}: the out-of-core engine takes 'cpu' or 'nvme'")
     from .units import causal_lm_units
 
-    units = causal_lm_units(model)
+    units = causal_lm_units(model, head_modules=head_modules)
     home = Tier.NVME if offload == "nvme" else Tier.HOST
     homes = homes or [(home, home)] * len(units)
     uses_nvme = any(Tier.NVME in h for h in homes)

@@ -58,7 +58,8 @@ def _pad(n: int, itemsize: int) -> int:
     return (n + per - 1) // per * per
 
 
-def causal_lm_units(model: nn.Module, trainable_only: bool = False) -> list[Unit]:
+def causal_lm_units(model: nn.Module, trainable_only: bool = False,
+                    head_modules: list[nn.Module] | tuple[nn.Module, ...] = ()) -> list[Unit]:
     """Cut a Hugging Face causal LM into ``[embed, blocks..., head]`` units.
 
     Args:
@@ -66,6 +67,9 @@ def causal_lm_units(model: nn.Module, trainable_only: bool = False) -> list[Unit
             wrapper of one).
         trainable_only: lay out only parameters with ``requires_grad`` (LoRA: the
             frozen base is laid out separately by the caller).
+        head_modules: modules that compute with the head after ``lm_head`` (or instead
+            of calling it, like a chunked loss holding ``lm_head``); the head unit ends
+            when the last of them returns.
 
     Returns:
         The units in forward order; every parameter of the model is owned by
@@ -79,7 +83,7 @@ def causal_lm_units(model: nn.Module, trainable_only: bool = False) -> list[Unit
     parts = model_parts(model)
     groups: list[tuple[str, list[nn.Module]]] = [("embed", [parts.embed])]
     groups += [(f"block.{i}", [layer]) for i, layer in enumerate(parts.layers)]
-    head = [m for m in (parts.final_norm, parts.lm_head) if m is not None]
+    head = [m for m in (parts.final_norm, parts.lm_head, *head_modules) if m is not None]
     groups.append(("head", head))
 
     names = {id(p): n for n, p in model.named_parameters()}

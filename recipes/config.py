@@ -57,7 +57,7 @@ class FinetuneConfig:
     lora_dropout: float = 0.0
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     # --- memory ----------------------------------------------------------------
-    offload: str = "none"  # none | auto | cpu | nvme: where parameters and optimizer state live
+    offload: str = "nvme"  # none | auto | cpu | nvme: where weights and optimizer state live (none = in memory)
     device_mem: str | None = None  # DEVICE tier budget, e.g. "2GiB" (None = plan decides)
     host_mem: str | None = None  # HOST tier budget
     swap_dir: str | None = None  # NVMe swap directory (default: OUTPUT/swap)

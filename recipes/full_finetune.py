@@ -70,6 +70,7 @@ class Recipe:
             val_fraction=cfg.val_fraction, max_bytes=cfg.data_max_bytes)
         self.loader = BatchLoader(self.train_set, cfg.batch_size, seed=cfg.seed)
 
+        self._setup_loss()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.offloaded = None
         self.plan = None
@@ -79,7 +80,8 @@ class Recipe:
                 self.plan.notes.append("everything fits in memory: training in memory")
         if self.plan is not None and self.plan.layout != "none":
             self.optimizer = build_optimizer(cfg, self.params, streaming=True)
-            self.offloaded = offload_from_plan(cfg, self.model, self.optimizer, self.plan, self.out)
+            self.offloaded = offload_from_plan(cfg, self.model, self.optimizer, self.plan, self.out,
+                                               self.head_loss)
         else:
             self.optimizer = build_optimizer(cfg, self.params)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -89,6 +91,15 @@ class Recipe:
         self.base_eval_loss: float | None = None
         if cfg.resume:
             self._restore()
+
+    def _setup_loss(self) -> None:
+        from ..kernels.linear_cross_entropy import CausalLMHeadLoss
+        from ..models import model_parts
+
+        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        self.decoder, self.head_loss = base.model, None
+        if getattr(base.config, "final_logit_softcapping", None) is None:
+            self.head_loss = CausalLMHeadLoss(model_parts(base).lm_head)
 
     def _restore(self) -> None:
         last = ckpt.latest_checkpoint(self.out)
@@ -113,8 +124,16 @@ class Recipe:
 
     # ------------------------------------------------------------------ train
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean next-token loss over the batch's labelled tokens."""
-        return self.model(**batch).loss
+        """Mean next-token loss over the batch's labelled tokens.
+
+        The head goes through ``CausalLMHeadLoss``: the loss without the
+        [tokens, vocab] logits (at vocab 49152 they are the largest activation).
+        """
+        if self.head_loss is None:  # a head the chunked loss does not cover (e.g. logit soft-capping)
+            return self.model(**batch).loss
+        hidden = self.decoder(input_ids=batch["input_ids"],
+                              attention_mask=batch["attention_mask"]).last_hidden_state
+        return self.head_loss(hidden, batch["labels"])
 
     def train(self) -> None:
         cfg = self.cfg
@@ -139,7 +158,7 @@ class Recipe:
             if self.offloaded is not None:
                 # forward, backward and every unit's update, streamed through the tiers
                 micro = [self.loader.next_batch() for _ in range(cfg.grad_accum)]
-                loss_sum = self.offloaded.train_step(lambda m, b: m(**b).loss, micro, lr)
+                loss_sum = self.offloaded.train_step(lambda m, b: self.loss(b), micro, lr)
                 grad_norm = self.offloaded.last_grad_norm
                 # The engine updated every unit itself (optimizer.step() is never
                 # called), so the scheduler's "step before optimizer.step" check
@@ -280,7 +299,8 @@ def _swap_dir(cfg: FinetuneConfig, out: Path) -> Path:
     return Path(cfg.swap_dir) if cfg.swap_dir else out / "swap"
 
 
-def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: Any, plan: Any, out: Path):
+def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: Any, plan: Any, out: Path,
+                      head_loss: torch.nn.Module | None = None):
     """Move the model's weights and optimizer state to the tiers ``plan`` chose."""
     from ..offload.handle import Tier
     from ..offload.plan import parse_bytes
@@ -289,7 +309,8 @@ def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: An
     home = {Tier.DEVICE: Tier.HOST, Tier.HOST: Tier.HOST, Tier.NVME: Tier.NVME}
     homes = [(home[u.weights], home[u.state or u.weights]) for u in plan.units]
     mode = "nvme" if any(Tier.NVME in h for h in homes) else "cpu"
-    return offload_model(model, optimizer, offload=mode, swap_dir=_swap_dir(cfg, out),
+    head_modules = [] if head_loss is None else [head_loss]
+    return offload_model(model, optimizer, offload=mode, swap_dir=_swap_dir(cfg, out), head_modules=head_modules,
                          prefetch=max(1, plan.prefetch_depth), max_grad_norm=cfg.max_grad_norm,
                          grad_accum=cfg.grad_accum, homes=homes,
                          device_bytes=parse_bytes(cfg.device_mem) if cfg.device_mem else None,

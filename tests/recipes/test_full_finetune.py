@@ -53,7 +53,7 @@ def tiny_run_inputs(tmp_path_factory):
 def _cfg(inputs: Path, out: Path, **kw):
     base = dict(model=str(inputs / "model"), data=str(inputs / "data.txt"), seq_len=32, batch_size=2,
                 max_steps=6, eval_every=3, eval_batches=2, lr=1e-3, warmup_steps=1, output=str(out),
-                ui="none", val_fraction=0.1)
+                ui="none", val_fraction=0.1, offload="none")
     return load_config(overrides={**base, **kw})
 
 

@@ -1,0 +1,27 @@
+"""The wheel holds the package `outcore` and nothing top level beside it (ARCHITECTURE.md §1)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow(ci=True)
+def test_wheel_contains_only_outcore(tmp_path):
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
+        capture_output=True, text=True, timeout=600)
+    assert build.returncode == 0, build.stderr[-2000:]
+    wheel = next(tmp_path.glob("outcore-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    top = {n.split("/")[0] for n in names}
+    assert top == {"outcore", next(t for t in top if t.endswith(".dist-info"))}, sorted(top)
+    for must in ("outcore/__init__.py", "outcore/offload/engine.py", "outcore/kernels/csrc/adamw8bit_cpu.cpp",
+                 "outcore/recipes/notebooks/quickstart.ipynb", "outcore/tui/cli.py"):
+        assert must in names, must
+    assert not any(n.startswith(("outcore/tests/", "outcore/scripts/")) for n in names)
