@@ -359,14 +359,17 @@ def child_main(args) -> None:
         model = build_model(args.model, args.seed)
         batches = make_batches(args.warmup + args.steps, args.batch, args.seq, model.config.vocab_size)
         torch.manual_seed(args.seed)
-        reset = _reset_peak_rss()
+        load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        reset = _reset_peak_rss()  # from here on VmHWM (and ru_maxrss) cover the training phase only
         t0 = time.perf_counter()
         result = RUNNERS[args.child](model, batches, args)
         result["wall_s"] = time.perf_counter() - t0
         if result.get("status") == "ok":
             result["peak_rss_train_bytes"] = _vm_hwm_bytes() if reset else None
-    # ru_maxrss is KiB on Linux: the whole process's peak (model load included).
-    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        result["peak_rss_load_bytes"] = load_peak
+    # ru_maxrss is KiB on Linux. The whole process's peak is the larger of the two phases.
+    end_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["peak_rss_bytes"] = max(end_peak, result.get("peak_rss_load_bytes", 0))
     result["threads"] = torch.get_num_threads()
     Path(args.result).write_text(json.dumps(result))
 
