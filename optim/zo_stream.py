@@ -3,7 +3,8 @@
 Each step visits every block once, in order (ARCHITECTURE.md §5). At block ``b``:
 
 1. ``clean = source.acquire(b)`` — the block's authoritative weights (RAM, or
-   read from disk ahead of time while earlier blocks computed);
+   read from NVMe through :class:`outcore.offload.TieredStore` ahead of time,
+   while earlier blocks computed; see :mod:`outcore.optim.zo_sources`);
 2. the *previous* step's update is applied to ``clean`` in place (lazy update:
    its projected gradients were only known after the previous step's last
    block), then ``source.release`` writes the block back — in place on disk;
