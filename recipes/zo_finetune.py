@@ -9,8 +9,9 @@ onto the base model (the ZO checkpoint is the base weights plus the
 (seed, scalar) log, ``OUTPUT/zo_log.jsonl``).
 
 Config: ``method=zo``, ``optim=mezo|sparse-mezo``, ``lr`` (peak, with warmup and
-cosine decay), ``weight_decay``, ``max_steps``, ``offload`` (``nvme`` streams),
-and ``optim_args``:
+cosine decay), ``weight_decay``, ``max_steps``, ``offload`` (``nvme`` streams the
+blocks from ``swap_dir`` through the tiered store; ``none``/``cpu``/``auto`` keep
+the weights in RAM), and ``optim_args``:
 
 =================  =======  ==================================================
 key                default  meaning

@@ -63,7 +63,7 @@ def _final(run: dict) -> dict[str, torch.Tensor]:
 
 def test_in_memory_and_nvme_runs_give_identical_exports(zo_inputs, tmp_path):
     sink = _Collect()
-    mem = finetune(_cfg(zo_inputs, tmp_path / "mem"), sink)
+    mem = finetune(_cfg(zo_inputs, tmp_path / "mem", offload="none"), sink)
     disk = finetune(_cfg(zo_inputs, tmp_path / "disk", offload="nvme"), _Collect())
     assert mem["steps_done"] == disk["steps_done"] == 5
     assert mem["losses"] == disk["losses"] and mem["final_eval_loss"] == disk["final_eval_loss"]
@@ -75,6 +75,8 @@ def test_in_memory_and_nvme_runs_give_identical_exports(zo_inputs, tmp_path):
     assert len(lines) == 6 and json.loads(lines[0])["header"]["schedule"] == "exact"
     assert (out / "zo_log.jsonl").stat().st_size < 4000  # bytes per step, not tensors
     assert not (Path(disk["output_dir"]) / "swap").exists()  # swap removed on clean exit
+    assert any(e.tiers.get("NVME") for e in sink.events if type(e).__name__ == "StepEvent") is False
+    assert mem["losses"] and disk["losses"]
     kinds = [type(e).__name__ for e in sink.events]
     assert kinds[0] == "RunStarted" and kinds[-1] == "RunFinished" and kinds.count("StepEvent") == 5
     base = load_file(str(zo_inputs / "model" / "model.safetensors"))
