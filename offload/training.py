@@ -166,7 +166,8 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                   prefetch: int = 2, max_grad_norm: float = 0.0, grad_accum: int = 1,
                   device_bytes: int | None = None, host_bytes: int | None = None,
                   homes: list[tuple[Tier, Tier]] | None = None,
-                  head_modules: list[torch.nn.Module] | tuple[torch.nn.Module, ...] = ()) -> OffloadedModel:
+                  head_modules: list[torch.nn.Module] | tuple[torch.nn.Module, ...] = (),
+                  init_weights: Callable[[Any, torch.Tensor], None] | None = None) -> OffloadedModel:
     """Move ``model``'s weights and ``optimizer``'s state into tiers and wrap it for training.
 
     Args:
@@ -180,6 +181,8 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
         homes: per unit (weights tier, state tier), e.g. from a ``MemoryPlan``; overrides ``offload``.
         head_modules: modules that use the head's weights without calling ``lm_head``
             (e.g. ``CausalLMHeadLoss``); see ``units.causal_lm_units``.
+        init_weights: for a model built on the meta device, fills each parameter
+            ``(slot, tensor)`` as its unit is stored (see ``StoreUnitMemory``).
 
     Returns:
         The :class:`OffloadedModel`.
@@ -214,7 +217,8 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                         swap_dir=swap_dir if uses_nvme else None)
     try:
         engine = OutOfCoreEngine(model, optimizer,
-                                 lambda us, opt: StoreUnitMemory(store, us, opt, homes=homes),
+                                 lambda us, opt: StoreUnitMemory(store, us, opt, homes=homes,
+                                                                 init_weights=init_weights),
                                  prefetch=k, max_grad_norm=max_grad_norm, grad_accum=grad_accum, units=units)
     except BaseException:
         store.close()

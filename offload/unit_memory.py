@@ -19,13 +19,14 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from ..errors import BudgetError
 from .handle import TensorHandle, Tier
 from .store import TieredStore
-from .units import Unit, _pad
+from .units import ParamSlot, Unit, _pad
 
 WEIGHTS = "w"
 
@@ -47,10 +48,14 @@ class StoreUnitMemory:
             ``init_state`` the initial values.
         home: tier of the authoritative copies (``Tier.NVME`` or ``Tier.HOST``).
         homes: per unit, (weights home, state home); overrides ``home``.
+        init_weights: fills a parameter's weights ``(slot, view [shape])`` when the
+            model was built on the meta device: each unit is then materialized
+            here, one at a time, so the whole model never sits in RAM.
     """
 
     def __init__(self, store: TieredStore, units: list[Unit], optimizer, home: Tier = Tier.NVME,
-                 homes: list[tuple[Tier, Tier]] | None = None):
+                 homes: list[tuple[Tier, Tier]] | None = None,
+                 init_weights: Callable[[ParamSlot, torch.Tensor], None] | None = None):
         self.store = store
         self.units = units
         self.homes = homes or [(Tier.parse(home), Tier.parse(home))] * len(units)
@@ -61,7 +66,14 @@ class StoreUnitMemory:
         for unit in units:
             w = torch.empty(unit.numel, dtype=_unit_dtype(unit))
             for slot in unit.slots:
-                unit.view(w, slot).copy_(slot.param.data)
+                if slot.param.is_meta:
+                    if init_weights is None:
+                        raise ValueError(f"{slot.name} is on the meta device and no init_weights was given")
+                    init_weights(slot, unit.view(w, slot))
+                    # the optimizer's state_spec/init_state below need a real tensor
+                    slot.param.data = unit.view(w, slot)
+                else:
+                    unit.view(w, slot).copy_(slot.param.data)
             w_home, s_home = self.homes[unit.index]
             self.handles[(unit.index, WEIGHTS)] = store.register(f"{unit.name}:w", data=w, home=w_home)
             del w

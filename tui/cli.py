@@ -40,7 +40,7 @@ class Command:
 
 def commands() -> list[Command]:
     """Every subcommand, in the order ``--help`` lists them (add new ones here)."""
-    from . import doctor, finetune_cmd, plan_cmd
+    from . import doctor, export_cmd, finetune_cmd, plan_cmd
 
     return [
         Command("finetune", finetune_cmd.HELP, finetune_cmd.DESCRIPTION, finetune_cmd.add_arguments,
@@ -48,6 +48,7 @@ def commands() -> list[Command]:
         Command("plan", plan_cmd.HELP, plan_cmd.DESCRIPTION, plan_cmd.add_arguments, plan_cmd.run,
                 accepts_overrides=True),
         Command("doctor", doctor.HELP, doctor.DESCRIPTION, doctor.add_arguments, doctor.run),
+        Command("export", export_cmd.HELP, export_cmd.DESCRIPTION, export_cmd.add_arguments, export_cmd.run),
     ]
 
 

@@ -133,7 +133,7 @@ def test_bad_model_and_seq_len(tiny_run_inputs, tmp_path):
 @pytest.mark.slow(ci=True)
 def test_default_model_and_data_improve_perplexity(tmp_path):
     """The embedded default (real SmolLM2-135M on real Shakespeare), a few steps."""
-    res = finetune(load_config(overrides=dict(output=str(tmp_path / "run"), ui="none", max_steps=8,
+    res = finetune(load_config(overrides=dict(output=str(tmp_path / "run"), ui="none", max_steps=4,
                                               seq_len=128, eval_every=0, eval_batches=4,
                                               data_max_bytes=400_000, lr=1e-4, export=False)),
                    sink=_Collect())
@@ -155,6 +155,11 @@ def test_offloaded_run_equals_in_memory_run(tiny_run_inputs, tmp_path, clip):
         assert torch.equal(t, b[k]), k
     steps = [e for e in sink.events if type(e).__name__ == "StepEvent"]
     assert steps[-1].tiers["NVME"].written_bytes > 0
+    # `outcore export` rebuilds the same weights from the out-of-core checkpoint
+    from outcore.recipes.export import export_run
+    c = AutoModelForCausalLM.from_pretrained(export_run(ooc.output_dir)).state_dict()
+    for k, t in a.items():
+        assert torch.equal(t, c[k]), k
     assert not (ooc.output_dir / "swap").exists()  # removed on clean exit
 
 
@@ -170,3 +175,19 @@ def test_offloaded_resume_is_bit_identical(tiny_run_inputs, tmp_path):
     b = load_file(str(resumed.output_dir / "checkpoints" / "step_000005" / "units" / "block.1.safetensors"))
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_export_command_and_its_errors(tiny_run_inputs, tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
+    from outcore.tui.cli import main
+
+    res = finetune(_cfg(tiny_run_inputs, tmp_path / "run", max_steps=2, eval_every=0, export=False),
+                   sink=_Collect())
+    assert main(["export", str(res.output_dir), "--output", str(tmp_path / "hf")]) == 0
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
+    trained = load_file(str(res.output_dir / "checkpoints" / "step_000002" / "model.safetensors"))
+    for k, t in trained.items():
+        assert torch.equal(exported[k], t), k
+    assert main(["export", str(tmp_path / "nowhere")]) == 2
+    assert "holds no outcore run" in capsys.readouterr().err

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import os
 import subprocess
 import sys
@@ -44,7 +45,8 @@ def test_finetune_cli_plain_run_writes_everything(tiny_inputs, tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     lines = res.stdout.splitlines()
-    assert sum(line.startswith("step ") for line in lines) == 4
+    assert sum(re.match(r"step \d+/\d+", line) is not None for line in lines) == 4
+    assert any("NVME" in line for line in lines)  # the default run is out of core: its plan is shown
     assert any(line.startswith("eval @ step 0:") for line in lines)
     assert any("eval perplexity" in line and "-> final" in line for line in lines)
     assert lines[-1] == f"outcore: output in {out.resolve()}"
