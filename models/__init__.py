@@ -10,6 +10,7 @@ Public API::
     max_positions(model); check_seq_len(model, seq_len)
 """
 from ._gguf_cache import build_gguf_cache, default_cache_dir, gguf_cache_path
+from ._lazy import load_model_lazily
 from ._loader import (ModelSource, default_model_path, hub_offline, load_model, load_tokenizer,
                       resolve_model_spec)
 from ._structure import (SUPPORTED_MODEL_TYPES, ModelParts, check_seq_len, count_parameters,
@@ -18,6 +19,6 @@ from ._structure import (SUPPORTED_MODEL_TYPES, ModelParts, check_seq_len, count
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "ModelParts", "ModelSource", "build_gguf_cache", "check_seq_len",
     "count_parameters", "decoder_layers", "default_cache_dir", "default_model_path",
-    "gguf_cache_path", "hub_offline", "load_model", "load_tokenizer", "max_positions",
+    "gguf_cache_path", "hub_offline", "load_model", "load_model_lazily", "load_tokenizer", "max_positions",
     "model_parts", "parameter_bytes", "resolve_model_spec",
 ]

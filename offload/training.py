@@ -30,8 +30,8 @@ from .unit_memory import WEIGHTS, StoreUnitMemory, unit_state_bytes
 from .units import Unit
 
 # The engine holds, at the turn of the step, the unit computing, its borrowed
-# (tied) weights, k prefetched and k+1 kept for the next phase: 2k + 3 units.
-_WINDOW_EXTRA = 3
+# (tied) weights, k prefetched and k+1 kept for the next phase: 2k + 3 units
+# (one of them counted as the largest by _window, one more as slack).
 
 
 def _arena_bytes(handle_bytes: int | dict[str, int]) -> int:
@@ -41,10 +41,11 @@ def _arena_bytes(handle_bytes: int | dict[str, int]) -> int:
 
 
 def _window(sizes: list[int], count: int) -> int:
-    """Bytes for the ``count`` largest of ``sizes``, plus one more of the largest as slack
-    for fragmentation (the arena's free list is first-fit)."""
-    top = sorted(sizes, reverse=True)
-    return sum(top[:count]) + (top[0] if top else 0)
+    """Arena bytes for a window of ``count`` units: the largest unit once (an embedding is
+    far larger than a block, and only one of it is ever in flight), the rest at the
+    second-largest size, plus one of those as slack for the first-fit free list."""
+    top = sorted(sizes, reverse=True) + [0, 0]
+    return top[0] + count * top[1]
 
 
 class OffloadedModel:
@@ -206,10 +207,11 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
     k = max(1, prefetch)
     w_sizes = [_arena_bytes(u.numel * _itemsize(u)) for u in units]
     s_sizes = [_arena_bytes(kinds) for kinds in unit_state_bytes(units, optimizer)]
-    need_device = _window(w_sizes, 2 * k + _WINDOW_EXTRA)
+    need_device = _window(w_sizes, 2 * k + 3)
     host_home = sum(w for w, (hw, _) in zip(w_sizes, homes) if hw is Tier.HOST)
     host_home += sum(s for s, (_, hs) in zip(s_sizes, homes) if hs is Tier.HOST)
-    need_host = host_home + (_window(s_sizes, k + _WINDOW_EXTRA) if any(hs is Tier.NVME for _, hs in homes) else 0)
+    # optimizer state streams through HOST: k prefetched, one updating, one writing back
+    need_host = host_home + (_window(s_sizes, k + 3) if any(hs is Tier.NVME for _, hs in homes) else 0)
     device = min(device_bytes, need_device) if device_bytes else need_device
     host = min(host_bytes, need_host) if host_bytes else need_host
     nvme_bytes = None

@@ -70,8 +70,12 @@ class StoreUnitMemory:
                     if init_weights is None:
                         raise ValueError(f"{slot.name} is on the meta device and no init_weights was given")
                     init_weights(slot, unit.view(w, slot))
-                    # the optimizer's state_spec/init_state below need a real tensor
-                    slot.param.data = unit.view(w, slot)
+                    # The optimizer's state_spec/init_state below need a real tensor, and
+                    # `.data =` cannot move a parameter off the meta device: swap its
+                    # contents (the Parameter object, held by the optimizer and by tied
+                    # modules, stays the same).
+                    torch.utils.swap_tensors(slot.param, torch.nn.Parameter(
+                        unit.view(w, slot), requires_grad=slot.param.requires_grad))
                 else:
                     unit.view(w, slot).copy_(slot.param.data)
             w_home, s_home = self.homes[unit.index]

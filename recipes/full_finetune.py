@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -48,7 +48,7 @@ class Recipe:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         from ..data import BatchLoader, build_datasets, check_seq_len
-        from ..models import load_model
+        from ..models import load_model, load_model_lazily
         from ..tui import make_sink
 
         cfg = self.cfg
@@ -57,7 +57,18 @@ class Recipe:
         self.out = prepare_output_dir(cfg)
         self.sink = self._sink or make_sink(cfg.ui, self.out)
 
-        self.model, self.tokenizer = load_model(cfg.model, dtype=torch_dtype(cfg.dtype))
+        self.plan, fill = None, None
+        if cfg.offload != "none":
+            # Out of core, the weights go straight from their files into the store,
+            # unit by unit: the model is built on the meta device, never whole in RAM.
+            check_offload_supported(cfg)
+            self.model, self.tokenizer, fill = load_model_lazily(cfg.model, dtype=torch_dtype(cfg.dtype))
+            self.plan = make_plan(cfg, self.model)
+            if self.plan.layout == "none":  # `auto` found that everything fits in memory
+                self.plan.notes.append("everything fits in memory: training in memory")
+                self.model, fill = None, None
+        if fill is None:
+            self.model, self.tokenizer = load_model(cfg.model, dtype=torch_dtype(cfg.dtype))
         check_seq_len(self.model, cfg.seq_len)
         if cfg.method in ("lora", "qlora"):
             self.model = _with_lora(self.model, cfg)
@@ -73,15 +84,10 @@ class Recipe:
         self._setup_loss()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.offloaded = None
-        self.plan = None
-        if cfg.offload != "none":
-            self.plan = make_plan(cfg, self.model)
-            if self.plan.layout == "none":  # `auto` found that everything fits in memory
-                self.plan.notes.append("everything fits in memory: training in memory")
-        if self.plan is not None and self.plan.layout != "none":
+        if fill is not None:
             self.optimizer = build_optimizer(cfg, self.params, streaming=True)
             self.offloaded = offload_from_plan(cfg, self.model, self.optimizer, self.plan, self.out,
-                                               self.head_loss)
+                                               self.head_loss, fill)
         else:
             self.optimizer = build_optimizer(cfg, self.params)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -279,11 +285,9 @@ def build_optimizer(cfg: FinetuneConfig, params: list[torch.nn.Parameter], strea
                                     **cfg.optim_args)
 
 
-def make_plan(cfg: FinetuneConfig, model: torch.nn.Module):
-    """The MemoryPlan of this run (budgets from --device-mem / --host-mem and this machine)."""
+def check_offload_supported(cfg: FinetuneConfig) -> None:
+    """Raise ConfigError for combinations the out-of-core engine does not run yet."""
     from ..errors import ConfigError
-    from ..offload.plan import plan_for_config
-    from ..offload.probe import probe_hardware
 
     if cfg.method != "full":
         raise ConfigError(f"offload={cfg.offload!r} with method={cfg.method!r} is not supported yet: "
@@ -291,6 +295,13 @@ def make_plan(cfg: FinetuneConfig, model: torch.nn.Module):
     if cfg.dtype != "float32":
         raise ConfigError(f"offload={cfg.offload!r} with dtype={cfg.dtype!r} is not supported yet: "
                           "use dtype=float32 or --offload none")
+
+
+def make_plan(cfg: FinetuneConfig, model: torch.nn.Module):
+    """The MemoryPlan of this run (budgets from --device-mem / --host-mem and this machine)."""
+    from ..offload.plan import plan_for_config
+    from ..offload.probe import probe_hardware
+
     probe = probe_hardware(_swap_dir(cfg, Path(cfg.output)).parent, measure=False)
     return plan_for_config(cfg, model, probe=probe)
 
@@ -300,8 +311,12 @@ def _swap_dir(cfg: FinetuneConfig, out: Path) -> Path:
 
 
 def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: Any, plan: Any, out: Path,
-                      head_loss: torch.nn.Module | None = None):
-    """Move the model's weights and optimizer state to the tiers ``plan`` chose."""
+                      head_loss: torch.nn.Module | None = None,
+                      fill: Callable[[str, torch.Tensor], None] | None = None):
+    """Move the model's weights and optimizer state to the tiers ``plan`` chose.
+
+    ``fill(name, out)`` reads a weight of a meta-device model (see ``load_model_lazily``).
+    """
     from ..offload.handle import Tier
     from ..offload.plan import parse_bytes
     from ..offload.training import offload_model
@@ -314,7 +329,8 @@ def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: An
                          prefetch=max(1, plan.prefetch_depth), max_grad_norm=cfg.max_grad_norm,
                          grad_accum=cfg.grad_accum, homes=homes,
                          device_bytes=parse_bytes(cfg.device_mem) if cfg.device_mem else None,
-                         host_bytes=parse_bytes(cfg.host_mem) if cfg.host_mem else None)
+                         host_bytes=parse_bytes(cfg.host_mem) if cfg.host_mem else None,
+                         init_weights=None if fill is None else (lambda slot, t: fill(slot.name, t)))
 
 
 def _with_lora(model: torch.nn.Module, cfg: FinetuneConfig) -> torch.nn.Module:
