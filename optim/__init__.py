@@ -19,14 +19,16 @@ from .apollo import APOLLO, APOLLOMini
 from .frugal import FRUGAL
 from .galore import GaLore
 
-_LAZY = {"MeZO": ".mezo", "SparseMeZO": ".sparse_mezo"}
+_LAZY = {"MeZO": ".mezo", "SparseMeZO": ".sparse_mezo", "ZOBlockTrainer": ".zo_stream",
+         "ZOHyper": ".zo_core", "replay": ".zo_replay", "export_zo_run": ".zo_replay"}
 
 # CLI / config names (``--optim``) of the gradient-based optimizers.
 OPTIMIZERS = {"adamw": AdamW, "adamw8bit": AdamW8bit, "galore": GaLore, "apollo": APOLLO,
               "apollo-mini": APOLLOMini, "frugal": FRUGAL}
 
 __all__ = ["OutcoreOptimizer", "StateSpec", "AdamW", "AdamW8bit", "GaLore", "APOLLO",
-           "APOLLOMini", "FRUGAL", "MeZO", "SparseMeZO", "OPTIMIZERS", "build_optimizer"]
+           "APOLLOMini", "FRUGAL", "MeZO", "SparseMeZO", "ZOBlockTrainer", "ZOHyper", "replay",
+           "export_zo_run", "OPTIMIZERS", "build_optimizer"]
 
 
 def __getattr__(name: str) -> Any:

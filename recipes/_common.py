@@ -11,7 +11,7 @@ import resource
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import psutil
 import torch
@@ -98,14 +98,6 @@ def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float) -> Callabl
     return factor
 
 
-def eval_batches(dataset: Any, batch_size: int, n_batches: int) -> Iterator[dict[str, torch.Tensor]]:
-    """The first ``n_batches`` batches of ``dataset`` in order: the same every evaluation."""
-    n = min(len(dataset), batch_size * n_batches)
-    for start in range(0, n, batch_size):
-        rows = [dataset[i] for i in range(start, min(n, start + batch_size))]
-        yield {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
-
-
 @torch.no_grad()
 def evaluate(loss_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], dataset: Any,
              batch_size: int, n_batches: int) -> float:
@@ -113,10 +105,13 @@ def evaluate(loss_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], dataset
 
     Args:
         loss_fn: batch -> mean loss over its labelled tokens.
+        n_batches: how many batches of the validation set (0 = all of it).
 
     Returns:
         The mean loss (a float: this is a host sync, once per evaluation).
     """
+    from ..data import eval_batches
+
     total, tokens = 0.0, 0
     for batch in eval_batches(dataset, batch_size, n_batches):
         n = int((batch["labels"][:, 1:] != -100).sum())

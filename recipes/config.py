@@ -64,7 +64,7 @@ class FinetuneConfig:
     activations: str = "keep"  # auto | keep | recompute | offload
     # --- evaluation, logging, checkpoints --------------------------------------
     eval_every: int = 20  # steps between validation passes (0 = only before and after)
-    eval_batches: int = 8  # micro-batches per validation pass
+    eval_batches: int = 8  # micro-batches per validation pass (0 = the whole validation set)
     log_every: int = 1  # steps between metrics rows
     save_every: int = 0  # steps between checkpoints (0 = only at the end)
     output: str = "runs/default"  # output directory

