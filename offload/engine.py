@@ -49,8 +49,11 @@ def _empty(dtype: torch.dtype) -> torch.Tensor:
 class UnitMemory(Protocol):
     """Where the engine's flat unit buffers live (implemented over the TieredStore).
 
-    ``kind`` is ``"w"`` (weights) or an optimizer-state name (``"exp_avg"`` …).
+    ``kind`` is ``"w"`` (weights) or an optimizer-state name (``"exp_avg"`` …);
+    ``unit_kinds[i]`` lists the state names unit ``i`` has.
     """
+
+    unit_kinds: list[list[str]]
 
     def prefetch(self, unit: int, kind: str) -> None:
         """Start bringing ``kind`` of ``unit`` to the working tier (no wait)."""
@@ -198,7 +201,7 @@ class OutOfCoreEngine:
             self.mem.prefetch(j, "w")
         if self.step_in_backward:
             for j in range(index, max(-1, index - self.prefetch_depth), -1):
-                for kind in self._state_kinds:
+                for kind in self._state_kinds(j):
                     self.mem.prefetch(j, kind)
 
     def _grad_ready(self, index: int) -> None:
@@ -214,9 +217,9 @@ class OutOfCoreEngine:
             self._unbind(index)
 
     # ----------------------------------------------------------- optimizer side
-    @property
-    def _state_kinds(self) -> list[str]:
-        return list(getattr(self.mem, "state_kinds", ()))
+    def _state_kinds(self, index: int) -> list[str]:
+        """The optimizer-state tensor classes unit ``index`` has (a norm-only unit may lack some)."""
+        return self.mem.unit_kinds[index]
 
     def _update(self, index: int) -> None:
         """Run the optimizer update of one unit, in place, and let it go dirty."""
@@ -224,7 +227,7 @@ class OutOfCoreEngine:
         if not unit.slots:
             return
         self._bind(index)
-        flats = {kind: self.mem.acquire(index, kind) for kind in self._state_kinds}
+        flats = {kind: self.mem.acquire(index, kind) for kind in self._state_kinds(index)}
         self.mem.before_update(index, "w")
         w = self._bound[index]
         params = [unit.view(w, s) for s in unit.slots]
@@ -235,7 +238,7 @@ class OutOfCoreEngine:
             self.optimizer.update(params, grads, states, group)
         for s in unit.slots:
             s.param.grad = None  # freed now: step-in-backward never holds all gradients
-        for kind in self._state_kinds:
+        for kind in self._state_kinds(index):
             self.mem.release(index, kind, dirty=True)
         self._unbind(index, dirty=True)
 
@@ -298,7 +301,7 @@ class OutOfCoreEngine:
         for index in range(len(self.units)):
             for j in range(index, min(len(self.units), index + self.prefetch_depth)):
                 self.mem.prefetch(j, "w")
-                for kind in self._state_kinds:
+                for kind in self._state_kinds(j):
                     self.mem.prefetch(j, kind)
             self._update(index)
         self.last_grad_norm = norm

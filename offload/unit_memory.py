@@ -61,7 +61,7 @@ class StoreUnitMemory:
         self.homes = homes or [(Tier.parse(home), Tier.parse(home))] * len(units)
         self.handles: dict[tuple[int, str], TensorHandle] = {}
         self.state_layout: list[list[dict[str, _StateSlot]]] = []
-        kinds: list[str] = []
+        self.unit_kinds: list[list[str]] = []  # per unit, its state tensor classes
         group = optimizer.param_groups[0]
         for unit in units:
             w = torch.empty(unit.numel, dtype=_unit_dtype(unit))
@@ -93,8 +93,6 @@ class StoreUnitMemory:
                     n = torch.Size(shape).numel()
                     entry[kind] = _StateSlot(kind, sizes.get(kind, 0), torch.Size(shape))
                     sizes[kind] = sizes.get(kind, 0) + _pad(max(n, 1), dtype.itemsize)
-                    if kind not in kinds:
-                        kinds.append(kind)
                 layout.append(entry)
                 inits.append(optimizer.init_state(slot.param, group))
             for kind, numel in sizes.items():
@@ -106,9 +104,9 @@ class StoreUnitMemory:
                 self.handles[(unit.index, kind)] = store.register(f"{unit.name}:{kind}", data=flat,
                                                                   home=s_home)
             self.state_layout.append(layout)
+            self.unit_kinds.append(list(sizes))
             for slot in unit.slots:  # the store holds the unit now: free the model's own copy
                 slot.param.data = torch.empty(0, dtype=slot.param.dtype)
-        self.state_kinds = kinds
         self._pinned: dict[tuple[int, str], Future] = {}  # fetched and not yet released
         self._unpinned: OrderedDict[tuple[int, str], None] = OrderedDict()  # resident, evictable (LRU)
         self._writes: list[Future] = []

@@ -99,3 +99,23 @@ def test_device_budget_below_one_unit_is_a_clear_error(tiny_llama_factory, tmp_p
     with pytest.raises(BudgetError, match="DEVICE tier budget"):
         om.train_step(_loss, [torch.randint(0, 256, (1, 8))], LR)
     om.close()
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "apollo-mini"])
+def test_streamed_memory_lean_optimizers_equal_their_in_memory_runs(tiny_llama_factory, tmp_path, name):
+    """8-bit and low-rank state streams through NVMe like AdamW's: same bits as in memory."""
+    from outcore.optim import build_optimizer
+
+    ref, ooc = _model(tiny_llama_factory, 3), _model(tiny_llama_factory, 3)
+    hp = dict(lr=LR, weight_decay=WD)
+    opt = build_optimizer(name, [p for p in ref.parameters()], **hp)
+    om = offload_model(ooc, build_optimizer(name, [p for p in ooc.parameters()], **hp), offload="nvme",
+                       swap_dir=tmp_path / "swap", prefetch=1)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        ids = torch.randint(0, 256, (2, 32), generator=g)
+        assert torch.equal(_reference_step(ref, opt, [ids], 0.0), om.train_step(_loss, [ids], LR))
+    for unit in om.engine.units:
+        for pname, w in om.named_weights(unit).items():
+            assert torch.equal(w, dict(ref.named_parameters())[pname].detach()), pname
+    om.close()
