@@ -67,7 +67,7 @@ def load_model_lazily(spec: str | Path = "default", *, dtype: torch.dtype | str 
     config.use_cache = False
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    _materialize_buffers(model, config)
+    materialize_buffers(model, config)
     files = _weight_files(directory)
 
     from safetensors import safe_open
@@ -82,7 +82,7 @@ def load_model_lazily(spec: str | Path = "default", *, dtype: torch.dtype | str 
     return model, load_tokenizer(spec, cache_dir=cache_dir), fill
 
 
-def _materialize_buffers(model: torch.nn.Module, config: Any) -> None:
+def materialize_buffers(model: torch.nn.Module, config: Any) -> None:
     """Rebuild modules whose buffers are computed, not loaded (rotary tables) on the CPU."""
     for name, module in list(model.named_modules()):
         if any(b.is_meta for b in module.buffers(recurse=False)):

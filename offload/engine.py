@@ -136,6 +136,8 @@ class OutOfCoreEngine:
         self._bound[index] = flat
 
     def _unbind(self, index: int, dirty: bool = False) -> None:
+        """Drop one pin; at zero (or after an update, which ends every phase that held the
+        unit) point the parameters at an empty tensor and hand the unit back to memory."""
         self._pins[index] -= 1
         if self._pins[index] > 0 and not dirty:
             return
@@ -153,7 +155,7 @@ class OutOfCoreEngine:
         embedding is used by the head at the turn of the step.
         """
         k, n = self.prefetch_depth, len(self.units)
-        if any(index in self.units[j].borrows for j in (n - 1,)):
+        if index in self.units[-1].borrows:
             return True
         if self._phase == "forward":
             return index >= n - 1 - k

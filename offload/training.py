@@ -29,9 +29,10 @@ from .store import TieredStore
 from .unit_memory import WEIGHTS, StoreUnitMemory, unit_state_bytes
 from .units import Unit
 
-# The engine holds, at the turn of the step, the unit computing, its borrowed
-# (tied) weights, k prefetched and k+1 kept for the next phase: 2k + 3 units
-# (one of them counted as the largest by _window, one more as slack).
+# At the turn of the step the engine wants the unit computing, its borrowed (tied)
+# weights, k prefetched and k+1 kept for the next phase: 2k + 3 units. Kept units
+# are only a wish (they are evicted, oldest first, when a fetch needs the room), so
+# the DEVICE window is 2k + 2 units: the largest once, the rest at the second size.
 
 
 def _arena_bytes(handle_bytes: int | dict[str, int]) -> int:
@@ -41,9 +42,8 @@ def _arena_bytes(handle_bytes: int | dict[str, int]) -> int:
 
 
 def _window(sizes: list[int], count: int) -> int:
-    """Arena bytes for a window of ``count`` units: the largest unit once (an embedding is
-    far larger than a block, and only one of it is ever in flight), the rest at the
-    second-largest size, plus one of those as slack for the first-fit free list."""
+    """Arena bytes for the largest unit plus ``count`` units of the second-largest size (an
+    embedding is far larger than a block, and only one of it is ever in flight)."""
     top = sorted(sizes, reverse=True) + [0, 0]
     return top[0] + count * top[1]
 
@@ -207,7 +207,7 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
     k = max(1, prefetch)
     w_sizes = [_arena_bytes(u.numel * _itemsize(u)) for u in units]
     s_sizes = [_arena_bytes(kinds) for kinds in unit_state_bytes(units, optimizer)]
-    need_device = _window(w_sizes, 2 * k + 3)
+    need_device = _window(w_sizes, 2 * k + 1)
     host_home = sum(w for w, (hw, _) in zip(w_sizes, homes) if hw is Tier.HOST)
     host_home += sum(s for s, (_, hs) in zip(s_sizes, homes) if hs is Tier.HOST)
     # optimizer state streams through HOST: k prefetched, one updating, one writing back
