@@ -22,16 +22,21 @@ def test_state_is_about_two_bytes_per_parameter():
     assert 2.0 < per_param < 2.05  # 2 code bytes + 8 bytes of absmax per 256 + the step
 
 
-def test_small_tensors_are_fp32_and_bit_identical_to_adamw():
-    ps = [torch.nn.Parameter(torch.randn(s)) for s in [(64,), (10, 40)]]
-    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-    a, b = AdamW8bit(ps, lr=1e-2, weight_decay=0.1), AdamW(qs, lr=1e-2, weight_decay=0.1)
-    for t in range(4):
+def _step_both(a, ps, b, qs, steps):
+    """Step optimizers ``a`` (over ``ps``) and ``b`` (over ``qs``) with the same seeded gradients."""
+    for t in range(steps):
         for p, q in zip(ps, qs):
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(t))
             q.grad = p.grad.clone()
         a.step()
         b.step()
+
+
+def test_small_tensors_are_fp32_and_bit_identical_to_adamw():
+    ps = [torch.nn.Parameter(torch.randn(s)) for s in [(64,), (10, 40)]]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    a, b = AdamW8bit(ps, lr=1e-2, weight_decay=0.1), AdamW(qs, lr=1e-2, weight_decay=0.1)
+    _step_both(a, ps, b, qs, steps=4)
     for p, q in zip(ps, qs):
         assert "exp_avg" in a.state[p] and torch.equal(p, q)
 
@@ -47,12 +52,7 @@ def test_impls_agree_through_the_optimizer():
     ps = [torch.nn.Parameter(torch.randn(300, 50)) for _ in range(2)]
     qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
     a, b = AdamW8bit(ps, impl="ref"), AdamW8bit(qs, impl="auto")
-    for t in range(3):
-        for p, q in zip(ps, qs):
-            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(t))
-            q.grad = p.grad.clone()
-        a.step()
-        b.step()
+    _step_both(a, ps, b, qs, steps=3)
     for p, q in zip(ps, qs):
         assert torch.equal(p, q)
 
