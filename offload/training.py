@@ -144,10 +144,7 @@ class OffloadedModel:
                 total += t.numel() * t.element_size()
         (tmp / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-        cfg = hf_config
-        if getattr(cfg, "quantization_config", None) is not None:
-            cfg = type(cfg).from_dict({k: v for k, v in cfg.to_dict().items() if k != "quantization_config"})
-        cfg.save_pretrained(tmp)
+        hf_config.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         shutil.rmtree(out, ignore_errors=True)

@@ -130,13 +130,6 @@ def export_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | Path) -> Pa
     shutil.rmtree(tmp, ignore_errors=True)
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
-    # A model loaded from GGUF carries a `gguf` quantization_config; the exported
-    # weights are plain dequantized tensors, so drop it or from_pretrained would
-    # try to read a GGUF file that is not there.
-    if getattr(model.config, "quantization_config", None) is not None:
-        qc = model.config.quantization_config
-        if (qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)) == "gguf":
-            del model.config.quantization_config
     model.save_pretrained(tmp, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(tmp)
