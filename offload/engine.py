@@ -27,7 +27,6 @@ unit's buffer, fetched again for the backward. No model code changes.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 

@@ -26,7 +26,7 @@ from .directio import align_up
 from .engine import OutOfCoreEngine
 from .handle import Tier
 from .store import TieredStore
-from .unit_memory import WEIGHTS, StoreUnitMemory, unit_state_bytes
+from .unit_memory import StoreUnitMemory, unit_state_bytes
 from .units import Unit
 
 # At the turn of the step the engine wants the unit computing, its borrowed (tied)

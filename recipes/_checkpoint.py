@@ -159,7 +159,7 @@ def load_checkpoint(ckpt_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict
                               "resume from an earlier one or start over with --overwrite")
     try:
         expected = json.loads((d / _COMPLETE).read_text())["xxh64"]
-    except (ValueError, KeyError) as e:
+    except (ValueError, KeyError):
         raise CheckpointError(f"checkpoint {str(d)!r} has a damaged {_COMPLETE} marker; "
                               "delete the directory to resume from the previous checkpoint") from None
     for name, digest in expected.items():

@@ -41,7 +41,7 @@ import torch
 from ..errors import CheckpointError, ConfigError
 from ..events import EvalEvent, EventSink, RunFinished, RunStarted, StepEvent, TierStats
 from ._common import (evaluate, lr_lambda, peak_rss_bytes, prepare_output_dir, ram_total_bytes, rss_bytes,
-                      set_threads, torch_dtype)
+                      set_threads)
 from .config import FinetuneConfig, load_config
 
 _RECIPE_KEYS = ("prefetch", "lora")  # optim_args read here, not by ZOHyper
