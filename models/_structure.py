@@ -83,7 +83,7 @@ def model_parts(model: nn.Module) -> ModelParts:
     """Split ``model`` into embed / layers / final norm / LM head / rotary embedding.
 
     Args:
-        model: a causal LM of a supported family.
+        model: a causal LM of a supported family, or a peft wrapper of one.
 
     Returns:
         A :class:`ModelParts` whose modules are the model's own (no copies).
@@ -91,6 +91,8 @@ def model_parts(model: nn.Module) -> ModelParts:
     Raises:
         ModelError: the model does not have the expected layout.
     """
+    if hasattr(model, "get_base_model"):  # peft: the parts are the wrapped model's
+        model = model.get_base_model()
     decoder = _decoder(model)
     lm_head = getattr(model, "lm_head", None)
     if lm_head is None or not hasattr(lm_head, "weight"):

@@ -86,7 +86,9 @@ class OutOfCoreEngine:
             their own storage is released (they point at the unit buffers while
             resident, at an empty tensor otherwise).
         optimizer: an ``outcore.optim.OutcoreOptimizer`` (``state_spec`` /
-            ``update``) built over ``model``'s trainable parameters.
+            ``update``) built over ``model``'s trainable parameters; when those stay
+            resident (no unit lays them out: LoRA adapters), any torch optimizer,
+            stepped after the backward.
         memory: factory ``(units, optimizer) -> UnitMemory`` that registers the
             unit buffers (and initial contents) with the store.
         prefetch: how many units ahead to prefetch (k).
@@ -105,20 +107,31 @@ class OutOfCoreEngine:
         self.prefetch_depth = max(1, prefetch)
         self.max_grad_norm = max_grad_norm
         self.grad_accum = grad_accum
-        # Step-in-backward needs every gradient of a unit to be final when it
-        # arrives: not so when they are clipped by a global norm or accumulated.
-        self.step_in_backward = max_grad_norm <= 0 and grad_accum == 1
         # model order, as the in-memory run sees them: clip_grad_norm_ stacks the
         # per-tensor norms in this order, and the bits of the total depend on it
         self.params = [p for p in model.parameters() if p.requires_grad]
+        streamed = {id(s.param) for u in self.units for s in u.slots}
+        # Trainable parameters outside every unit (LoRA adapters) stay resident and
+        # are stepped by `optimizer` as usual, after the backward; the units then
+        # hold only frozen weights, streamed read-only (never written back).
+        self.resident = [p for p in self.params if id(p) not in streamed]
+        if self.resident and len(self.resident) != len(self.params):
+            raise ValueError("some trainable parameters are streamed and some resident: lay out either all "
+                             "of them (full fine-tune) or none (adapters, resident_trainable=True)")
+        self._trainable_slots = [sum(s.param.requires_grad for s in u.slots) for u in self.units]
+        # Step-in-backward needs every gradient of a unit to be final when it
+        # arrives: not so when they are clipped by a global norm or accumulated.
+        self.step_in_backward = max_grad_norm <= 0 and grad_accum == 1 and not self.resident
         self.mem = memory(self.units, optimizer)
         self._bound: dict[int, torch.Tensor] = {}  # unit -> resident flat weights bound to params
         self._pins: dict[int, int] = {}  # unit -> how many phases hold its weights
         self._pending: dict[int, int] = {}  # unit -> params still waiting for their gradient
+        self._frozen_in_backward: list[int] = []  # frozen units bound for their backward, newest last
         self._lr = self.group["lr"]
         self._phase = "forward"
-        for p in self.params:
-            p.data = _empty(p.dtype)
+        for u in self.units:
+            for s in u.slots:
+                s.param.data = _empty(s.param.dtype)
         self._handles = []
         self._install_hooks()
 
@@ -172,8 +185,9 @@ class OutOfCoreEngine:
             self._handles.append(last.register_forward_hook(
                 lambda m, a, out, i=unit.index: self._forward_end(i, out)))
             for slot in unit.slots:
-                self._handles.append(slot.param.register_post_accumulate_grad_hook(
-                    lambda p, i=unit.index: self._grad_ready(i)))
+                if slot.param.requires_grad:
+                    self._handles.append(slot.param.register_post_accumulate_grad_hook(
+                        lambda p, i=unit.index: self._grad_ready(i)))
 
     def _forward_begin(self, index: int) -> None:
         self._phase = "forward"
@@ -195,9 +209,14 @@ class OutOfCoreEngine:
     def _backward_begin(self, index: int) -> None:
         """Gradient w.r.t. unit ``index``'s output exists: its backward starts now."""
         self._phase = "backward"
+        # Units after this one whose weights are frozen have no gradient to say their
+        # backward is over; this unit's output gradient is complete, so theirs is.
+        self._release_frozen(after=index)
         for i in self._needs(index):
             self._bind(i)
-        self._pending[index] = len(self.units[index].slots)
+        self._pending[index] = self._trainable_slots[index]
+        if self._pending[index] == 0:
+            self._frozen_in_backward.append(index)
         for j in range(index - 1, max(-1, index - 1 - self.prefetch_depth), -1):
             self.mem.prefetch(j, "w")
         if self.step_in_backward:
@@ -217,6 +236,13 @@ class OutOfCoreEngine:
         else:
             self._unbind(index)
 
+    def _release_frozen(self, after: int = -1) -> None:
+        """Let go of frozen units (and what they borrow) held for a backward that is over."""
+        while self._frozen_in_backward and self._frozen_in_backward[-1] > after:
+            index = self._frozen_in_backward.pop()
+            for i in self._needs(index):
+                self._unbind(i)
+
     # ----------------------------------------------------------- optimizer side
     def _state_kinds(self, index: int) -> list[str]:
         """The optimizer-state tensor classes unit ``index`` has (a norm-only unit may lack some)."""
@@ -225,20 +251,21 @@ class OutOfCoreEngine:
     def _update(self, index: int) -> None:
         """Run the optimizer update of one unit, in place, and let it go dirty."""
         unit = self.units[index]
-        if not unit.slots:
+        train = [k for k, s in enumerate(unit.slots) if s.param.requires_grad]
+        if not train:
             return
         self._bind(index)
         flats = {kind: self.mem.acquire(index, kind) for kind in self._state_kinds(index)}
         self.mem.before_update(index, "w")
         w = self._bound[index]
-        params = [unit.view(w, s) for s in unit.slots]
-        grads = [s.param.grad for s in unit.slots]
-        states = [self.mem.state_views(index, flats, k) for k in range(len(unit.slots))]
+        params = [unit.view(w, unit.slots[k]) for k in train]
+        grads = [unit.slots[k].param.grad for k in train]
+        states = [self.mem.state_views(index, flats, k) for k in train]
         group = {**self.group, "lr": self._lr}
         with torch.no_grad():
             self.optimizer.update(params, grads, states, group)
-        for s in unit.slots:
-            s.param.grad = None  # freed now: step-in-backward never holds all gradients
+        for k in train:
+            unit.slots[k].param.grad = None  # freed now: step-in-backward never holds all gradients
         for kind in self._state_kinds(index):
             self.mem.release(index, kind, dirty=True)
         self._unbind(index, dirty=True)
@@ -289,18 +316,33 @@ class OutOfCoreEngine:
             with self._saved_hooks():
                 loss = loss_fn(self.model, batch) / len(micro_batches)
                 loss.backward()
+            self._release_frozen()  # the first units' backward has no later one to end it
             total += loss.detach()
-        if not self.step_in_backward:
+        if self.resident:
+            self._step_resident()
+        elif not self.step_in_backward:
             self._update_after_backward()
         return total
+
+    def _step_resident(self) -> None:
+        """Clip and step the resident trainable parameters (adapters) the usual way."""
+        norm = None
+        if self.max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.last_grad_norm = norm
 
     def _update_after_backward(self) -> torch.Tensor | None:
         """Clip by the global norm (same arithmetic as ``clip_grad_norm_``), then update every unit."""
         norm = None
         if self.max_grad_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
-        for index in range(len(self.units)):
-            for j in range(index, min(len(self.units), index + self.prefetch_depth)):
+        trainable = [i for i, n in enumerate(self._trainable_slots) if n]
+        for at, index in enumerate(trainable):
+            for j in trainable[at:at + self.prefetch_depth]:
                 self.mem.prefetch(j, "w")
                 for kind in self._state_kinds(j):
                     self.mem.prefetch(j, kind)

@@ -122,11 +122,29 @@ class OffloadedModel:
         flat = self.mem.weights(unit.index)
         return {s.name: unit.view(flat, s).clone() for s in unit.slots}
 
+    def merged_weights(self, unit: Unit) -> dict[str, torch.Tensor]:
+        """The unit's weights as a plain model has them: LoRA deltas merged in, peft's
+        name prefixes dropped (``base_model.model.``, ``.base_layer``)."""
+        tensors = self.named_weights(unit)
+        slot_of = {id(s.param): s.name for s in unit.slots}
+        for module in unit.modules:
+            for layer in module.modules():
+                if not (hasattr(layer, "get_delta_weight") and hasattr(layer, "get_base_layer")):
+                    continue
+                name = slot_of.get(id(layer.get_base_layer().weight))
+                if name is None:
+                    continue
+                with torch.no_grad():
+                    for adapter in layer.active_adapters:
+                        if adapter in getattr(layer, "lora_A", {}):
+                            tensors[name] += layer.get_delta_weight(adapter).to(tensors[name].dtype)
+        return {plain_name(n): t for n, t in tensors.items()}
+
     def export_hf(self, out_dir: str | Path, hf_config: Any, tokenizer: Any = None) -> Path:
         """Write a Hugging Face directory, one safetensors shard per unit (bounded memory).
 
         ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it; tied weights are
-        stored once, as transformers expects.
+        stored once, as transformers expects; LoRA adapters are merged into the base.
         """
         out = Path(out_dir)
         tmp = out.with_name(out.name + ".tmp")
@@ -134,7 +152,7 @@ class OffloadedModel:
         tmp.mkdir(parents=True)
         weight_map, total = {}, 0
         for unit in self.engine.units:
-            tensors = self.named_weights(unit)
+            tensors = self.merged_weights(unit)
             if not tensors:
                 continue
             shard = f"model-{unit.index:05d}-{unit.name}.safetensors"
@@ -165,7 +183,8 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                   device_bytes: int | None = None, host_bytes: int | None = None,
                   homes: list[tuple[Tier, Tier]] | None = None,
                   head_modules: list[torch.nn.Module] | tuple[torch.nn.Module, ...] = (),
-                  init_weights: Callable[[Any, torch.Tensor], None] | None = None) -> OffloadedModel:
+                  init_weights: Callable[[Any, torch.Tensor], None] | None = None,
+                  resident_trainable: bool = False) -> OffloadedModel:
     """Move ``model``'s weights and ``optimizer``'s state into tiers and wrap it for training.
 
     Args:
@@ -181,6 +200,9 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
             (e.g. ``CausalLMHeadLoss``); see ``units.causal_lm_units``.
         init_weights: for a model built on the meta device, fills each parameter
             ``(slot, tensor)`` as its unit is stored (see ``StoreUnitMemory``).
+        resident_trainable: LoRA / QLoRA: only the frozen base streams (read-only,
+            never written back); the trainable adapters stay resident and
+            ``optimizer`` (any torch optimizer over them) steps them after the backward.
 
     Returns:
         The :class:`OffloadedModel`.
@@ -194,7 +216,7 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
         raise ConfigError(f"offload={offload!r}: the out-of-core engine takes 'cpu' or 'nvme'")
     from .units import causal_lm_units
 
-    units = causal_lm_units(model, head_modules=head_modules)
+    units = causal_lm_units(model, resident_trainable=resident_trainable, head_modules=head_modules)
     home = Tier.NVME if offload == "nvme" else Tier.HOST
     homes = homes or [(home, home)] * len(units)
     uses_nvme = any(Tier.NVME in h for h in homes)
@@ -223,6 +245,12 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
         store.close()
         raise
     return OffloadedModel(engine, store, Path(swap_dir) if uses_nvme else None)
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name in the plain model, from its name under a peft wrapper."""
+    name = name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")
 
 
 def _itemsize(unit: Unit) -> int:

@@ -84,6 +84,10 @@ class StoreUnitMemory:
             layout, sizes, dtypes = [], {}, {}
             inits: list[dict[str, torch.Tensor]] = []
             for slot in unit.slots:
+                if not slot.param.requires_grad:  # frozen: read-only weights, no optimizer state
+                    layout.append({})
+                    inits.append({})
+                    continue
                 spec = optimizer.state_spec(slot.param, group)
                 entry = {}
                 for kind, (shape, dtype) in spec.items():
@@ -242,6 +246,8 @@ def unit_state_bytes(units: list[Unit], optimizer) -> list[dict[str, int]]:
     for unit in units:
         kinds: dict[str, int] = {}
         for slot in unit.slots:
+            if not slot.param.requires_grad:
+                continue
             for kind, (shape, dtype) in optimizer.state_spec(slot.param, group).items():
                 n = _pad(max(torch.Size(shape).numel(), 1), dtype.itemsize) * dtype.itemsize
                 kinds[kind] = kinds.get(kind, 0) + n

@@ -58,15 +58,15 @@ def _pad(n: int, itemsize: int) -> int:
     return (n + per - 1) // per * per
 
 
-def causal_lm_units(model: nn.Module, trainable_only: bool = False,
+def causal_lm_units(model: nn.Module, resident_trainable: bool = False,
                     head_modules: list[nn.Module] | tuple[nn.Module, ...] = ()) -> list[Unit]:
     """Cut a Hugging Face causal LM into ``[embed, blocks..., head]`` units.
 
     Args:
         model: a Llama / Qwen2 / Mistral / Gemma3-style ``*ForCausalLM`` (or a peft
             wrapper of one).
-        trainable_only: lay out only parameters with ``requires_grad`` (LoRA: the
-            frozen base is laid out separately by the caller).
+        resident_trainable: lay out only the frozen parameters; those that train
+            stay where they are, resident (LoRA: the base streams, the adapters stay).
         head_modules: modules that compute with the head after ``lm_head`` (or instead
             of calling it, like a chunked loss holding ``lm_head``); the head unit ends
             when the last of them returns.
@@ -99,15 +99,14 @@ def causal_lm_units(model: nn.Module, trainable_only: bool = False,
                         unit.borrows.append(owner[id(p)])
                     continue
                 owner[id(p)] = index
-                if trainable_only and not p.requires_grad:
+                if resident_trainable and p.requires_grad:
                     continue
                 unit.slots.append(ParamSlot(names[id(p)], p, offset, p.shape))
                 offset += _pad(p.numel(), p.element_size())
         unit.numel = offset
         units.append(unit)
 
-    missing = [n for n, p in model.named_parameters() if id(p) not in owner
-               and (p.requires_grad or not trainable_only)]
+    missing = [n for n, p in model.named_parameters() if id(p) not in owner]
     if missing:
         raise ModelError(f"parameter {missing[0]!r} belongs to no embed/block/head unit; "
                          "outcore's out-of-core mode supports Llama/Qwen2/Mistral/Gemma3-style models")

@@ -58,6 +58,7 @@ class Recipe:
         self.sink = self._sink or make_sink(cfg.ui, self.out)
 
         self.plan, fill = None, None
+        self.lora = cfg.method in ("lora", "qlora")
         if cfg.offload != "none":
             # Out of core, the weights go straight from their files into the store,
             # unit by unit: the model is built on the meta device, never whole in RAM.
@@ -70,7 +71,7 @@ class Recipe:
         if fill is None:
             self.model, self.tokenizer = load_model(cfg.model, dtype=torch_dtype(cfg.dtype))
         check_seq_len(self.model, cfg.seq_len)
-        if cfg.method in ("lora", "qlora"):
+        if self.lora:
             self.model = _with_lora(self.model, cfg)
         self.model.train()
         # The KV cache is for generation; in training it only costs memory.
@@ -85,7 +86,9 @@ class Recipe:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.offloaded = None
         if fill is not None:
-            self.optimizer = build_optimizer(cfg, self.params, streaming=True)
+            # Full fine-tune: the optimizer streams its state with the units. LoRA: the
+            # adapters and their state stay resident; only the frozen base streams.
+            self.optimizer = build_optimizer(cfg, self.params, streaming=not self.lora)
             self.offloaded = offload_from_plan(cfg, self.model, self.optimizer, self.plan, self.out,
                                                self.head_loss, fill)
         else:
@@ -95,7 +98,7 @@ class Recipe:
         self.activations = None
         if policy != "keep":
             from ..activations import apply_activation_policy
-            self.activations = apply_activation_policy(self.model, policy)
+            self.activations = apply_activation_policy(_unwrapped(self.model), policy)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
 
@@ -108,7 +111,7 @@ class Recipe:
         from ..kernels.linear_cross_entropy import CausalLMHeadLoss
         from ..models import model_parts
 
-        base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        base = _unwrapped(self.model)
         self.decoder, self.head_loss = base.model, None
         if getattr(base.config, "final_logit_softcapping", None) is None:
             self.head_loss = CausalLMHeadLoss(model_parts(base).lm_head)
@@ -120,7 +123,7 @@ class Recipe:
             raise CheckpointError(f"--resume {self.cfg.resume!r}: the run has no complete checkpoint; "
                                   "start over with --overwrite")
         model_state, optim_state, trainer = ckpt.load_checkpoint(last)
-        if self.offloaded is not None:
+        if self.offloaded is not None and not self.lora:
             self.offloaded.load(last / "units")
         else:
             named = dict(self.model.named_parameters())
@@ -150,11 +153,12 @@ class Recipe:
     def train(self) -> None:
         cfg = self.cfg
         n_params = sum(p.numel() for p in self.model.parameters())
-        if self.offloaded is not None:  # parameters point at empty tensors now: count the units
+        if self.offloaded is not None:  # streamed parameters point at empty tensors: count the units
             n_params = sum(s.numel for u in self.offloaded.engine.units for s in u.slots)
+            n_params += sum(p.numel() for p in self.offloaded.engine.resident)
+        n_trainable = sum(p.numel() for p in self.params) if self.lora or self.offloaded is None else n_params
         self.sink.emit(RunStarted(run_name=self.out.name, model=cfg.model, n_params=n_params,
-                                  n_trainable=n_params if self.offloaded is not None
-                                  else sum(p.numel() for p in self.params),
+                                  n_trainable=n_trainable,
                                   total_steps=cfg.max_steps, output_dir=str(self.out),
                                   method=cfg.method, optim=cfg.optim, config=cfg.to_dict(),
                                   plan_table=None if self.plan is None else self.plan.table()))
@@ -227,7 +231,7 @@ class Recipe:
         trainer_state = {"step": self.step, "scheduler": self.scheduler.state_dict(),
                          "loader": self.loader.state_dict(), "rng": ckpt.rng_state(),
                          "base_eval_loss": self.base_eval_loss}
-        if self.offloaded is not None:  # weights and state stream out of the store, unit by unit
+        if self.offloaded is not None and not self.lora:  # streamed out of the store, unit by unit
             return ckpt.save_checkpoint(self.out, self.step, {}, {}, trainer_state,
                                         write_extra=lambda d: self.offloaded.save(d / "units"))
         return ckpt.save_checkpoint(self.out, self.step, ckpt.trainable_state(self.model),
@@ -295,9 +299,9 @@ def check_offload_supported(cfg: FinetuneConfig) -> None:
     """Raise ConfigError for combinations the out-of-core engine does not run yet."""
     from ..errors import ConfigError
 
-    if cfg.method != "full":
+    if cfg.method not in ("full", "lora"):
         raise ConfigError(f"offload={cfg.offload!r} with method={cfg.method!r} is not supported yet: "
-                          "use --offload none (LoRA adapters are small) or --method full")
+                          "use --offload none or --method full|lora")
     if cfg.dtype != "float32":
         raise ConfigError(f"offload={cfg.offload!r} with dtype={cfg.dtype!r} is not supported yet: "
                           "use dtype=float32 or --offload none")
@@ -325,7 +329,7 @@ def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: An
     """
     from ..offload.handle import Tier
     from ..offload.plan import parse_bytes
-    from ..offload.training import offload_model
+    from ..offload.training import offload_model, plain_name
 
     home = {Tier.DEVICE: Tier.HOST, Tier.HOST: Tier.HOST, Tier.NVME: Tier.NVME}
     homes = [(home[u.weights], home[u.state or u.weights]) for u in plan.units]
@@ -334,18 +338,38 @@ def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: An
     return offload_model(model, optimizer, offload=mode, swap_dir=_swap_dir(cfg, out), head_modules=head_modules,
                          prefetch=max(1, plan.prefetch_depth), max_grad_norm=cfg.max_grad_norm,
                          grad_accum=cfg.grad_accum, homes=homes,
+                         resident_trainable=cfg.method in ("lora", "qlora"),
                          device_bytes=parse_bytes(cfg.device_mem) if cfg.device_mem else None,
                          host_bytes=parse_bytes(cfg.host_mem) if cfg.host_mem else None,
-                         init_weights=None if fill is None else (lambda slot, t: fill(slot.name, t)))
+                         init_weights=None if fill is None else (lambda slot, t: fill(plain_name(slot.name), t)))
 
 
 def _with_lora(model: torch.nn.Module, cfg: FinetuneConfig) -> torch.nn.Module:
-    """Wrap ``model`` with peft LoRA adapters on ``cfg.lora_targets``; the base is frozen."""
+    """Wrap ``model`` with peft LoRA adapters on ``cfg.lora_targets``; the base is frozen.
+
+    The adapters are initialized here from ``cfg.seed``, in module order, whether the
+    base is in memory or on the meta device (out of core: peft then leaves the
+    adapters on the meta device too): both runs start from the same adapters.
+    """
     from peft import LoraConfig, get_peft_model
 
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                       target_modules=list(cfg.lora_targets), task_type="CAUSAL_LM")
-    return get_peft_model(model, lora)
+    model = get_peft_model(model, lora)
+    torch.manual_seed(cfg.seed)
+    for layer in model.modules():
+        if hasattr(layer, "reset_lora_parameters") and hasattr(layer, "lora_A"):
+            for adapter in layer.lora_A:
+                for part in (layer.lora_A[adapter], layer.lora_B[adapter]):
+                    if any(p.is_meta for p in part.parameters()):
+                        part.to_empty(device="cpu")
+                layer.reset_lora_parameters(adapter, init_lora_weights=True)
+    return model
+
+
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain causal LM under a peft wrapper (or ``model`` itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _device_memory() -> dict[str, Any]:
