@@ -263,7 +263,16 @@ class OutOfCoreEngine:
         states = [self.mem.state_views(index, flats, k) for k in train]
         group = {**self.group, "lr": self._lr}
         with torch.no_grad():
-            self.optimizer.update(params, grads, states, group)
+            if states and "master" in states[0]:
+                # Mixed precision: the update runs on the fp32 master with the gradient
+                # made fp32 (exact: a widening cast), then the master is rounded into
+                # the 16-bit weights the next forward computes with.
+                masters = [st.pop("master") for st in states]
+                self.optimizer.update(masters, [g.to(m.dtype) for g, m in zip(grads, masters)], states, group)
+                for p, m in zip(params, masters):
+                    p.copy_(m)
+            else:
+                self.optimizer.update(params, grads, states, group)
         for k in train:
             unit.slots[k].param.grad = None  # freed now: step-in-backward never holds all gradients
         for kind in self._state_kinds(index):

@@ -184,7 +184,7 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                   homes: list[tuple[Tier, Tier]] | None = None,
                   head_modules: list[torch.nn.Module] | tuple[torch.nn.Module, ...] = (),
                   init_weights: Callable[[Any, torch.Tensor], None] | None = None,
-                  resident_trainable: bool = False) -> OffloadedModel:
+                  resident_trainable: bool = False, master_weights: bool = True) -> OffloadedModel:
     """Move ``model``'s weights and ``optimizer``'s state into tiers and wrap it for training.
 
     Args:
@@ -203,6 +203,9 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
         resident_trainable: LoRA / QLoRA: only the frozen base streams (read-only,
             never written back); the trainable adapters stay resident and
             ``optimizer`` (any torch optimizer over them) steps them after the backward.
+        master_weights: mixed precision: a model in bf16 / fp16 computes in it while the
+            optimizer updates fp32 master weights kept in the state tier (default);
+            False trains the 16-bit weights themselves.
 
     Returns:
         The :class:`OffloadedModel`.
@@ -225,7 +228,7 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
 
     k = max(1, prefetch)
     w_sizes = [_arena_bytes(u.numel * _itemsize(u)) for u in units]
-    s_sizes = [_arena_bytes(kinds) for kinds in unit_state_bytes(units, optimizer)]
+    s_sizes = [_arena_bytes(kinds) for kinds in unit_state_bytes(units, optimizer, master_weights)]
     need_device = _window(w_sizes, 2 * k + 1)
     host_home = sum(w for w, (hw, _) in zip(w_sizes, homes) if hw is Tier.HOST)
     host_home += sum(s for s, (_, hs) in zip(s_sizes, homes) if hs is Tier.HOST)
@@ -239,7 +242,8 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
     try:
         engine = OutOfCoreEngine(model, optimizer,
                                  lambda us, opt: StoreUnitMemory(store, us, opt, homes=homes,
-                                                                 init_weights=init_weights),
+                                                                 init_weights=init_weights,
+                                                                 master_weights=master_weights),
                                  prefetch=k, max_grad_norm=max_grad_norm, grad_accum=grad_accum, units=units)
     except BaseException:
         store.close()

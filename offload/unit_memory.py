@@ -51,11 +51,16 @@ class StoreUnitMemory:
         init_weights: fills a parameter's weights ``(slot, view [shape])`` when the
             model was built on the meta device: each unit is then materialized
             here, one at a time, so the whole model never sits in RAM.
+        master_weights: mixed precision: when a trainable parameter computes in 16 bits,
+            keep an fp32 master copy as optimizer state (kind ``master``, in the state
+            tier); the optimizer updates the master, the engine rounds it into the
+            16-bit weights. ``init_weights`` then fills the master, in fp32.
     """
 
     def __init__(self, store: TieredStore, units: list[Unit], optimizer, home: Tier = Tier.NVME,
                  homes: list[tuple[Tier, Tier]] | None = None,
-                 init_weights: Callable[[ParamSlot, torch.Tensor], None] | None = None):
+                 init_weights: Callable[[ParamSlot, torch.Tensor], None] | None = None,
+                 master_weights: bool = True):
         self.store = store
         self.units = units
         self.homes = homes or [(Tier.parse(home), Tier.parse(home))] * len(units)
@@ -65,11 +70,19 @@ class StoreUnitMemory:
         group = optimizer.param_groups[0]
         for unit in units:
             w = torch.empty(unit.numel, dtype=_unit_dtype(unit))
-            for slot in unit.slots:
+            masters: dict[int, torch.Tensor] = {}  # slot index -> fp32 master (mixed precision)
+            for k, slot in enumerate(unit.slots):
+                wants_master = master_weights and needs_master(slot.param)
+                if wants_master:
+                    masters[k] = torch.empty(slot.shape, dtype=MASTER_DTYPE)
                 if slot.param.is_meta:
                     if init_weights is None:
                         raise ValueError(f"{slot.name} is on the meta device and no init_weights was given")
-                    init_weights(slot, unit.view(w, slot))
+                    if wants_master:
+                        init_weights(slot, masters[k])
+                        unit.view(w, slot).copy_(masters[k])  # round to nearest, as .to() does
+                    else:
+                        init_weights(slot, unit.view(w, slot))
                     # The optimizer's state_spec/init_state below need a real tensor, and
                     # `.data =` cannot move a parameter off the meta device: swap its
                     # contents (the Parameter object, held by the optimizer and by tied
@@ -78,17 +91,31 @@ class StoreUnitMemory:
                         unit.view(w, slot), requires_grad=slot.param.requires_grad))
                 else:
                     unit.view(w, slot).copy_(slot.param.data)
+                    if wants_master:
+                        masters[k].copy_(slot.param.data)
             w_home, s_home = self.homes[unit.index]
             self.handles[(unit.index, WEIGHTS)] = store.register(f"{unit.name}:w", data=w, home=w_home)
             del w
             layout, sizes, dtypes = [], {}, {}
             inits: list[dict[str, torch.Tensor]] = []
-            for slot in unit.slots:
+            for k, slot in enumerate(unit.slots):
                 if not slot.param.requires_grad:  # frozen: read-only weights, no optimizer state
                     layout.append({})
                     inits.append({})
                     continue
-                spec = optimizer.state_spec(slot.param, group)
+                # The optimizer sees the master (so its state is fp32 too); it sees it as the
+                # parameter itself, which some optimizers index by identity (seeds).
+                compute = slot.param.data
+                if k in masters:
+                    slot.param.data = masters[k]
+                try:
+                    spec = optimizer.state_spec(slot.param, group)
+                    init = optimizer.init_state(slot.param, group)
+                finally:
+                    slot.param.data = compute
+                if k in masters:
+                    spec = {"master": (slot.shape, MASTER_DTYPE), **spec}
+                    init = {"master": masters[k], **init}
                 entry = {}
                 for kind, (shape, dtype) in spec.items():
                     dtypes.setdefault(kind, dtype)
@@ -98,7 +125,7 @@ class StoreUnitMemory:
                     entry[kind] = _StateSlot(kind, sizes.get(kind, 0), torch.Size(shape))
                     sizes[kind] = sizes.get(kind, 0) + _pad(max(n, 1), dtype.itemsize)
                 layout.append(entry)
-                inits.append(optimizer.init_state(slot.param, group))
+                inits.append(init)
             for kind, numel in sizes.items():
                 flat = torch.zeros(numel, dtype=dtypes[kind])
                 for entry, init in zip(layout, inits):
@@ -107,6 +134,7 @@ class StoreUnitMemory:
                         flat[s.offset:s.offset + s.shape.numel()].view(s.shape).copy_(init[kind])
                 self.handles[(unit.index, kind)] = store.register(f"{unit.name}:{kind}", data=flat,
                                                                   home=s_home)
+            del masters, inits
             self.state_layout.append(layout)
             self.unit_kinds.append(list(sizes))
             for slot in unit.slots:  # the store holds the unit now: free the model's own copy
@@ -236,8 +264,17 @@ class StoreUnitMemory:
             self._unpinned.pop(key, None)
 
 
-def unit_state_bytes(units: list[Unit], optimizer) -> list[dict[str, int]]:
-    """Bytes of each optimizer-state handle (kind -> bytes) per unit, from ``state_spec``.
+def needs_master(param: torch.Tensor) -> bool:
+    """Does this parameter train in 16 bits (so mixed precision keeps an fp32 master)?"""
+    return param.requires_grad and param.dtype in (torch.bfloat16, torch.float16)
+
+
+MASTER_DTYPE = torch.float32
+
+
+def unit_state_bytes(units: list[Unit], optimizer, master_weights: bool = True) -> list[dict[str, int]]:
+    """Bytes of each optimizer-state handle (kind -> bytes) per unit, from ``state_spec``
+    (and the fp32 masters of mixed precision, see ``StoreUnitMemory``).
 
     Nothing is allocated: this sizes the store before anything is registered.
     """
@@ -248,7 +285,13 @@ def unit_state_bytes(units: list[Unit], optimizer) -> list[dict[str, int]]:
         for slot in unit.slots:
             if not slot.param.requires_grad:
                 continue
-            for kind, (shape, dtype) in optimizer.state_spec(slot.param, group).items():
+            target = slot.param
+            spec = {}
+            if master_weights and needs_master(slot.param):
+                target = torch.empty(slot.shape, dtype=MASTER_DTYPE, device="meta")
+                spec["master"] = (slot.shape, MASTER_DTYPE)
+            spec.update(optimizer.state_spec(target, group))
+            for kind, (shape, dtype) in spec.items():
                 n = _pad(max(torch.Size(shape).numel(), 1), dtype.itemsize) * dtype.itemsize
                 kinds[kind] = kinds.get(kind, 0) + n
         out.append(kinds)

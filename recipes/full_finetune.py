@@ -296,15 +296,16 @@ def build_optimizer(cfg: FinetuneConfig, params: list[torch.nn.Parameter], strea
 
 
 def check_offload_supported(cfg: FinetuneConfig) -> None:
-    """Raise ConfigError for combinations the out-of-core engine does not run yet."""
+    """Raise ConfigError for combinations the out-of-core engine does not run yet.
+
+    (Every dtype runs: out of core, ``bfloat16`` / ``float16`` mean mixed precision,
+    16-bit compute with fp32 master weights and optimizer state in the state tier.)
+    """
     from ..errors import ConfigError
 
     if cfg.method not in ("full", "lora"):
         raise ConfigError(f"offload={cfg.offload!r} with method={cfg.method!r} is not supported yet: "
                           "use --offload none or --method full|lora")
-    if cfg.dtype != "float32":
-        raise ConfigError(f"offload={cfg.offload!r} with dtype={cfg.dtype!r} is not supported yet: "
-                          "use dtype=float32 or --offload none")
 
 
 def make_plan(cfg: FinetuneConfig, model: torch.nn.Module):

@@ -172,8 +172,10 @@ def test_offloaded_lora_equals_in_memory_lora_and_resumes(tiny_run_inputs, tmp_p
     assert ooc.losses[-2:] == resumed.losses[-2:]
 
 
-def test_offloaded_resume_is_bit_identical(tiny_run_inputs, tmp_path):
-    kw = dict(offload="nvme", max_steps=5, eval_every=0)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_offloaded_resume_is_bit_identical(tiny_run_inputs, tmp_path, dtype):
+    """Also for mixed precision (bf16 compute, fp32 masters and state streamed with the units)."""
+    kw = dict(offload="nvme", max_steps=5, eval_every=0, dtype=dtype)
     full = finetune(_cfg(tiny_run_inputs, tmp_path / "full", **kw), sink=_Collect())
     with pytest.raises(KeyboardInterrupt):
         finetune(_cfg(tiny_run_inputs, tmp_path / "cut", save_every=2, **kw), sink=_Collect(interrupt_at=3))
@@ -184,6 +186,7 @@ def test_offloaded_resume_is_bit_identical(tiny_run_inputs, tmp_path):
     b = load_file(str(resumed.output_dir / "checkpoints" / "step_000005" / "units" / "block.1.safetensors"))
     for k in a:
         assert torch.equal(a[k], b[k]), k
+    assert ("master" in a) == (dtype == "bfloat16") and a["w"].dtype == getattr(torch, dtype)
 
 
 def test_export_command_and_its_errors(tiny_run_inputs, tmp_path, capsys):
