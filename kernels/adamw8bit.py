@@ -19,13 +19,14 @@ Implementations, all bit-identical (the tests check it):
 * :func:`adamw8bit_update_ref` — pure PyTorch; defines the numerics.
 * a C++ extension (``kernels/csrc/adamw8bit_cpu.cpp``), built on first use with
   ``torch.utils.cpp_extension.load`` and cached in ``TORCH_EXTENSIONS_DIR``: ``-O3
-  -ffp-contract=off`` plus the ISA flags of the CPU it runs on (AVX-512 / AVX2 /
-  none, chosen at run time by ``torch.backends.cpu.get_cpu_capability()``; each has its
-  own cache entry, so a cache copied to an older CPU is never loaded there). On AVX-512
-  every table lookup is an in-register permute (gathers ran at ~1 element/cycle and were
-  the bottleneck) and quantization is a branch-free binary search; elsewhere a scalar
-  loop with the 7 KiB bucket table of ``kernels/quantize.py``. The fastest CPU path;
-  ``OUTCORE_NO_CPP_EXT=1`` disables it and the reference serves.
+  -ffp-contract=off`` plus the flags of the CPU's ISA level (:func:`cpu_isa`: AVX512_VBMI,
+  AVX512, AVX2 or DEFAULT; each level has its own cache entry, so a cache copied to an
+  older CPU is never loaded there; ``OUTCORE_CPU_ISA`` picks a lower level). On AVX-512
+  nothing is gathered: dequantization is in-register byte permutes (VBMI) or fp32 permutes,
+  and quantization evaluates a verified piecewise-linear formula (:func:`segment_tables`)
+  with an exact fallback next to code boundaries. Elsewhere a scalar loop with the 7 KiB
+  bucket table of ``kernels/quantize.py``. Blocks are handed to threads dynamically. The
+  fastest CPU path; ``OUTCORE_NO_CPP_EXT=1`` disables it and the reference serves.
 * ``torch.compile`` of the reference (``impl="compile"``, for comparison in benchmarks).
 * Triton for CUDA (``kernels/adamw8bit_triton.py``).
 
@@ -33,10 +34,12 @@ Exactness, not a tolerance: the reference's fp32 sqrt is made correctly rounded 
 the hardware instruction) because ``torch.sqrt`` on CPU is not (1 ulp off for ~20% of
 inputs here); every other op is IEEE-exact in both PyTorch and C++.
 
-Measured on the 2-core shared dev box (noisy; side by side in one run, CPU time per
-element, 1 thread, 1M elements): the gather-based AVX-512 C++ 1.9 ns/elem, the
-permute-based 1.7 ns/elem, of which ~1.2 ns is the two requantizations; torch fused fp32
-AdamW 0.4-1.0 ns/elem. ``scripts/bench_optim.py --impls`` compares ref / compile / C++.
+Measured on the 2-core shared dev box (AMD EPYC, Zen 5; noisy; CPU time per element, one
+thread, side by side): the previous AVX-512 kernel (fp32-permute dequantization and a
+branch-free binary search for quantization) 1.6-1.7 ns/elem in L2, this one 0.55-0.6 ns/elem
+in L2 and 0.58-0.66 ns/elem streaming 16M-element tensors from DRAM, against torch's fused
+fp32 AdamW 0.47-0.54 ns/elem (it is bound by memory: 28 B/param against our 16).
+``scripts/bench_optim.py --impls`` compares ref / compile / C++ and the fused fp32 AdamW.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ import warnings
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -110,6 +114,128 @@ def init_codes(numel: int, signed: bool, device: torch.device | str = "cpu") -> 
 
 
 # ---------------------------------------------------------------------------------
+# Segment tables of the AVX-512 quantizer (kernels/csrc/adamw8bit_cpu.cpp)
+# ---------------------------------------------------------------------------------
+SEG_MARGIN = 2.0 ** -12  # lanes whose f is closer than this to an integer take the exact path
+SEG_EXP_LO = 96  # binade slots 0..31 = fp32 exponents 96..127 (|y| in [2^-31, 2))
+_F32 = np.float32
+
+
+def _segment_code_f(a: np.ndarray, neg: np.ndarray, tab: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The quantizer's f and piece for |y| = ``a`` (float32) and sign ``neg``, op for op as
+    the C++ kernel computes them (numpy float32 ops are IEEE-rounded like the kernel's)."""
+    key_bits = a.view(np.int32).astype(np.int64) + neg
+    key = key_bits.astype(np.int32).view(_F32)
+    slot = np.maximum(key_bits >> 23, SEG_EXP_LO) & 31
+    piece = tab[0, slot].astype(np.int64) + (key > tab[1, slot]) + 16 * neg
+    f = np.minimum(a, tab[4, piece]) * tab[2, piece] + tab[3, piece]
+    return f.astype(_F32), piece
+
+
+@functools.lru_cache(maxsize=None)
+def _segment_table_np(signed: bool) -> np.ndarray:
+    q = dynamic_map(signed).numpy()
+    t = thresholds(dynamic_map(signed)).numpy()[:255]
+
+    def group(v: float):  # the map's pieces: 0, 1 and each (sign, decade) of linear entries
+        return ("0",) if v == 0 else ("1",) if v == 1 else (v > 0, math.floor(math.log10(abs(v))))
+
+    gid = [group(float(v)) for v in q]
+    # piece boundaries in |y|: the thresholds between two groups, either sign
+    bounds = np.array(sorted({abs(float(t[k])) for k in range(255) if gid[k] != gid[k + 1]}), _F32)
+    tab = np.zeros((5, 32), _F32)
+    tab[1], tab[4] = np.inf, np.inf
+    for s in range(32):  # per binade: boundaries below it, the one inside it (at most one)
+        lo, hi = _F32(2.0 ** (s + SEG_EXP_LO - 127)), _F32(2.0 ** (s + SEG_EXP_LO - 126))
+        inside = bounds[(bounds >= lo) & (bounds < hi)]
+        if len(inside) > 1 or len(bounds) > 15:
+            raise AssertionError(f"segment tables: binade {s} holds {len(inside)} boundaries")
+        tab[0, s] = (bounds < lo).sum()
+        tab[1, s] = inside[0] if len(inside) else np.inf
+    tab[3] = 0.5  # unused pieces (never indexed)
+    for neg in (0, 1):
+        for s in range(len(bounds) + 1):
+            col = s + 16 * neg
+            lo = bounds[s - 1] if s else _F32(0)
+            hi = bounds[s] if s < len(bounds) else _F32(2)
+            ks = [k for k in range(255) if lo < (-t[k] if neg else t[k]) < hi]
+            if not ks:  # no threshold in the piece: a constant code
+                probe = -lo if neg else hi
+                tab[2, col], tab[3, col] = 0, (t < probe).sum() + 0.5
+                continue
+            # f crosses the integer k + 1 at |t[k]|; slope from the group's uniform spacing
+            ent = np.sort(np.array([q[j] for j in range(256) if gid[j] == gid[ks[0] + 1]], np.float64))
+            spacing = float(np.mean(np.diff(ent))) if len(ent) > 1 else float(abs(ent[0]))
+            slope = (-1.0 if neg else 1.0) / spacing
+            a_k = np.abs(t[ks].astype(np.float64))
+            tab[2, col] = slope
+            tab[3, col] = np.mean(np.array(ks) + 1 - a_k * slope)
+            tab[4, col] = a_k.max() + 0.5 * spacing  # past the last threshold: hold its code
+    _verify_segment_table(tab, bounds, t)
+    return tab
+
+
+def _verify_segment_table(tab: np.ndarray, bounds: np.ndarray, t: np.ndarray) -> None:
+    """Exhaustive proof that the fast quantizer is exact wherever it does not flag a lane.
+
+    On each piece (sign, segment) f is monotone in |y| (min, mul, add by constants are), and
+    the reference code is constant between consecutive thresholds. So it suffices to check,
+    for every such interval, that f at its two end floats lies within (code - m, code + 1 + m):
+    then any f in between that is >= m away from every integer floors to the code.
+
+    Raises:
+        AssertionError: a piece or an interval violates that (the tables are wrong).
+    """
+    up, down = (lambda x: np.nextafter(_F32(x), _F32(np.inf))), (lambda x: np.nextafter(_F32(x), _F32(-np.inf)))
+    ends, negs, codes, pieces = [], [], [], []
+    for neg in (0, 1):
+        for s in range(len(bounds) + 1):
+            lo = bounds[s - 1] if s else _F32(0)
+            hi = bounds[s] if s < len(bounds) else down(_F32(2))
+            if neg == 0:  # |y| in (lo, hi]; the code steps just above each threshold
+                amin, amax = (lo if s == 0 else up(lo)), hi
+                cuts = sorted(_F32(x) for x in t if amin <= x < amax)
+                iv = list(zip([amin] + [up(c) for c in cuts], cuts + [amax]))
+                code = [int((t < b).sum()) for _, b in iv]
+            else:  # |y| in [lo, hi) (the kernel's key is the next float); steps at -threshold
+                amin, amax = lo, down(hi)
+                cuts = sorted(_F32(-x) for x in t if amin < -x <= amax)
+                iv = list(zip([amin] + cuts, [down(c) for c in cuts] + [amax]))
+                code = [int((t < -a).sum()) for a, _ in iv]
+            for (a, b), c in zip(iv, code):
+                ends += [a, b]
+                negs += [neg, neg]
+                codes += [c, c]
+                pieces += [s + 16 * neg] * 2
+    f, piece = _segment_code_f(np.array(ends, _F32), np.array(negs, np.int64), tab)
+    codes = np.array(codes)
+    if not (piece == np.array(pieces)).all():
+        raise AssertionError("segment tables: a piece boundary is misplaced")
+    bad = ~((f > codes - SEG_MARGIN) & (f < codes + 1 + SEG_MARGIN))
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise AssertionError(f"segment tables: |y|={ends[i]!r} (neg={negs[i]}) gives f={f[i]!r}, "
+                             f"code {codes[i]}")
+
+
+def segment_tables(signed: bool) -> Tensor:
+    """The AVX-512 quantizer's tables for one dynamic map, verified (see the C++ file).
+
+    Rows: per binade slot (exponent 96 + column) the number of piece boundaries below it and
+    the boundary inside it (+inf if none); per piece (column s for y >= 0, 16 + s for y < 0)
+    the slope, offset and clamp of f(|y|) = min(|y|, clamp) * slope + offset, whose floor is
+    the code. Verified exhaustively when first built (:func:`_verify_segment_table`).
+
+    Args:
+        signed: which dynamic map.
+
+    Returns:
+        (5, 32) float32 CPU tensor.
+    """
+    return torch.from_numpy(_segment_table_np(bool(signed)).copy())
+
+
+# ---------------------------------------------------------------------------------
 # Reference
 # ---------------------------------------------------------------------------------
 def adamw8bit_update_ref(param: Tensor, grad: Tensor, m_codes: Tensor, m_absmax: Tensor,
@@ -167,36 +293,83 @@ def _compiled_ref():
 # C++ extension (built lazily, cached on disk)
 # ---------------------------------------------------------------------------------
 _EXT_LOCK = threading.Lock()
-_EXT: list = []  # [module or None] once a build was attempted
+_EXT: dict[str, object] = {}  # ISA level -> module, or None where its build failed
 
+# Build levels, lowest first, with their compiler flags. AVX512 needs F/BW/VL/DQ (torch's
+# "AVX512" capability); AVX512_VBMI adds the byte permutes of the fast dequantizer.
+ISA_LEVELS = ("DEFAULT", "AVX2", "AVX512", "AVX512_VBMI")
 _ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+    "DEFAULT": [],
     "AVX2": ["-mavx2", "-mfma"],
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+    "AVX512_VBMI": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vbmi",
+                    "-mavx2", "-mfma"],
 }
 
 
-def cpu_extension():
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
+    try:  # Linux; elsewhere the VBMI level is simply not used
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def cpu_isa() -> str:
+    """The ISA level the CPU extension is built for on this machine.
+
+    The highest level of :data:`ISA_LEVELS` the CPU supports, or the lower one named by
+    ``OUTCORE_CPU_ISA`` (to test or rule out a path).
+
+    Raises:
+        ValueError: ``OUTCORE_CPU_ISA`` is unknown or above what this CPU supports.
+    """
+    cap = torch.backends.cpu.get_cpu_capability()
+    best = cap if cap in ("AVX2", "AVX512") else "DEFAULT"
+    if best == "AVX512" and "avx512vbmi" in _cpu_flags():
+        best = "AVX512_VBMI"
+    want = os.environ.get("OUTCORE_CPU_ISA", "").upper() or best
+    if want not in ISA_LEVELS:
+        raise ValueError(f"OUTCORE_CPU_ISA={want!r} is not one of {ISA_LEVELS}")
+    if ISA_LEVELS.index(want) > ISA_LEVELS.index(best):
+        raise ValueError(f"OUTCORE_CPU_ISA={want!r} is above this CPU's level {best!r}; "
+                         f"use one of {ISA_LEVELS[:ISA_LEVELS.index(best) + 1]}")
+    return want
+
+
+def cpu_extension(isa: str | None = None):
     """The compiled CPU extension, or None where it cannot be built or is disabled.
 
-    The first call compiles ``kernels/csrc/adamw8bit_cpu.cpp`` (about 30-60 s on a 2-core
-    machine, then cached in ``TORCH_EXTENSIONS_DIR``; later processes load it in < 1 s).
-    A failed build warns once and returns None: callers fall back to the reference.
+    The first call compiles ``kernels/csrc/adamw8bit_cpu.cpp`` for the ISA level (about
+    30-60 s on a 2-core machine, then cached in ``TORCH_EXTENSIONS_DIR`` under a name per
+    level, so a cache copied to an older CPU is never loaded there; later processes load it
+    in < 1 s). A failed build warns once and returns None: callers fall back to the reference.
+
+    Args:
+        isa: one of :data:`ISA_LEVELS` (default :func:`cpu_isa`); must not exceed the CPU's.
     """
     if os.environ.get("OUTCORE_NO_CPP_EXT", "0") == "1":
         return None
-    with _EXT_LOCK:  # one build per process; cpp_extension itself locks across processes
-        if not _EXT:
-            _EXT.append(_build_extension())
-        return _EXT[0]
+    isa = cpu_isa() if isa is None else isa
+    if isa not in ISA_LEVELS:
+        raise ValueError(f"isa={isa!r} is not one of {ISA_LEVELS}")
+    with _EXT_LOCK:  # one build per process and level; cpp_extension locks across processes
+        if isa not in _EXT:
+            _EXT[isa] = _build_extension(isa)
+        return _EXT[isa]
 
 
-def _build_extension():
+def _build_extension(isa: str):
     from torch.utils import cpp_extension
 
-    isa = torch.backends.cpu.get_cpu_capability()
-    isa = isa if isa in _ISA_FLAGS else "DEFAULT"
     src = Path(__file__).with_name("csrc") / "adamw8bit_cpu.cpp"
-    flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", *_ISA_FLAGS.get(isa, [])]
+    # -fopenmp: at::parallel_for's OpenMP region is compiled into the extension (it binds to
+    # the libgomp torch already loaded). No -ffast-math and no FMA contraction: bit-exactness.
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", *_ISA_FLAGS[isa]]
     try:
         return cpp_extension.load(name=f"outcore_adamw8bit_cpu_{isa.lower()}", sources=[str(src)],
                                   extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
@@ -206,9 +379,36 @@ def _build_extension():
         return None
 
 
+@functools.lru_cache(maxsize=1)
+def _cpu_tables() -> tuple[Tensor, ...]:
+    return (*_tables(torch.device("cpu")), segment_tables(True), segment_tables(False))
+
+
+def quantize_blockwise_cpp(x: Tensor, signed: bool, isa: str | None = None) -> tuple[Tensor, Tensor]:
+    """Block-wise quantization through the C++ update's requantization path (for tests).
+
+    Args:
+        x: (n,) float32 CPU tensor; ``>= 0`` when ``signed`` is False.
+        signed: which dynamic map.
+        isa: build level (default :func:`cpu_isa`).
+
+    Returns:
+        codes (n,) uint8 and absmax (ceil(n / 256),) float32, as ``quantize_blockwise``.
+
+    Raises:
+        ValueError: the extension cannot be built here.
+    """
+    ext = cpu_extension(isa)
+    if ext is None:
+        raise ValueError("the C++ extension is disabled or cannot be built here")
+    tab = _cpu_tables()
+    bucket, thr, seg = (tab[2], tab[3], tab[6]) if signed else (tab[4], tab[5], tab[7])
+    return ext.quantize_blockwise(x.contiguous().view(-1), bool(signed), bucket, thr, seg, SEG_MARGIN)
+
+
 def _update_cpp(ext, param, grad, m_codes, m_absmax, v_codes, v_absmax, c: Coefficients) -> None:
-    ext.adamw8bit_update(param, grad, m_codes, m_absmax, v_codes, v_absmax,
-                         *_tables(param.device), *c)
+    ext.adamw8bit_update(param, grad, m_codes, m_absmax, v_codes, v_absmax, *_cpu_tables(),
+                         SEG_MARGIN, *c)
 
 
 # ---------------------------------------------------------------------------------

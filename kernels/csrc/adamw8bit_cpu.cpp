@@ -1,23 +1,40 @@
 // Fused block-wise 8-bit AdamW update for the CPU (outcore::adamw8bit_update).
 //
-// Bit-exact with the pure-PyTorch reference in kernels/adamw8bit.py: every float op
-// below is one IEEE-rounded fp32 operation in the same order as the reference, and the
-// build passes -ffp-contract=off (no FMA contraction) and no -ffast-math. Quantization
-// uses the 16-bit bucket table + one threshold comparison described in
-// kernels/quantize.py, which equals the reference's searchsorted by construction.
+// Bit-exact with the pure-PyTorch reference in kernels/adamw8bit.py: every float op of the
+// update is one IEEE-rounded fp32 operation in the same order as the reference, and the
+// build passes -ffp-contract=off (no FMA contraction) and no -ffast-math.
 //
-// One pass per 256-element block, the block's dequantized moments kept in two stack
-// buffers (2 KiB, stays in L1): read codes -> fp32 moments -> update param -> new absmax
-// -> requantize. Blocks are split between threads with at::parallel_for.
+// One pass per 256-element block: read codes -> fp32 moments -> update param -> new absmax,
+// the block's fresh moments kept in two stack buffers (2 KiB, in L1); then requantize.
+// Work is handed out to the threads in chunks of blocks from an atomic counter (dynamic
+// scheduling: on a shared machine a descheduled thread does not hold the others up).
+//
+// Paths (chosen at build time by the ISA flags kernels/adamw8bit.py passes):
+// * AVX-512 (F/BW/VL/DQ): 16 lanes per instruction, no gathers (they run at ~3 ns per 16
+//   lanes on the CPUs measured, slower than the rest of the update together).
+//   - dequantization: with AVX512-VBMI the 256-entry map is 4 byte planes and 64 codes are
+//     looked up at once with byte permutes (Planes256); without VBMI, fp32 permutes over
+//     the map held in 16 registers (Table256).
+//   - quantization (SegmentQuantizer): code = floor(f) of a piecewise-linear f(|y|) whose
+//     pieces are the map's decades (the dynamic map is linear within a decade). The piece is
+//     found with one exact comparison against the decade boundary inside |y|'s binade. The
+//     tables are built and *verified exhaustively* in Python (kernels/adamw8bit.py:
+//     segment_tables): wherever f lies at least `margin` away from an integer, floor(f) is
+//     the reference's searchsorted code. Lanes closer than that to a code boundary (a few
+//     in 10^4) are redone with the exact scalar bucket method below.
+// * scalar (any CPU, and partial blocks): dequantize through the map, quantize with the
+//   16-bit bucket table + one threshold comparison of kernels/quantize.py (equal to the
+//   reference's searchsorted by construction).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define OUTCORE_AVX512 1
 #endif
@@ -25,17 +42,34 @@
 namespace {
 
 constexpr int64_t kBlock = 256;
+constexpr int64_t kChunkBlocks = 16;  // 4096 elements per work item handed to a thread
 // Bucket index of a normalized value (kernels/quantize.py: bucket_index): sign and the top
 // 16 bits of |y| clamped to [kBucketMin, kBucketMax]. The tables hold one uint8 per bucket
-// (+4 bytes of padding, room for a 4-byte gather). Used by the scalar path; the AVX-512
-// path searches the thresholds in registers instead.
+// (+4 bytes of padding).
 constexpr int32_t kBucketMin = 100 << 7;
 constexpr int32_t kBucketMax = (128 << 7) - 1;
 constexpr int32_t kBucketsPerSign = kBucketMax - kBucketMin + 1;
 constexpr int64_t kTableBytes = 2 * kBucketsPerSign + 4;
+// Segment tables (kernels/adamw8bit.py: segment_tables): rows seglo, boundary, slope,
+// offset, clamp; 32 columns. Binade slots are exponents kSegExpLo..kSegExpLo+31.
+constexpr int64_t kSegRows = 5;
+constexpr int64_t kSegCols = 32;
+constexpr int32_t kSegExpLo = 96;
 
 struct Coeffs {
   float beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay;
+};
+
+struct Maps {  // everything a block update reads besides its own data
+  const float* qm;  // (256,) signed map
+  const float* qv;  // (256,) unsigned map
+  const uint8_t* bucket_m;
+  const float* thr_m;
+  const uint8_t* bucket_v;
+  const float* thr_v;
+  const float* seg_m;  // (kSegRows, kSegCols)
+  const float* seg_v;
+  float margin;
 };
 
 inline uint8_t quantize_one(float y, const uint8_t* bucket, const float* thr) {
@@ -48,17 +82,56 @@ inline uint8_t quantize_one(float y, const uint8_t* bucket, const float* thr) {
 }
 
 #ifdef OUTCORE_AVX512
-// AVX-512 path without gathers (gathers run at ~1 element/cycle on the CPUs measured,
-// which made them the bottleneck): every table lookup is done in registers with permutes.
-//
-// Lookup of a 256-entry float table (dequantization): 8 two-register permutes over
-// 32-entry slices, then a 3-level blend on index bits 5..7.
-struct Table256 {
-  __m512 r[16];
-  explicit Table256(const float* t) {
-    for (int k = 0; k < 16; ++k) r[k] = _mm512_loadu_ps(t + 16 * k);
+#ifdef __AVX512VBMI__
+// 256-entry fp32 table lookup of 64 byte codes at once. The table is stored as 4 byte planes
+// (bits 0-7, 8-15, ... of every entry), 4 registers each; a plane lookup is two 128-entry
+// byte permutes and a blend on bit 7 of the code. 8 unpacks interleave the planes back into
+// 4 x 16 floats; the codes are pre-permuted so that those come out in natural order.
+struct Dequantizer {
+  __m512i plane[4][4];
+  __m512i order;
+  explicit Dequantizer(const float* map) {
+    alignas(64) uint8_t buf[4][256];
+    for (int j = 0; j < 256; ++j) {
+      uint32_t b;
+      std::memcpy(&b, map + j, sizeof(b));
+      for (int k = 0; k < 4; ++k) buf[k][j] = static_cast<uint8_t>(b >> (8 * k));
+    }
+    for (int k = 0; k < 4; ++k)
+      for (int r = 0; r < 4; ++r) plane[k][r] = _mm512_load_si512(buf[k] + 64 * r);
+    // unpack{lo,hi}_epi8 then _epi16 put byte 16l + 4q + j of each 128-bit lane l into
+    // output vector q, lane position 4l + j: so that position must hold code 16q + 4l + j.
+    alignas(64) uint8_t o[64];
+    for (int l = 0; l < 4; ++l)
+      for (int q = 0; q < 4; ++q)
+        for (int j = 0; j < 4; ++j) o[16 * l + 4 * q + j] = static_cast<uint8_t>(16 * q + 4 * l + j);
+    order = _mm512_load_si512(o);
   }
-  inline __m512 lookup(__m512i idx) const {
+  // codes: 64 bytes; out: 4 x 16 floats, map[codes[16q + i]] in out[q] lane i.
+  inline void lookup64(const uint8_t* codes, __m512 out[4]) const {
+    const __m512i p = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(codes));
+    const __mmask64 upper = _mm512_movepi8_mask(p);  // code >= 128
+    __m512i b[4];
+    for (int k = 0; k < 4; ++k)
+      b[k] = _mm512_mask_blend_epi8(upper, _mm512_permutex2var_epi8(plane[k][0], p, plane[k][1]),
+                                    _mm512_permutex2var_epi8(plane[k][2], p, plane[k][3]));
+    const __m512i w01l = _mm512_unpacklo_epi8(b[0], b[1]), w01h = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i w23l = _mm512_unpacklo_epi8(b[2], b[3]), w23h = _mm512_unpackhi_epi8(b[2], b[3]);
+    out[0] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(w01l, w23l));
+    out[1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(w01l, w23l));
+    out[2] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(w01h, w23h));
+    out[3] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(w01h, w23h));
+  }
+};
+#else
+// Without VBMI: the map in 16 registers, 8 two-register fp32 permutes over 32-entry slices,
+// then a 3-level blend on code bits 5..7.
+struct Dequantizer {
+  __m512 r[16];
+  explicit Dequantizer(const float* map) {
+    for (int k = 0; k < 16; ++k) r[k] = _mm512_loadu_ps(map + 16 * k);
+  }
+  inline __m512 lookup16(__m512i idx) const {
     __m512 s[8];
     for (int k = 0; k < 8; ++k) s[k] = _mm512_permutex2var_ps(r[2 * k], idx, r[2 * k + 1]);
     const __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
@@ -69,69 +142,103 @@ struct Table256 {
     s[1] = _mm512_mask_blend_ps(b6, s[2], s[3]);
     return _mm512_mask_blend_ps(b7, s[0], s[1]);
   }
-};
-
-// Quantization = #{k : t[k] < y} by a branch-free binary search over the 255 sorted
-// thresholds: level L (step 128 >> L) compares y with t[pos + step - 1]; the candidates
-// of level L are the 2^L values t[j * (256 >> L) + (128 >> L) - 1], j = pos >> (8 - L),
-// held in registers (levels 0-4: one permute, 5: two-register permute, 6: two, 7: four).
-struct Thresholds {
-  __m512 l04[5];  // levels 0..4, up to 16 entries each
-  __m512 l5[2], l6[4], l7[8];
-  explicit Thresholds(const float* t) {
-    alignas(64) float buf[128];
-    for (int L = 0; L <= 4; ++L) {
-      const int n = 1 << L, stride = 256 >> L, off = (128 >> L) - 1;
-      for (int j = 0; j < 16; ++j) buf[j] = t[(j % n) * stride + off];
-      l04[L] = _mm512_load_ps(buf);
-    }
-    for (int j = 0; j < 32; ++j) buf[j] = t[j * 8 + 3];
-    for (int k = 0; k < 2; ++k) l5[k] = _mm512_load_ps(buf + 16 * k);
-    for (int j = 0; j < 64; ++j) buf[j] = t[j * 4 + 1];
-    for (int k = 0; k < 4; ++k) l6[k] = _mm512_load_ps(buf + 16 * k);
-    for (int j = 0; j < 128; ++j) buf[j] = t[j * 2];
-    for (int k = 0; k < 8; ++k) l7[k] = _mm512_load_ps(buf + 16 * k);
-  }
-  static inline __m512i step(__m512i pos, __m512 t, __m512 y, int s) {
-    const __mmask16 lt = _mm512_cmp_ps_mask(t, y, _CMP_LT_OQ);
-    return _mm512_mask_add_epi32(pos, lt, pos, _mm512_set1_epi32(s));
-  }
-  inline __m512i codes(__m512 y) const {
-    __m512i pos = _mm512_setzero_si512();
-    for (int L = 0; L <= 4; ++L) {
-      const __m512i j = _mm512_srli_epi32(pos, 8 - L);
-      pos = step(pos, _mm512_permutexvar_ps(j, l04[L]), y, 128 >> L);
-    }
-    __m512i j = _mm512_srli_epi32(pos, 3);
-    pos = step(pos, _mm512_permutex2var_ps(l5[0], j, l5[1]), y, 4);
-    j = _mm512_srli_epi32(pos, 2);
-    {
-      const __mmask16 b5 = _mm512_test_epi32_mask(j, _mm512_set1_epi32(32));
-      const __m512 t = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(l6[0], j, l6[1]),
-                                            _mm512_permutex2var_ps(l6[2], j, l6[3]));
-      pos = step(pos, t, y, 2);
-    }
-    j = _mm512_srli_epi32(pos, 1);
-    {
-      const __mmask16 b5 = _mm512_test_epi32_mask(j, _mm512_set1_epi32(32));
-      const __mmask16 b6 = _mm512_test_epi32_mask(j, _mm512_set1_epi32(64));
-      const __m512 a = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(l7[0], j, l7[1]),
-                                            _mm512_permutex2var_ps(l7[2], j, l7[3]));
-      const __m512 b = _mm512_mask_blend_ps(b5, _mm512_permutex2var_ps(l7[4], j, l7[5]),
-                                            _mm512_permutex2var_ps(l7[6], j, l7[7]));
-      pos = step(pos, _mm512_mask_blend_ps(b6, a, b), y, 1);
-    }
-    return pos;
+  inline void lookup64(const uint8_t* codes, __m512 out[4]) const {
+    for (int q = 0; q < 4; ++q)
+      out[q] = lookup16(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * q))));
   }
 };
+#endif
 
-// One full 256-element block, 16 lanes at a time. Same operations, same order as the
-// scalar loop below (and as the PyTorch reference).
+// code(y) for 16 normalized values, see the file comment and segment_tables() in Python:
+//   a = |y|; k = a (y >= 0) or the next float above a (y < 0: boundaries count as "below"
+//   for negative values, the reference's ties go to the lower code);
+//   piece = seglo[binade(k)] + (k > boundary[binade(k)]) (+16 for y < 0);
+//   f = min(a, clamp[piece]) * slope[piece] + offset[piece];  code = floor(f).
+// `near` gets the lanes where f is within `margin` of an integer (code not certain).
+template <bool kSigned>
+struct SegmentQuantizer {
+  __m512i seglo0, seglo1;
+  __m512 bnd0, bnd1, slope0, slope1, off0, off1, clamp0, clamp1, margin;
+  SegmentQuantizer(const float* seg, float m) {
+    seglo0 = _mm512_cvtps_epi32(_mm512_loadu_ps(seg));
+    seglo1 = _mm512_cvtps_epi32(_mm512_loadu_ps(seg + 16));
+    bnd0 = _mm512_loadu_ps(seg + kSegCols), bnd1 = _mm512_loadu_ps(seg + kSegCols + 16);
+    slope0 = _mm512_loadu_ps(seg + 2 * kSegCols), slope1 = _mm512_loadu_ps(seg + 2 * kSegCols + 16);
+    off0 = _mm512_loadu_ps(seg + 3 * kSegCols), off1 = _mm512_loadu_ps(seg + 3 * kSegCols + 16);
+    clamp0 = _mm512_loadu_ps(seg + 4 * kSegCols), clamp1 = _mm512_loadu_ps(seg + 4 * kSegCols + 16);
+    margin = _mm512_set1_ps(m);
+  }
+  inline __m512i codes(__m512 y, __mmask16& near) const {
+    const __m512i one = _mm512_set1_epi32(1);
+    const __m512i yb = _mm512_castps_si512(y);
+    __m512i ab = yb, key = yb;
+    __mmask16 neg = 0;
+    if (kSigned) {
+      ab = _mm512_and_si512(yb, _mm512_set1_epi32(0x7FFFFFFF));
+      neg = _mm512_movepi32_mask(yb);
+      key = _mm512_mask_add_epi32(ab, neg, ab, one);
+    }
+    // permutex2var reads the low 5 bits: slots 0..31 = exponents 96..127 (|y| < 2).
+    const __m512i e = _mm512_max_epu32(_mm512_srli_epi32(key, 23), _mm512_set1_epi32(kSegExpLo));
+    __m512i seg = _mm512_permutex2var_epi32(seglo0, e, seglo1);
+    const __m512 bnd = _mm512_permutex2var_ps(bnd0, e, bnd1);
+    seg = _mm512_mask_add_epi32(seg, _mm512_cmp_ps_mask(_mm512_castsi512_ps(key), bnd, _CMP_GT_OQ), seg, one);
+    __m512 clamp, slope, off;
+    if (kSigned) {  // pieces of y < 0 are columns 16..31
+      seg = _mm512_mask_add_epi32(seg, neg, seg, _mm512_set1_epi32(16));
+      clamp = _mm512_permutex2var_ps(clamp0, seg, clamp1);
+      slope = _mm512_permutex2var_ps(slope0, seg, slope1);
+      off = _mm512_permutex2var_ps(off0, seg, off1);
+    } else {  // y >= 0 only: 16 columns, one-register permutes
+      clamp = _mm512_permutexvar_ps(seg, clamp0);
+      slope = _mm512_permutexvar_ps(seg, slope0);
+      off = _mm512_permutexvar_ps(seg, off0);
+    }
+    const __m512 a = _mm512_min_ps(_mm512_castsi512_ps(ab), clamp);
+    const __m512 f = _mm512_add_ps(_mm512_mul_ps(a, slope), off);
+    const __m512 frac = _mm512_reduce_ps(f, _MM_FROUND_TO_NEAREST_INT);  // f - round(f), exact
+    near |= _mm512_cmp_ps_mask(_mm512_abs_ps(frac), margin, _CMP_LT_OQ);
+    return _mm512_cvt_roundps_epi32(f, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  }
+};
+
+// Codes of one full block of fresh moments `buf` whose absmax is `absmax`.
+template <bool kSigned>
+inline void requantize_avx512(const float* __restrict buf, float absmax, uint8_t* __restrict codes,
+                              const SegmentQuantizer<kSigned>& q, const uint8_t* bucket,
+                              const float* thr) {
+  const float inv = absmax > 0.f ? 1.f / absmax : 1.f;
+  const __m512 inv16 = _mm512_set1_ps(inv);
+  __mmask16 near[kBlock / 16];
+  __mmask16 any_near = 0;
+  for (int64_t i = 0; i < kBlock; i += 16) {
+    __mmask16 nr = 0;
+    const __m512i c = q.codes(_mm512_mul_ps(_mm512_loadu_ps(buf + i), inv16), nr);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(c));
+    near[i / 16] = nr;
+    any_near |= nr;
+  }
+  if (any_near) {  // rare: a value next to a code boundary; the exact scalar method decides
+    for (int64_t k = 0; k < kBlock / 16; ++k)
+      for (int l = 0; near[k] >> l; ++l)
+        if ((near[k] >> l) & 1) codes[16 * k + l] = quantize_one(buf[16 * k + l] * inv, bucket, thr);
+  }
+}
+
+struct Avx512Tables {
+  Dequantizer deq_m, deq_v;
+  SegmentQuantizer<true> quant_m;
+  SegmentQuantizer<false> quant_v;
+  explicit Avx512Tables(const Maps& t)
+      : deq_m(t.qm), deq_v(t.qv), quant_m(t.seg_m, t.margin), quant_v(t.seg_v, t.margin) {}
+};
+
+// One full 256-element block. Same float operations, same order as the scalar loop below
+// (and as the PyTorch reference).
 inline void update_block_avx512(float* __restrict pb, const float* __restrict gb,
                                 uint8_t* __restrict mcb, float* __restrict ma_b,
                                 uint8_t* __restrict vcb, float* __restrict va_b,
-                                const Table256& qm, const Table256& qv, const Thresholds& tm,
-                                const Thresholds& tv, float* __restrict mbuf,
+                                const Avx512Tables& T, const Maps& maps, float* __restrict mbuf,
                                 float* __restrict vbuf, const Coeffs& c) {
   const __m512 am = _mm512_set1_ps(*ma_b), av = _mm512_set1_ps(*va_b);
   const __m512 b1 = _mm512_set1_ps(c.beta1), omb1 = _mm512_set1_ps(c.one_minus_beta1);
@@ -139,89 +246,92 @@ inline void update_block_avx512(float* __restrict pb, const float* __restrict gb
   const __m512 ibc2 = _mm512_set1_ps(c.inv_bc2_sqrt), eps = _mm512_set1_ps(c.eps);
   const __m512 ss = _mm512_set1_ps(c.step_size), decay = _mm512_set1_ps(c.decay);
   __m512 amax_m = _mm512_setzero_ps(), amax_v = _mm512_setzero_ps();
-  for (int64_t i = 0; i < kBlock; i += 16) {
-    const __m512 g = _mm512_loadu_ps(gb + i);
-    const __m512i mi_idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mcb + i)));
-    const __m512i vi_idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vcb + i)));
-    __m512 m = _mm512_mul_ps(qm.lookup(mi_idx), am);
-    __m512 v = _mm512_mul_ps(qv.lookup(vi_idx), av);
-    m = _mm512_add_ps(_mm512_mul_ps(m, b1), _mm512_mul_ps(g, omb1));
-    v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(g, g), omb2));
-    const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), ibc2), eps);
-    const __m512 p = _mm512_loadu_ps(pb + i);
-    _mm512_storeu_ps(pb + i, _mm512_sub_ps(_mm512_mul_ps(p, decay),
-                                           _mm512_mul_ps(_mm512_div_ps(m, denom), ss)));
-    _mm512_store_ps(mbuf + i, m);
-    _mm512_store_ps(vbuf + i, v);
-    amax_m = _mm512_max_ps(amax_m, _mm512_abs_ps(m));
-    amax_v = _mm512_max_ps(amax_v, _mm512_abs_ps(v));
+  for (int64_t i0 = 0; i0 < kBlock; i0 += 64) {
+    __m512 mq[4], vq[4];
+    T.deq_m.lookup64(mcb + i0, mq);
+    T.deq_v.lookup64(vcb + i0, vq);
+    for (int q = 0; q < 4; ++q) {
+      const int64_t i = i0 + 16 * q;
+      const __m512 g = _mm512_loadu_ps(gb + i);
+      __m512 m = _mm512_mul_ps(mq[q], am);
+      __m512 v = _mm512_mul_ps(vq[q], av);
+      m = _mm512_add_ps(_mm512_mul_ps(m, b1), _mm512_mul_ps(g, omb1));
+      v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(g, g), omb2));
+      const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), ibc2), eps);
+      const __m512 p = _mm512_loadu_ps(pb + i);
+      _mm512_storeu_ps(pb + i, _mm512_sub_ps(_mm512_mul_ps(p, decay),
+                                             _mm512_mul_ps(_mm512_div_ps(m, denom), ss)));
+      _mm512_store_ps(mbuf + i, m);
+      _mm512_store_ps(vbuf + i, v);
+      amax_m = _mm512_max_ps(amax_m, _mm512_abs_ps(m));
+      amax_v = _mm512_max_ps(amax_v, _mm512_abs_ps(v));
+    }
   }
   const float am_new = _mm512_reduce_max_ps(amax_m), av_new = _mm512_reduce_max_ps(amax_v);
   *ma_b = am_new;
   *va_b = av_new;
-  const __m512 inv_m = _mm512_set1_ps(am_new > 0.f ? 1.f / am_new : 1.f);
-  const __m512 inv_v = _mm512_set1_ps(av_new > 0.f ? 1.f / av_new : 1.f);
-  for (int64_t i = 0; i < kBlock; i += 16) {
-    const __m512i cm = tm.codes(_mm512_mul_ps(_mm512_load_ps(mbuf + i), inv_m));
-    const __m512i cv = tv.codes(_mm512_mul_ps(_mm512_load_ps(vbuf + i), inv_v));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(mcb + i), _mm512_cvtepi32_epi8(cm));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(vcb + i), _mm512_cvtepi32_epi8(cv));
-  }
+  requantize_avx512(mbuf, am_new, mcb, T.quant_m, maps.bucket_m, maps.thr_m);
+  requantize_avx512(vbuf, av_new, vcb, T.quant_v, maps.bucket_v, maps.thr_v);
 }
 #endif
 
-void update_range(float* __restrict p, const float* __restrict g, uint8_t* __restrict mc,
-                  float* __restrict ma, uint8_t* __restrict vc, float* __restrict va,
-                  const float* __restrict qm, const float* __restrict qv,
-                  const uint8_t* __restrict bm, const float* __restrict tm,
-                  const uint8_t* __restrict bv, const float* __restrict tv,
-                  int64_t n, int64_t block_begin, int64_t block_end, const Coeffs c) {
+void update_block_scalar(float* __restrict pb, const float* __restrict gb, uint8_t* __restrict mcb,
+                         float* __restrict ma_b, uint8_t* __restrict vcb, float* __restrict va_b,
+                         int64_t len, const Maps& t, float* __restrict mbuf,
+                         float* __restrict vbuf, const Coeffs& c) {
+  const float am = *ma_b;
+  const float av = *va_b;
+  float amax_m = 0.f;
+  float amax_v = 0.f;
+#pragma omp simd reduction(max : amax_m, amax_v)
+  for (int64_t i = 0; i < len; ++i) {
+    const float gi = gb[i];
+    float mi = t.qm[mcb[i]] * am;
+    float vi = t.qv[vcb[i]] * av;
+    mi = mi * c.beta1 + gi * c.one_minus_beta1;
+    vi = vi * c.beta2 + (gi * gi) * c.one_minus_beta2;
+    const float denom = std::sqrt(vi) * c.inv_bc2_sqrt + c.eps;
+    pb[i] = pb[i] * c.decay - (mi / denom) * c.step_size;
+    mbuf[i] = mi;
+    vbuf[i] = vi;
+    amax_m = std::max(amax_m, std::fabs(mi));
+    amax_v = std::max(amax_v, std::fabs(vi));
+  }
+  *ma_b = amax_m;
+  *va_b = amax_v;
+  const float inv_m = amax_m > 0.f ? 1.f / amax_m : 1.f;
+  const float inv_v = amax_v > 0.f ? 1.f / amax_v : 1.f;
+  for (int64_t i = 0; i < len; ++i) {
+    mcb[i] = quantize_one(mbuf[i] * inv_m, t.bucket_m, t.thr_m);
+    vcb[i] = quantize_one(vbuf[i] * inv_v, t.bucket_v, t.thr_v);
+  }
+}
+
+#ifdef OUTCORE_AVX512
+using Tables = Avx512Tables;
+#else
+struct Tables {
+  explicit Tables(const Maps&) {}
+};
+#endif
+
+void update_range(float* p, const float* g, uint8_t* mc, float* ma, uint8_t* vc, float* va,
+                  const Maps& maps, const Tables& tables, int64_t n, int64_t block_begin,
+                  int64_t block_end, const Coeffs& c) {
   alignas(64) float mbuf[kBlock];
   alignas(64) float vbuf[kBlock];
-#ifdef OUTCORE_AVX512
-  const Table256 qm_r(qm), qv_r(qv);  // per thread, once per range: tables into registers
-  const Thresholds tm_r(tm), tv_r(tv);
-#endif
   for (int64_t b = block_begin; b < block_end; ++b) {
     const int64_t start = b * kBlock;
     const int64_t len = std::min(kBlock, n - start);
 #ifdef OUTCORE_AVX512
     if (len == kBlock) {
-      update_block_avx512(p + start, g + start, mc + start, ma + b, vc + start, va + b, qm_r,
-                          qv_r, tm_r, tv_r, mbuf, vbuf, c);
+      update_block_avx512(p + start, g + start, mc + start, ma + b, vc + start, va + b, tables,
+                          maps, mbuf, vbuf, c);
       continue;
     }
 #endif
-    float* __restrict pb = p + start;
-    const float* __restrict gb = g + start;
-    uint8_t* __restrict mcb = mc + start;
-    uint8_t* __restrict vcb = vc + start;
-    const float am = ma[b];
-    const float av = va[b];
-    float amax_m = 0.f;
-    float amax_v = 0.f;
-#pragma omp simd reduction(max : amax_m, amax_v)
-    for (int64_t i = 0; i < len; ++i) {
-      const float gi = gb[i];
-      float mi = qm[mcb[i]] * am;
-      float vi = qv[vcb[i]] * av;
-      mi = mi * c.beta1 + gi * c.one_minus_beta1;
-      vi = vi * c.beta2 + (gi * gi) * c.one_minus_beta2;
-      const float denom = std::sqrt(vi) * c.inv_bc2_sqrt + c.eps;
-      pb[i] = pb[i] * c.decay - (mi / denom) * c.step_size;
-      mbuf[i] = mi;
-      vbuf[i] = vi;
-      amax_m = std::max(amax_m, std::fabs(mi));
-      amax_v = std::max(amax_v, std::fabs(vi));
-    }
-    ma[b] = amax_m;
-    va[b] = amax_v;
-    const float inv_m = amax_m > 0.f ? 1.f / amax_m : 1.f;
-    const float inv_v = amax_v > 0.f ? 1.f / amax_v : 1.f;
-    for (int64_t i = 0; i < len; ++i) {
-      mcb[i] = quantize_one(mbuf[i] * inv_m, bm, tm);
-      vcb[i] = quantize_one(vbuf[i] * inv_v, bv, tv);
-    }
+    update_block_scalar(p + start, g + start, mc + start, ma + b, vc + start, va + b, len, maps,
+                        mbuf, vbuf, c);
   }
 }
 
@@ -238,6 +348,7 @@ void adamw8bit_update(torch::Tensor param, torch::Tensor grad, torch::Tensor m_c
                       torch::Tensor m_absmax, torch::Tensor v_codes, torch::Tensor v_absmax,
                       torch::Tensor qmap_m, torch::Tensor qmap_v, torch::Tensor bucket_m,
                       torch::Tensor thr_m, torch::Tensor bucket_v, torch::Tensor thr_v,
+                      torch::Tensor seg_m, torch::Tensor seg_v, double seg_margin,
                       double beta1, double one_minus_beta1, double beta2, double one_minus_beta2,
                       double inv_bc2_sqrt, double eps, double step_size, double decay) {
   const int64_t n = param.numel();
@@ -254,29 +365,90 @@ void adamw8bit_update(torch::Tensor param, torch::Tensor grad, torch::Tensor m_c
   check(bucket_v, at::kByte, kTableBytes, "bucket_v");
   check(thr_m, at::kFloat, 256, "thr_m");
   check(thr_v, at::kFloat, 256, "thr_v");
+  check(seg_m, at::kFloat, kSegRows * kSegCols, "seg_m");
+  check(seg_v, at::kFloat, kSegRows * kSegCols, "seg_v");
+  TORCH_CHECK(seg_margin > 0.0 && seg_margin < 0.5, "seg_margin=", seg_margin, " must be in (0, 0.5)");
   // Scalars are rounded to fp32 exactly as PyTorch rounds Python scalars for fp32 tensors.
   const Coeffs c{static_cast<float>(beta1),        static_cast<float>(one_minus_beta1),
                  static_cast<float>(beta2),        static_cast<float>(one_minus_beta2),
                  static_cast<float>(inv_bc2_sqrt), static_cast<float>(eps),
                  static_cast<float>(step_size),    static_cast<float>(decay)};
+  const Maps maps{qmap_m.data_ptr<float>(),  qmap_v.data_ptr<float>(), bucket_m.data_ptr<uint8_t>(),
+                  thr_m.data_ptr<float>(),   bucket_v.data_ptr<uint8_t>(), thr_v.data_ptr<float>(),
+                  seg_m.data_ptr<float>(),   seg_v.data_ptr<float>(), static_cast<float>(seg_margin)};
   float* p = param.data_ptr<float>();
   const float* g = grad.data_ptr<float>();
   uint8_t* mc = m_codes.data_ptr<uint8_t>();
   uint8_t* vc = v_codes.data_ptr<uint8_t>();
   float* ma = m_absmax.data_ptr<float>();
   float* va = v_absmax.data_ptr<float>();
-  const float* qm = qmap_m.data_ptr<float>();
-  const float* qv = qmap_v.data_ptr<float>();
-  const uint8_t* bm = bucket_m.data_ptr<uint8_t>();
-  const uint8_t* bv = bucket_v.data_ptr<uint8_t>();
-  const float* tm = thr_m.data_ptr<float>();
-  const float* tv = thr_v.data_ptr<float>();
-  // 64 blocks (16K elements) per task: enough work to amortize a thread hand-off.
-  at::parallel_for(0, nblocks, 64, [&](int64_t b0, int64_t b1) {
-    update_range(p, g, mc, ma, vc, va, qm, qv, bm, tm, bv, tv, n, b0, b1, c);
+  const int64_t nchunks = (nblocks + kChunkBlocks - 1) / kChunkBlocks;
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), nchunks);
+  if (workers <= 1) {
+    const Tables tables(maps);
+    update_range(p, g, mc, ma, vc, va, maps, tables, n, 0, nblocks, c);
+    return;
+  }
+  // Dynamic scheduling: each worker pulls the next chunk until none is left, so a thread that
+  // the OS parks (a shared machine) delays only the chunk it holds. The counter is the only
+  // thing the workers share; chunks are disjoint.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    const Tables tables(maps);  // per worker: the maps' registers / L1 copies, built once
+    for (int64_t k = next.fetch_add(1); k < nchunks; k = next.fetch_add(1)) {
+      const int64_t b0 = k * kChunkBlocks;
+      update_range(p, g, mc, ma, vc, va, maps, tables, n, b0, std::min(nblocks, b0 + kChunkBlocks), c);
+    }
   });
+}
+
+// Block-wise quantization of `x` with the update's requantization code (tests compare it
+// with the reference on adversarial values: thresholds, their neighbours, tiny and huge).
+std::tuple<torch::Tensor, torch::Tensor> quantize_blockwise(torch::Tensor x, bool is_signed,
+                                                            torch::Tensor bucket, torch::Tensor thr,
+                                                            torch::Tensor seg, double seg_margin) {
+  const int64_t n = x.numel();
+  const int64_t nblocks = (n + kBlock - 1) / kBlock;
+  check(x, at::kFloat, n, "x");
+  check(bucket, at::kByte, kTableBytes, "bucket");
+  check(thr, at::kFloat, 256, "thr");
+  check(seg, at::kFloat, kSegRows * kSegCols, "seg");
+  auto codes = torch::empty({n}, x.options().dtype(at::kByte));
+  auto absmax = torch::empty({nblocks}, x.options());
+  const float* xp = x.data_ptr<float>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  float* ap = absmax.data_ptr<float>();
+  const uint8_t* bp = bucket.data_ptr<uint8_t>();
+  const float* tp = thr.data_ptr<float>();
+#ifdef OUTCORE_AVX512
+  const SegmentQuantizer<true> qs(seg.data_ptr<float>(), static_cast<float>(seg_margin));
+  const SegmentQuantizer<false> qu(seg.data_ptr<float>(), static_cast<float>(seg_margin));
+#endif
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t start = b * kBlock;
+    const int64_t len = std::min(kBlock, n - start);
+    float amax = 0.f;
+    for (int64_t i = 0; i < len; ++i) {
+      // the unsigned path serves the second moment, which is never negative
+      TORCH_CHECK(is_signed || !(xp[start + i] < 0.f), "x[", start + i, "]=", xp[start + i],
+                  " is negative; the unsigned map quantizes values >= 0 only");
+      amax = std::max(amax, std::fabs(xp[start + i]));
+    }
+    ap[b] = amax;
+#ifdef OUTCORE_AVX512
+    if (len == kBlock) {
+      if (is_signed) requantize_avx512(xp + start, amax, cp + start, qs, bp, tp);
+      else requantize_avx512(xp + start, amax, cp + start, qu, bp, tp);
+      continue;
+    }
+#endif
+    const float inv = amax > 0.f ? 1.f / amax : 1.f;
+    for (int64_t i = 0; i < len; ++i) cp[start + i] = quantize_one(xp[start + i] * inv, bp, tp);
+  }
+  return {codes, absmax};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw8bit_update", &adamw8bit_update, "fused block-wise 8-bit AdamW update (in place)");
+  m.def("quantize_blockwise", &quantize_blockwise, "block-wise 8-bit quantization (the update's path)");
 }

@@ -1,7 +1,9 @@
 """The fused 8-bit AdamW update: every implementation bit-identical to the reference.
 
 The C++ extension is compiled on first use (about 45 s on a 2-core machine, then cached in
-TORCH_EXTENSIONS_DIR); tests that need it skip when it cannot be built.
+TORCH_EXTENSIONS_DIR); tests that need it skip when it cannot be built. Its AVX-512 path
+quantizes with verified segment tables (``segment_tables``) and falls back to the exact
+bucket method next to code boundaries: the adversarial tests below aim at those boundaries.
 """
 from __future__ import annotations
 
@@ -10,11 +12,15 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
-from outcore.kernels.adamw8bit import (adamw8bit_update, coefficients, cpu_extension, init_codes)
-from outcore.kernels.quantize import dequantize_blockwise, dynamic_map, num_blocks
+from outcore.kernels.adamw8bit import (SEG_MARGIN, _segment_code_f, adamw8bit_update,
+                                       coefficients, cpu_extension, cpu_isa, init_codes,
+                                       quantize_blockwise_cpp, segment_tables)
+from outcore.kernels.quantize import (dequantize_blockwise, dynamic_map, num_blocks,
+                                      quantize_blockwise, thresholds)
 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 
@@ -51,6 +57,79 @@ def test_cpp_bit_identical_to_reference(n):
         ref, cpp = _run("ref", n, 6, **hp), _run("cpp", n, 6, **hp)
         for a, b in zip(ref, cpp):
             assert torch.equal(a, b)
+
+
+def _adversarial(signed: bool) -> torch.Tensor:
+    """Values at, just above and just below every threshold and map entry, zeros, tiny and
+    log-uniform random values; in blocks that each hold 1.0, so absmax = 1 and y = x."""
+    q = dynamic_map(signed)
+    t = thresholds(q)[:255]
+    g = torch.Generator().manual_seed(1)
+    rnd = torch.rand(20_000, generator=g) * 10.0 ** -torch.randint(0, 9, (20_000,), generator=g)
+    vals = torch.cat([t, torch.nextafter(t, torch.tensor(2.0)), torch.nextafter(t, torch.tensor(-2.0)),
+                      q, rnd, torch.tensor([0.0, 1e-38, 1e-45, 3e-10, 0.99999994])]).abs()
+    if signed:
+        vals = torch.cat([vals, -vals, torch.tensor([-0.0])])
+    vals = vals[vals.abs() <= 1.0]
+    vals = vals[torch.randperm(vals.numel(), generator=g)]
+    blocks = torch.nn.functional.pad(vals, (0, (-vals.numel()) % 255)).view(-1, 255)
+    return torch.cat([blocks, torch.ones(blocks.shape[0], 1)], dim=1).reshape(-1).contiguous()
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_segment_tables_equal_searchsorted_where_unflagged(signed):
+    """The numpy model of the fast quantizer (the tables as the C++ kernel reads them)."""
+    y = _adversarial(signed).numpy()
+    f, _ = _segment_code_f(np.abs(y), np.signbit(y).astype(np.int64), segment_tables(signed).numpy())
+    flagged = np.abs(f - np.rint(f)) < SEG_MARGIN
+    want = np.searchsorted(thresholds(dynamic_map(signed)).numpy()[:255], y, side="left")
+    assert (np.floor(f).astype(np.int64)[~flagged] == want[~flagged]).all()
+    assert flagged.sum() >= 255  # every threshold itself is flagged: the fallback is exercised
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_cpp_quantization_bit_identical_on_adversarial_values(signed):
+    _needs_ext()
+    x = _adversarial(signed)
+    want = quantize_blockwise(x, dynamic_map(signed))
+    got = quantize_blockwise_cpp(x, signed)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    scaled = x * 3.7e-4  # absmax != 1: the block normalization in between
+    assert all(torch.equal(a, b) for a, b in zip(quantize_blockwise_cpp(scaled, signed),
+                                                 quantize_blockwise(scaled, dynamic_map(signed))))
+
+
+def test_cpp_quantization_rejects_negative_second_moments():
+    _needs_ext()
+    with pytest.raises(RuntimeError, match=r"x\[3\]=-1 is negative"):
+        quantize_blockwise_cpp(torch.tensor([0.0, 1.0, 2.0, -1.0]), signed=False)
+
+
+def test_cpu_isa_override(monkeypatch):
+    monkeypatch.setenv("OUTCORE_CPU_ISA", "default")
+    assert cpu_isa() == "DEFAULT"
+    monkeypatch.setenv("OUTCORE_CPU_ISA", "SSE9")
+    with pytest.raises(ValueError, match="OUTCORE_CPU_ISA='SSE9' is not one of"):
+        cpu_isa()
+
+
+@pytest.mark.slow  # builds two more variants of the extension (~45 s each on 2 cores)
+@pytest.mark.parametrize("isa", ["DEFAULT", "AVX512"])
+def test_lower_isa_builds_bit_identical(isa, monkeypatch):
+    """The portable scalar build, and AVX-512 without VBMI (fp32-permute dequantizer)."""
+    from outcore.kernels.adamw8bit import ISA_LEVELS
+    if ISA_LEVELS.index(isa) > ISA_LEVELS.index(cpu_isa()):
+        pytest.skip(f"this CPU is below {isa}")
+    if cpu_extension(isa) is None:
+        pytest.skip("the C++ extension cannot be built here")
+    for signed in (True, False):
+        x = _adversarial(signed)
+        assert all(torch.equal(a, b) for a, b in zip(quantize_blockwise_cpp(x, signed, isa),
+                                                     quantize_blockwise(x, dynamic_map(signed))))
+    monkeypatch.setenv("OUTCORE_CPU_ISA", isa)
+    n = 256 * 97 + 13
+    for a, b in zip(_run("ref", n, 6), _run("cpp", n, 6)):
+        assert torch.equal(a, b)
 
 
 def test_auto_is_the_op_and_matches_reference():
