@@ -134,36 +134,42 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def _from_pretrained(location: str, dtype: torch.dtype, **kwargs: Any):
+def _from_pretrained(location: str, dtype: torch.dtype, quantize_4bit: bool = False, **kwargs: Any):
     """``AutoModelForCausalLM`` + ``AutoTokenizer`` from a directory or hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: ~2 s import
 
     tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **kwargs)
+    extra: dict[str, Any] = {}
+    if quantize_4bit:  # QLoRA: bitsandbytes NF4 linear layers computing in `dtype`
+        from transformers import BitsAndBytesConfig
+        extra["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(location, dtype=dtype, **extra, **kwargs)
     return model, tokenizer
 
 
-def _load_source(source: ModelSource, dtype: torch.dtype, cache_dir: str | Path | None):
+def _load_source(source: ModelSource, dtype: torch.dtype, cache_dir: str | Path | None,
+                 quantize_4bit: bool = False):
     if source.kind == "gguf":
         entry = build_gguf_cache(source.location, cache_dir)
-        return _load_dir(str(entry), dtype, what=f"the cache of '{source.location}'")
+        return _load_dir(str(entry), dtype, what=f"the cache of '{source.location}'", quantize_4bit=quantize_4bit)
     if source.kind == "hf_dir":
-        return _load_dir(source.location, dtype, what=f"'{source.location}'")
-    return _load_hub(source.location, dtype)
+        return _load_dir(source.location, dtype, what=f"'{source.location}'", quantize_4bit=quantize_4bit)
+    return _load_hub(source.location, dtype, quantize_4bit)
 
 
-def _load_dir(location: str, dtype: torch.dtype, what: str):
+def _load_dir(location: str, dtype: torch.dtype, what: str, quantize_4bit: bool = False):
     try:
-        return _from_pretrained(location, dtype)
+        return _from_pretrained(location, dtype, quantize_4bit)
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise ModelError(f"cannot load the model in {what}: {_first_line(err)}") from err
 
 
-def _load_hub(repo_id: str, dtype: torch.dtype):
+def _load_hub(repo_id: str, dtype: torch.dtype, quantize_4bit: bool = False):
     offline = hub_offline()
     try:
         # Offline, a model already in the local HF cache still loads.
-        return _from_pretrained(repo_id, dtype, local_files_only=offline)
+        return _from_pretrained(repo_id, dtype, quantize_4bit, local_files_only=offline)
     except (OSError, ValueError) as err:
         if offline:
             raise ModelError(
@@ -181,7 +187,7 @@ def _load_hub(repo_id: str, dtype: torch.dtype):
 
 
 def load_model(spec: str | Path = "default", *, dtype: torch.dtype | str = torch.float32,
-               cache_dir: str | Path | None = None):
+               cache_dir: str | Path | None = None, quantize_4bit: bool = False):
     """Load a causal LM and its tokenizer.
 
     Args:
@@ -189,6 +195,8 @@ def load_model(spec: str | Path = "default", *, dtype: torch.dtype | str = torch
         dtype: weight dtype (``torch.float32`` / ``bfloat16`` / ``float16`` or its name).
         cache_dir: cache root for dequantized GGUF files (default ``$OUTCORE_CACHE`` or
             ``~/.cache/outcore``).
+        quantize_4bit: QLoRA: load the linear layers as bitsandbytes NF4 (computing in
+            ``dtype``); embeddings, norms and the head stay in ``dtype``.
 
     Returns:
         ``(model, tokenizer)``: a ``PreTrainedModel`` in eval mode on the CPU, and its
@@ -201,7 +209,7 @@ def load_model(spec: str | Path = "default", *, dtype: torch.dtype | str = torch
     """
     dtype = _as_dtype(dtype)
     source = resolve_model_spec(spec)
-    model, tokenizer = _load_source(source, dtype, cache_dir)
+    model, tokenizer = _load_source(source, dtype, cache_dir, quantize_4bit)
     model_type = getattr(model.config, "model_type", "?")
     if model_type not in SUPPORTED_MODEL_TYPES:
         log.warning("model type %r is outside the tested families (%s); the out-of-core "

@@ -25,6 +25,7 @@ from ..events import TierStats
 from .directio import align_up
 from .engine import OutOfCoreEngine
 from .handle import Tier
+from .nf4 import NF4Layout
 from .store import TieredStore
 from .unit_memory import StoreUnitMemory, unit_state_bytes
 from .units import Unit
@@ -184,7 +185,8 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                   homes: list[tuple[Tier, Tier]] | None = None,
                   head_modules: list[torch.nn.Module] | tuple[torch.nn.Module, ...] = (),
                   init_weights: Callable[[Any, torch.Tensor], None] | None = None,
-                  resident_trainable: bool = False, master_weights: bool = True) -> OffloadedModel:
+                  resident_trainable: bool = False, master_weights: bool = True,
+                  quantize_frozen: bool = False) -> OffloadedModel:
     """Move ``model``'s weights and ``optimizer``'s state into tiers and wrap it for training.
 
     Args:
@@ -206,6 +208,8 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
         master_weights: mixed precision: a model in bf16 / fp16 computes in it while the
             optimizer updates fp32 master weights kept in the state tier (default);
             False trains the 16-bit weights themselves.
+        quantize_frozen: QLoRA: the blocks' frozen matrices are stored (and streamed) in
+            NF4 and dequantized into the model's dtype when fetched (see ``nf4.py``).
 
     Returns:
         The :class:`OffloadedModel`.
@@ -227,7 +231,8 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
         raise ConfigError("offload=nvme needs a swap directory; pass --swap-dir DIR on a fast disk")
 
     k = max(1, prefetch)
-    w_sizes = [_arena_bytes(u.numel * _itemsize(u)) for u in units]
+    w_sizes = [_arena_bytes(NF4Layout(u, _dtype(u)).nbytes if quantize_frozen and NF4Layout.any_quantized(u)
+                            else u.numel * _itemsize(u)) for u in units]
     s_sizes = [_arena_bytes(kinds) for kinds in unit_state_bytes(units, optimizer, master_weights)]
     need_device = _window(w_sizes, 2 * k + 1)
     host_home = sum(w for w, (hw, _) in zip(w_sizes, homes) if hw is Tier.HOST)
@@ -243,7 +248,8 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
         engine = OutOfCoreEngine(model, optimizer,
                                  lambda us, opt: StoreUnitMemory(store, us, opt, homes=homes,
                                                                  init_weights=init_weights,
-                                                                 master_weights=master_weights),
+                                                                 master_weights=master_weights,
+                                                                 quantize_frozen=quantize_frozen),
                                  prefetch=k, max_grad_norm=max_grad_norm, grad_accum=grad_accum, units=units)
     except BaseException:
         store.close()
@@ -258,4 +264,8 @@ def plain_name(name: str) -> str:
 
 
 def _itemsize(unit: Unit) -> int:
-    return unit.slots[0].param.element_size() if unit.slots else 4
+    return _dtype(unit).itemsize
+
+
+def _dtype(unit: Unit) -> torch.dtype:
+    return unit.slots[0].param.dtype if unit.slots else torch.float32

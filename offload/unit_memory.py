@@ -26,6 +26,7 @@ import torch
 from ..errors import BudgetError
 from .handle import TensorHandle, Tier
 from .store import TieredStore
+from .nf4 import NF4Layout
 from .units import ParamSlot, Unit, _pad
 
 WEIGHTS = "w"
@@ -60,13 +61,15 @@ class StoreUnitMemory:
     def __init__(self, store: TieredStore, units: list[Unit], optimizer, home: Tier = Tier.NVME,
                  homes: list[tuple[Tier, Tier]] | None = None,
                  init_weights: Callable[[ParamSlot, torch.Tensor], None] | None = None,
-                 master_weights: bool = True):
+                 master_weights: bool = True, quantize_frozen: bool = False):
         self.store = store
         self.units = units
         self.homes = homes or [(Tier.parse(home), Tier.parse(home))] * len(units)
         self.handles: dict[tuple[int, str], TensorHandle] = {}
         self.state_layout: list[list[dict[str, _StateSlot]]] = []
         self.unit_kinds: list[list[str]] = []  # per unit, its state tensor classes
+        self.nf4: dict[int, NF4Layout] = {}  # quantized units (QLoRA)
+        self._decoded: dict[int, torch.Tensor] = {}  # quantized unit -> its dequantized weights
         group = optimizer.param_groups[0]
         for unit in units:
             w = torch.empty(unit.numel, dtype=_unit_dtype(unit))
@@ -94,6 +97,12 @@ class StoreUnitMemory:
                     if wants_master:
                         masters[k].copy_(slot.param.data)
             w_home, s_home = self.homes[unit.index]
+            if quantize_frozen and NF4Layout.any_quantized(unit):
+                layout4 = self.nf4[unit.index] = NF4Layout(unit, w.dtype)
+                w4 = torch.zeros(layout4.nbytes, dtype=torch.uint8)
+                for k, slot in enumerate(unit.slots):
+                    layout4.encode(k, unit.view(w, slot), w4)
+                w = w4
             self.handles[(unit.index, WEIGHTS)] = store.register(f"{unit.name}:w", data=w, home=w_home)
             del w
             layout, sizes, dtypes = [], {}, {}
@@ -166,7 +175,15 @@ class StoreUnitMemory:
             t0 = time.perf_counter()
             fut.result()  # the consumer stalls on I/O here
             self.stall_s += time.perf_counter() - t0
+        if kind == WEIGHTS and unit in self.nf4:
+            if unit not in self._decoded:
+                self._decoded[unit] = self._decode(unit, fut.result())
+            return self._decoded[unit]
         return fut.result()
+
+    def _decode(self, unit: int, raw: torch.Tensor) -> torch.Tensor:
+        layout = self.nf4[unit]
+        return layout.decode(raw, torch.empty(self.units[unit].numel, dtype=layout.dtype))
 
     def before_update(self, unit: int, kind: str) -> None:
         """Wait for an earlier write-back of this copy: it must not change under the disk's read."""
@@ -182,6 +199,10 @@ class StoreUnitMemory:
         self._reap()
         h, tier = self.handles[key], self._tier(kind)
         self._pinned.pop(key)
+        if kind == WEIGHTS and unit in self.nf4:
+            if dirty:
+                raise ValueError(f"unit {unit} holds NF4-quantized frozen weights; they cannot be updated")
+            del self._decoded[unit]  # freed once no parameter points at it any more
         if dirty:
             self.store.mark_dirty(h, tier)
             if tier is not h.home:
@@ -243,8 +264,10 @@ class StoreUnitMemory:
         self._writes.clear()
 
     def weights(self, unit: int) -> torch.Tensor:
-        """A CPU copy of a unit's newest weights (for checkpoints and tests; blocks)."""
-        return self.store.load(self.handles[(unit, WEIGHTS)])
+        """A CPU copy of a unit's newest weights (for checkpoints and tests; blocks), dequantized
+        when stored in NF4."""
+        raw = self.store.load(self.handles[(unit, WEIGHTS)])
+        return self._decode(unit, raw) if unit in self.nf4 else raw
 
     def state(self, unit: int, kind: str) -> torch.Tensor:
         return self.store.load(self.handles[(unit, kind)])

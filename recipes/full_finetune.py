@@ -69,7 +69,8 @@ class Recipe:
                 self.plan.notes.append("everything fits in memory: training in memory")
                 self.model, fill = None, None
         if fill is None:
-            self.model, self.tokenizer = load_model(cfg.model, dtype=torch_dtype(cfg.dtype))
+            self.model, self.tokenizer = load_model(cfg.model, dtype=torch_dtype(cfg.dtype),
+                                                    quantize_4bit=cfg.method == "qlora")
         check_seq_len(self.model, cfg.seq_len)
         if self.lora:
             self.model = _with_lora(self.model, cfg)
@@ -303,9 +304,9 @@ def check_offload_supported(cfg: FinetuneConfig) -> None:
     """
     from ..errors import ConfigError
 
-    if cfg.method not in ("full", "lora"):
-        raise ConfigError(f"offload={cfg.offload!r} with method={cfg.method!r} is not supported yet: "
-                          "use --offload none or --method full|lora")
+    if cfg.method not in ("full", "lora", "qlora"):
+        raise ConfigError(f"offload={cfg.offload!r} with method={cfg.method!r} is not supported: "
+                          "use --method full|lora|qlora")
 
 
 def make_plan(cfg: FinetuneConfig, model: torch.nn.Module):
@@ -340,6 +341,7 @@ def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: An
                          prefetch=max(1, plan.prefetch_depth), max_grad_norm=cfg.max_grad_norm,
                          grad_accum=cfg.grad_accum, homes=homes,
                          resident_trainable=cfg.method in ("lora", "qlora"),
+                         quantize_frozen=cfg.method == "qlora",
                          device_bytes=parse_bytes(cfg.device_mem) if cfg.device_mem else None,
                          host_bytes=parse_bytes(cfg.host_mem) if cfg.host_mem else None,
                          init_weights=None if fill is None else (lambda slot, t: fill(plain_name(slot.name), t)))
