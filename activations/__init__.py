@@ -10,7 +10,8 @@ moves bytes, recompute replays the same deterministic forward (RNG state restore
 """
 from .apply import ActivationHandle, apply_activation_policy, find_decoder_layers
 from .offload import ActivationOffloader
+from .pack import BlockPack, PackedRef
 from .policy import ActivationPolicy, BlockProfile, choose_policy, expand_policy
 
-__all__ = ["ActivationHandle", "ActivationOffloader", "ActivationPolicy", "BlockProfile",
+__all__ = ["ActivationHandle", "ActivationOffloader", "ActivationPolicy", "BlockPack", "BlockProfile", "PackedRef",
            "apply_activation_policy", "choose_policy", "expand_policy", "find_decoder_layers"]

@@ -22,7 +22,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import ConfigError, ModelError
-from .offload import ActivationOffloader
+from .offload import _MIN_BYTES, ActivationOffloader
+from .pack import BlockPack
 from .policy import ActivationPolicy, BlockProfile, choose_policy, expand_policy
 
 _LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers",
@@ -66,14 +67,15 @@ class ActivationHandle:
     """
 
     def __init__(self, model: nn.Module, layers: nn.ModuleList, policies: list[ActivationPolicy] | None,
-                 store: Any, auto: dict | None, prefetch_depth: int):
+                 store: Any, auto: dict | None, prefetch_depth: int, min_bytes: int = _MIN_BYTES,
+                 keep_last: int = 1):
         self.model, self.layers = model, layers
         self.policies = policies if policies is not None else [ActivationPolicy.KEEP] * len(layers)
         self.profiles: list[BlockProfile] | None = None
         self._auto = auto
         self._store, self._own_store = store, False
         self._tmp: tempfile.TemporaryDirectory | None = None
-        self._prefetch_depth = prefetch_depth
+        self._prefetch_depth, self._min_bytes, self._keep_last = prefetch_depth, min_bytes, keep_last
         self.offloader: ActivationOffloader | None = None
         self._measure: list[list[float]] = [[0, 0, 0.0] for _ in layers]  # saved, input, seconds
         self._ensure_offloader()
@@ -92,7 +94,8 @@ class ActivationHandle:
             self._store = TieredStore(device_bytes=0, host_bytes=host if need_host else 0,
                                       swap_dir=f"{self._tmp.name}/swap")
             self._own_store = True
-        self.offloader = ActivationOffloader(self._store, prefetch_depth=self._prefetch_depth)
+        self.offloader = ActivationOffloader(self._store, prefetch_depth=self._prefetch_depth,
+                                             min_bytes=self._min_bytes)
 
     def _wrap(self, index: int, forward, layer: nn.Module):
         def wrapped(*args, **kwargs):
@@ -104,36 +107,47 @@ class ActivationHandle:
                 return self._measured(index, forward, args, kwargs)
             policy = self.policies[index]
             if policy is ActivationPolicy.RECOMPUTE:
-                return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-            if policy.offloads:
+                out = checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            elif policy.offloads:
                 with self.offloader.block(index, policy, layer):
                     out = forward(*args, **kwargs)
-                t = _first_tensor(out)
-                if t is not None and t.requires_grad:
-                    # fires when d loss / d output exists: block `index`'s backward is next
-                    t.register_hook(lambda g, i=index: self.offloader.backward_reached(i))
-                return out
-            return forward(*args, **kwargs)
+            else:
+                out = forward(*args, **kwargs)
+            t = _first_tensor(out)
+            if self.offloader is not None and t is not None and t.requires_grad:
+                # fires when d loss / d output exists: block `index`'s backward is next, so
+                # the reads of the offloaded blocks below it start now (kept blocks included:
+                # the last kept block's backward hides the read of the first offloaded one)
+                t.register_hook(lambda g, i=index: self._reached(i))
+            return out
         return wrapped
 
+    def _reached(self, index: int) -> None:
+        if self.offloader is not None:
+            self.offloader.backward_reached(index)
+
     def _measured(self, index: int, forward, args, kwargs):
-        """KEEP, while counting the bytes autograd saves and timing the block."""
+        """KEEP, while counting the bytes an offload would move (deduplicated) and timing the block."""
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         params = {p.untyped_storage().data_ptr() for p in self.layers[index].parameters()}
         rec = self._measure[index]
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         rec[1] = hidden.numel() * hidden.element_size() if isinstance(hidden, torch.Tensor) else 0
+        pack_ = BlockPack()
 
         def pack(t):
             base = t._base if t._base is not None else t
-            if not isinstance(base, nn.Parameter) and t.untyped_storage().data_ptr() not in params:
-                rec[0] += t.numel() * t.element_size()
+            if (t.numel() * t.element_size() >= self._min_bytes and not isinstance(base, nn.Parameter)
+                    and not t.is_sparse and t.untyped_storage().data_ptr() not in params):
+                pack_.add(t)
             return outer[0](t) if outer is not None else t
 
         t0 = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, outer[1] if outer is not None else (lambda x: x)):
             out = forward(*args, **kwargs)
         rec[2] = time.perf_counter() - t0
+        rec[0] = pack_.seal()
+        pack_.release_sources()
         if index == len(self.layers) - 1:
             self._decide()
         return out
@@ -145,7 +159,8 @@ class ActivationHandle:
             self.profiles, a["device_budget"], host_budget=a.get("host_budget", 0),
             host_bps=a.get("host_bps", 0.0), nvme_budget=a.get("nvme_budget"),
             nvme_read_bps=a.get("nvme_read_bps", _DEFAULT_NVME_BPS[0]),
-            nvme_write_bps=a.get("nvme_write_bps", _DEFAULT_NVME_BPS[1]))
+            nvme_write_bps=a.get("nvme_write_bps", _DEFAULT_NVME_BPS[1]), keep_last=self._keep_last,
+            copy_bps=a["copy_bps"] if "copy_bps" in a else _copy_bps(next(self.model.parameters()).device))
         self._ensure_offloader()
 
     def remove(self) -> None:
@@ -166,7 +181,8 @@ class ActivationHandle:
 def apply_activation_policy(model: nn.Module,
                             policy: "ActivationPolicy | str | Sequence[ActivationPolicy | str]" = "keep",
                             store: Any = None, *, device_budget: int | None = None,
-                            prefetch_depth: int = 2, **bandwidth: float) -> ActivationHandle:
+                            prefetch_depth: int = 2, min_bytes: int = _MIN_BYTES, keep_last: int = 1,
+                            **bandwidth: float) -> ActivationHandle:
     """Apply activation policies to ``model``'s decoder blocks.
 
     Args:
@@ -180,31 +196,52 @@ def apply_activation_policy(model: nn.Module,
         device_budget: for "auto": bytes activations may hold on the device
             (None: half the available memory of the device).
         prefetch_depth: blocks whose activations are read ahead in the backward.
+        min_bytes: saved tensors smaller than this are never offloaded (they stay
+            on the device: RoPE tables shared by all blocks, norm statistics).
+        keep_last: for "offload" and "auto": the last blocks that always KEEP (their
+            backward comes first, so nothing could hide their transfer).
         **bandwidth: for "auto": ``host_budget``, ``host_bps``, ``nvme_budget``,
-            ``nvme_read_bps``, ``nvme_write_bps`` (as in :func:`choose_policy`).
+            ``nvme_read_bps``, ``nvme_write_bps``, ``copy_bps`` (as in
+            :func:`choose_policy`; ``copy_bps`` is measured on a CPU device when not given).
 
     Returns:
         An :class:`ActivationHandle`; call ``.remove()`` to undo.
 
     Raises:
         ModelError: no decoder blocks found, or the model is already wrapped.
-        ConfigError: an unknown policy name, a list of the wrong length, or an
-            unknown keyword.
+        ConfigError: an unknown policy name, a list of the wrong length, an
+            unknown keyword, or a negative ``prefetch_depth``/``min_bytes``/``keep_last``.
     """
     layers = find_decoder_layers(model)
     if any("forward" in layer.__dict__ for layer in layers):
         raise ModelError(f"{type(model).__name__} already has wrapped blocks; remove() the "
                          f"previous activation policy first")
-    unknown = set(bandwidth) - {"host_budget", "host_bps", "nvme_budget", "nvme_read_bps", "nvme_write_bps"}
+    unknown = set(bandwidth) - {"host_budget", "host_bps", "nvme_budget", "nvme_read_bps", "nvme_write_bps",
+                                "copy_bps"}
     if unknown:
         raise ConfigError(f"unknown keyword(s) {sorted(unknown)} for apply_activation_policy")
+    for name, v in (("prefetch_depth", prefetch_depth), ("min_bytes", min_bytes), ("keep_last", keep_last)):
+        if int(v) < 0:
+            raise ConfigError(f"{name}={v} must be >= 0")
+    opts = dict(prefetch_depth=int(prefetch_depth), min_bytes=int(min_bytes), keep_last=int(keep_last))
     if isinstance(policy, str) and policy.lower() == "auto":
         if device_budget is None:
             device_budget = _available_device_bytes(next(model.parameters()).device) // 2
         auto = dict(bandwidth, device_budget=int(device_budget))
-        return ActivationHandle(model, layers, None, store, auto, prefetch_depth)
-    return ActivationHandle(model, layers, expand_policy(policy, len(layers)), store, None,
-                            prefetch_depth)
+        return ActivationHandle(model, layers, None, store, auto, **opts)
+    return ActivationHandle(model, layers, expand_policy(policy, len(layers), keep_last=int(keep_last)),
+                            store, None, **opts)
+
+
+def _copy_bps(device: torch.device, nbytes: int = 16 << 20) -> float:
+    """Bytes/s of a large copy on a CPU device (it competes with compute); 0 on CUDA (DMA)."""
+    if device.type != "cpu":
+        return 0.0
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+    dst.copy_(src)  # touch the pages first: the offloader's buffers are pooled, so faults do not recur
+    t0 = time.perf_counter()
+    dst.copy_(src)
+    return nbytes / max(time.perf_counter() - t0, 1e-9)
 
 
 def _available_device_bytes(device: torch.device) -> int:

@@ -1,22 +1,30 @@
-"""Saved-tensor offload through the tiered store, prefetched ahead of the backward.
+"""Saved-activation offload through the tiered store, one transfer per block, prefetched for backward.
 
-Inside an offloaded block's forward a ``saved_tensors_hooks`` pack hook sees
-every tensor autograd saves. Large ones that are not parameters are handed to
-a writer thread that registers them in the :class:`~outcore.offload.TieredStore`
-(``home=HOST`` or ``home=NVME``: the store's budgets and checksummed O_DIRECT
-extents apply) and then drops the device copy. Small tensors and parameters
-(or views of them) go to the *outer* hooks unchanged, so this composes with the
-out-of-core engine's own pack hook for weights.
+Inside an offloaded block's forward, a ``saved_tensors_hooks`` pack hook sees
+every tensor autograd saves. Parameters (and views of them), tensors smaller
+than ``min_bytes`` (RoPE tables shared by every block, norms' ``rsqrt``) and
+sparse or strided-out tensors go to the *outer* hooks unchanged, so this
+composes with the out-of-core engine's own pack hook for weights. The rest go
+into the block's :class:`~.pack.BlockPack` (deduplicated by storage).
+
+When the block's forward returns, the pack is sealed and handed to one writer
+thread, which copies it into one buffer and writes it with one call:
+
+- ``OFFLOAD_NVME``: a pooled page-aligned HOST buffer (pinned on CUDA), then one
+  checksummed ``O_DIRECT`` write into an extent of the store's NVMe tier (its
+  budget applies; the extent is reserved on the caller's thread, so a budget
+  too small fails at once, in the forward, naming the block);
+- ``OFFLOAD_HOST``: a block of the store's HOST arena (``store.register``).
+
+The forward never waits for the disk, only for backpressure: at most
+``max_inflight_bytes`` of sealed blocks may wait for their write.
 
 Backward visits blocks in reverse (the known future): when the gradient of
-block ``i``'s output appears, reads of blocks ``i .. i-depth`` are queued on
-reader threads (``store.load`` for NVME, a copy from the HOST arena), and on
-CUDA copied to the device on a side stream. The unpack hook waits only for
-what has not arrived yet.
-
-Memory bound: writes in flight hold their source tensor; at most
-``max_inflight_bytes`` of them are outstanding, after which a pack waits
-(backpressure: the forward cannot outrun the disk without bound).
+block ``i``'s output appears, reads of blocks ``i .. i-depth`` are queued on the
+reader threads, into pooled buffers (on CUDA then copied to the device on a side
+stream). An unpack waits only for what has not arrived yet, and the restored
+tensors are views of the block's buffer, which goes back to the pool when the
+last of them is freed: no allocation, page fault or pinning per step.
 """
 from __future__ import annotations
 
@@ -26,212 +34,356 @@ import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
+from ..errors import BudgetError
+from .pack import BlockPack, PackedRef
 from .policy import ActivationPolicy
 
-_MIN_BYTES = 256 << 10  # smaller saved tensors stay put: their I/O would cost more than they hold
+_MIN_BYTES = 512 << 10  # smaller saved tensors stay put (RoPE cos/sin are shared by all blocks)
+_GRANULE = 1 << 20  # pooled buffers are whole MiB, so blocks of nearly equal size share them
 
 
-class _Saved:
-    """One offloaded tensor: its store handle and the read/write futures."""
+def _fmt(n: int | None) -> str:
+    return "unbounded" if n is None else f"{n / 2**20:.1f} MiB"
 
-    __slots__ = ("owner", "block", "handle", "write", "read", "tensor", "nbytes", "device", "__weakref__")
 
-    def __init__(self, owner: "ActivationOffloader", block: int, nbytes: int, device: torch.device):
-        self.owner, self.block, self.nbytes, self.device = owner, block, nbytes, device
-        self.handle = None
-        self.write: Future | None = None
-        self.read: Future | None = None
-        self.tensor: torch.Tensor | None = None  # the restored tensor, once unpacked
+def lend(buf: torch.Tensor, nbytes: int, on_free: Callable[[], Any]) -> torch.Tensor:
+    """A uint8 tensor ``[nbytes]`` over ``buf``'s first bytes; ``on_free()`` runs when its storage dies.
 
-    def __del__(self):  # the graph was freed (after backward, or without one): drop the bytes
+    The storage is a separate one over the same memory (through numpy), so its
+    death (the last view of the restored activations freed) is observable.
+    """
+    arr = buf.numpy()[:nbytes]
+    out = torch.from_numpy(arr)
+    weakref.finalize(arr, on_free).atexit = False
+    return out
+
+
+class BufferPool:
+    """Reusable page-aligned HOST buffers (pinned on CUDA): no page fault or pinning per transfer.
+
+    Args:
+        alloc: ``alloc(nbytes) -> uint8 tensor`` (the store device's ``alloc_host_slab``).
+        keep: free buffers kept for reuse; more are returned to the OS.
+    """
+
+    def __init__(self, alloc: Callable[[int], torch.Tensor], keep: int):
+        self._alloc, self.keep = alloc, int(keep)
+        self._free: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+        self.live_bytes = 0  # bytes of buffers the pool made that still exist (free or in use)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least ``nbytes`` (the smallest free one that fits, or a new one)."""
+        size = -(-max(nbytes, 1) // _GRANULE) * _GRANULE
+        with self._lock:
+            fits = [b for b in self._free if b.numel() >= size]
+            if fits:
+                buf = min(fits, key=torch.Tensor.numel)
+                self._free.remove(buf)
+                return buf
+            self.live_bytes += size
+        return self._alloc(size)
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Return ``buf`` (kept for reuse, or dropped beyond ``keep``)."""
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(buf)
+            else:
+                self.live_bytes -= buf.numel()
+
+    def clear(self) -> None:
+        with self._lock:
+            self.live_bytes -= sum(b.numel() for b in self._free)
+            self._free = []
+
+
+class _Block:
+    """One offloaded block of one step: its pack and its I/O futures. Owned by the autograd graph."""
+
+    __slots__ = ("owner", "index", "tier", "pack", "landed", "read", "base", "__weakref__")
+
+    def __init__(self, owner: "ActivationOffloader", index: int, tier):
+        self.owner, self.index, self.tier = owner, index, tier
+        self.pack = BlockPack()
+        self.landed: Future | None = None  # result: the NVMe extent or HOST handle holding the bytes
+        self.read: Future | None = None  # result: (uint8 buffer, CUDA event | None)
+        self.base: torch.Tensor | None = None  # the restored buffer, once unpacked
+
+    def __del__(self):  # the graph let go: free the stored bytes unless a read owns them
         owner = self.owner
-        if owner is not None and self.tensor is None:
-            owner._discard(self)
+        if owner is not None and self.read is None and self.base is None and self.landed is not None:
+            owner._discard(self.landed, self.tier)
 
 
 class ActivationOffloader:
-    """Moves the saved activations of chosen blocks to HOST or NVME and back.
+    """Moves the saved activations of chosen blocks to HOST or NVME and back, one buffer per block.
 
     Args:
         store: the :class:`~outcore.offload.TieredStore` whose HOST / NVME tiers hold
             the offloaded bytes (with a swap dir for NVME).
         min_bytes: saved tensors smaller than this stay where they are.
         prefetch_depth: blocks read ahead of the one whose backward starts.
-        max_inflight_bytes: bytes of writes in flight before a pack waits.
+        max_inflight_bytes: bytes of sealed blocks waiting for their write before
+            the next block's seal waits.
         io_threads: reader threads (one writer thread keeps writes in order).
+        pool_keep: free transfer buffers kept for reuse (default ``prefetch_depth + 3``).
+
+    Raises:
+        ValueError: a negative depth or threshold, or no thread/budget.
     """
 
     def __init__(self, store: Any, *, min_bytes: int = _MIN_BYTES, prefetch_depth: int = 2,
-                 max_inflight_bytes: int = 256 << 20, io_threads: int = 2):
-        if prefetch_depth < 0 or max_inflight_bytes <= 0 or io_threads < 1:
-            raise ValueError(f"prefetch_depth={prefetch_depth}, max_inflight_bytes={max_inflight_bytes}, "
-                             f"io_threads={io_threads}: need >= 0, > 0 and >= 1")
+                 max_inflight_bytes: int = 128 << 20, io_threads: int = 2, pool_keep: int | None = None):
+        if prefetch_depth < 0 or min_bytes < 0 or max_inflight_bytes <= 0 or io_threads < 1:
+            raise ValueError(f"prefetch_depth={prefetch_depth}, min_bytes={min_bytes}, "
+                             f"max_inflight_bytes={max_inflight_bytes}, io_threads={io_threads}: "
+                             f"need >= 0, >= 0, > 0 and >= 1")
         self.store = store
         self.min_bytes = int(min_bytes)
         self.prefetch_depth = int(prefetch_depth)
         self.max_inflight = int(max_inflight_bytes)
+        self.pool = BufferPool(store.device.alloc_host_slab,
+                               prefetch_depth + 3 if pool_keep is None else pool_keep)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="outcore-act-w")
         self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="outcore-act-r")
         self._cv = threading.Condition()
         self._inflight = 0
+        self._failed: BaseException | None = None  # a write that failed, raised at the next seal
         self._keys = itertools.count()
-        # Per block, in pack order (this step). Weak: the autograd graph owns each _Saved,
-        # so a graph dropped without a backward frees its stored bytes (_Saved.__del__).
-        self._blocks: dict[int, list[weakref.ref]] = {}
-        self._side = None  # CUDA side stream, created on first CUDA use
-        self.stats = {"offloaded_bytes": 0, "kept_bytes": 0, "stall_s": 0.0, "tensors": 0}
+        # This step's blocks. Weak: the autograd graph owns each _Block, so a graph
+        # dropped without a backward frees its stored bytes (_Block.__del__).
+        self._blocks: dict[int, weakref.ref] = {}
+        self._side: dict = {}  # CUDA side stream per device, created on first use
+        self.stats = {"offloaded_bytes": 0, "saved_bytes": 0, "kept_bytes": 0, "stall_s": 0.0,
+                      "tensors": 0, "blocks": 0}
 
     # ------------------------------------------------------------------ forward
     @contextmanager
     def block(self, index: int, policy: ActivationPolicy, module: nn.Module) -> Iterator[None]:
-        """Offload what ``module`` (block ``index``) saves while the context is open."""
+        """Offload what ``module`` (block ``index``) saves while the context is open.
+
+        Raises:
+            BudgetError: the NVME tier cannot hold the block (raised at the block's end).
+        """
         from ..offload import Tier
 
-        tier = Tier.HOST if policy is ActivationPolicy.OFFLOAD_HOST else Tier.NVME
+        self._raise_failed()
+        rec = _Block(self, index, Tier.HOST if policy is ActivationPolicy.OFFLOAD_HOST else Tier.NVME)
+        self._blocks[index] = weakref.ref(rec)
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         outer_pack, outer_unpack = outer if outer is not None else (None, None)
         params = {p.untyped_storage().data_ptr() for p in module.parameters()}
-        self._blocks[index] = []
 
         def pack(t: torch.Tensor) -> Any:
-            base = t._base if t._base is not None else t
             nbytes = t.numel() * t.element_size()
-            if (nbytes < self.min_bytes or isinstance(base, nn.Parameter)
-                    or t.untyped_storage().data_ptr() in params or t.is_sparse):
+            base = t._base if t._base is not None else t
+            ref = None
+            if not (nbytes < self.min_bytes or isinstance(base, nn.Parameter) or t.is_sparse
+                    or t.untyped_storage().data_ptr() in params):
+                ref = rec.pack.add(t)
+            if ref is None:
                 self.stats["kept_bytes"] += nbytes
-                return ("outer", outer_pack(t) if outer_pack is not None else t)
-            return self._offload(index, t, tier)
+                return (None, outer_pack(t) if outer_pack is not None else t)
+            self.stats["tensors"] += 1
+            return (rec, ref)
 
-        def unpack(packed: Any) -> torch.Tensor:
-            if isinstance(packed, tuple):
-                return outer_unpack(packed[1]) if outer_unpack is not None else packed[1]
-            return self._restore(packed)
+        def unpack(packed: tuple) -> torch.Tensor:
+            owner, x = packed
+            if owner is None:
+                return outer_unpack(x) if outer_unpack is not None else x
+            return self._restore(owner, x)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield
+        self._seal(rec)
 
-    def _offload(self, index: int, t: torch.Tensor, tier) -> _Saved:
-        nbytes = t.numel() * t.element_size()
-        saved = _Saved(self, index, nbytes, t.device)
-        self._blocks[index].append(weakref.ref(saved))
-        with self._cv:  # backpressure: bounded bytes waiting for the disk
+    def _seal(self, rec: _Block) -> None:
+        """The block's forward is done: reserve its bytes and hand it to the writer."""
+        from ..offload import Tier
+
+        nbytes = rec.pack.seal()
+        if nbytes == 0:
+            return
+        key = f"act{next(self._keys)}.b{rec.index}"
+        ext = None
+        if rec.tier is Tier.NVME:
+            nvme = self.store.nvme
+            ext = nvme.alloc(key, nbytes) if nvme is not None else None
+            if ext is None:
+                rec.pack.release_sources()
+                raise BudgetError(
+                    f"NVME tier budget {_fmt(self.store.budget(Tier.NVME)) if nvme else 'none (no swap_dir)'} "
+                    f"cannot hold the activations of block {rec.index} ({_fmt(nbytes)}, "
+                    f"{_fmt(self.store.held(Tier.NVME))} held): raise the NVMe budget, give the store a "
+                    f"swap_dir, or keep/recompute more blocks")
+        with self._cv:  # backpressure: bounded bytes waiting for the writer
             while self._inflight and self._inflight + nbytes > self.max_inflight:
                 self._cv.wait()
             self._inflight += nbytes
         ready = None
-        if t.is_cuda:
+        if rec.pack.device is not None and rec.pack.device.type == "cuda":
             ready = torch.cuda.Event()
-            ready.record()  # the writer's side stream must see t fully computed
-        src = t.detach()
-        key = f"act{next(self._keys)}.b{index}"
+            # the writer's side stream must see the block fully computed
+            ready.record(torch.cuda.current_stream(rec.pack.device))
         self.stats["offloaded_bytes"] += nbytes
-        self.stats["tensors"] += 1
-        saved.write = self._writer.submit(self._write, key, src, tier, ready)
-        return saved
+        self.stats["saved_bytes"] += rec.pack.saved_bytes
+        self.stats["blocks"] += 1
+        rec.landed = Future()
+        self._writer.submit(self._write, rec.pack, rec.tier, key, ext, ready, rec.landed)
 
-    def _write(self, key: str, src: torch.Tensor, tier, ready) -> Any:
-        try:
-            data = src if src.is_contiguous() else src.contiguous()
-            if ready is not None:
-                # D2H on a side stream after the producer's event; copy_ to host blocks
-                # this thread (not the compute stream) until the bytes are on the host.
-                side = self._side_stream()
-                side.wait_event(ready)
-                with torch.cuda.stream(side):
-                    data = data.to("cpu")
-            return self.store.register(key, data=data, home=tier)
-        finally:
+    def _write(self, pack: BlockPack, tier, key: str, ext, ready, landed: Future) -> None:
+        """Writer thread: copy the block into one buffer and start its one write (never waits for it)."""
+        from ..offload import Tier
+
+        nbytes, buf = pack.nbytes, None
+
+        def done(result=None, exc: BaseException | None = None) -> None:
+            if buf is not None:
+                self.pool.give(buf)
             with self._cv:
-                self._inflight -= src.numel() * src.element_size()
+                self._inflight -= nbytes
                 self._cv.notify_all()
+            if exc is None:
+                landed.set_result(result)
+            else:
+                if ext is not None:
+                    self.store.nvme.free(ext)
+                self._failed = self._failed or exc
+                landed.set_exception(exc)
+        try:
+            if tier is Tier.HOST:
+                h = self.store.register(key, shape=(nbytes,), dtype=torch.uint8, home=Tier.HOST)
+                try:
+                    self._copy(pack, self.store.view_of(h, Tier.HOST), ready)
+                except BaseException:
+                    self.store.unregister(h)
+                    raise
+                done(h)
+                return
+            buf = self.pool.take(ext.length)
+            self._copy(pack, buf, ready)
+            f = self.store.nvme.write(ext, buf[:ext.length])
+            # runs on an I/O thread when the bytes are on disk: the buffer is free again
+            f.add_done_callback(lambda f: done(ext) if f.exception() is None else done(exc=f.exception()))
+        except BaseException as e:  # noqa: BLE001 - delivered to the unpack / next seal
+            pack.release_sources()
+            done(exc=e)
+
+    def _copy(self, pack: BlockPack, buf: torch.Tensor, ready) -> None:
+        if ready is None:
+            pack.copy_into(buf)
+            return
+        side = self._side_stream(pack.device)
+        side.wait_event(ready)
+        with torch.cuda.stream(side):
+            pack.copy_into(buf, non_blocking=True)  # D2H into pinned memory
+        side.synchronize()  # blocks this thread, not the compute stream, until the bytes are on the host
+
+    def _raise_failed(self) -> None:
+        exc, self._failed = self._failed, None
+        if exc is not None:
+            raise exc
 
     # ----------------------------------------------------------------- backward
     def backward_reached(self, index: int) -> None:
-        """Block ``index``'s backward begins: queue reads of it and the next blocks down."""
+        """Block ``index``'s backward begins: queue reads of it and the ``prefetch_depth`` blocks below."""
         for j in range(index, index - 1 - self.prefetch_depth, -1):
-            for ref in reversed(self._blocks.get(j, ())):
-                saved = ref()
-                if saved is not None:
-                    self._prefetch(saved)
+            ref = self._blocks.get(j)
+            rec = ref() if ref is not None else None
+            if rec is not None:
+                self._prefetch(rec)
 
-    def _prefetch(self, saved: _Saved) -> None:
-        if saved.read is None and saved.tensor is None:
-            saved.read = self._readers.submit(self._read, saved)
+    def _prefetch(self, rec: _Block) -> None:
+        if rec.read is None and rec.base is None and rec.landed is not None:
+            device = rec.pack.device
+            rec.read = self._readers.submit(self._read, rec.landed, rec.tier, rec.pack.nbytes, device)
 
-    def _read(self, saved: _Saved):
+    def _read(self, landed: Future, tier, nbytes: int, device: torch.device):
+        """Reader thread: the block's bytes back in one buffer (on its device); frees the stored copy."""
         from ..offload import Tier
 
-        h = saved.write.result()  # the write must have landed (usually long done)
-        try:
-            if h.home is Tier.NVME:
-                host = self.store.load(h)  # fresh aligned buffer: no extra copy on CPU
-            else:
-                host = self.store.view_of(h, Tier.HOST)
-                if saved.device.type == "cpu":
-                    host = host.clone()  # the arena bytes are freed with the handle
-            if saved.device.type == "cuda":
-                side = self._side_stream()
-                with torch.cuda.stream(side):
-                    out = host.to(saved.device, non_blocking=True)
-                    done = torch.cuda.Event()
-                    done.record()
-                done.synchronize()  # the HOST bytes may be freed only after the copy
-                return out, done
-            return host, None
-        finally:
-            self.store.unregister(h)
-
-    def _restore(self, saved: _Saved) -> torch.Tensor:
-        if saved.tensor is not None:
-            return saved.tensor
-        self._prefetch(saved)  # not prefetched (unusual graph order): read now
-        if not saved.read.done():
-            t0 = time.perf_counter()
-            out, done = saved.read.result()
-            self.stats["stall_s"] += time.perf_counter() - t0
-        else:
-            out, done = saved.read.result()
-        if done is not None:
-            stream = torch.cuda.current_stream(saved.device)
-            stream.wait_event(done)  # compute must not read the bytes before they land
-            out.record_stream(stream)
-        saved.tensor = out
-        saved.read = None
-        return out
-
-    def _discard(self, saved: _Saved) -> None:
-        """Free the stored bytes of a tensor whose graph went away without unpacking it."""
-        write, read = saved.write, saved.read
-        saved.owner = None
-        if read is not None or write is None:
-            return  # the read unregisters the handle itself
-
-        def drop():
+        where = landed.result()  # the write must have landed (usually long done)
+        if tier is Tier.NVME:
+            buf = self.pool.take(where.length)
             try:
-                self.store.unregister(write.result())
-            except Exception:  # noqa: BLE001 - a failed write has nothing to free
+                self.store.nvme.read(where, buf[:where.length]).result()
+            except BaseException:
+                self.pool.give(buf)
+                raise
+            finally:
+                self.store.nvme.free(where)
+            host = lend(buf, nbytes, lambda: self.pool.give(buf))
+        else:
+            host = lend(self.store.view_of(where, Tier.HOST), nbytes, lambda: self._unregister(where))
+        if device.type != "cuda":
+            return host, None
+        side = self._side_stream(device)
+        with torch.cuda.stream(side):
+            out = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            out.copy_(host, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        copied.synchronize()  # the HOST buffer goes back to the pool only after the copy read it
+        return out, copied
+
+    def _restore(self, rec: _Block, ref: PackedRef) -> torch.Tensor:
+        if rec.base is None:
+            self._prefetch(rec)  # not prefetched (unusual graph order): read now
+            if not rec.read.done():
+                t0 = time.perf_counter()
+                rec.read.result()
+                self.stats["stall_s"] += time.perf_counter() - t0
+            base, copied = rec.read.result()
+            if copied is not None:
+                stream = torch.cuda.current_stream(base.device)
+                stream.wait_event(copied)  # compute must not read the bytes before they land
+                base.record_stream(stream)  # allocated on the side stream, used on this one
+            rec.base, rec.read = base, None
+        return BlockPack.view(rec.base, ref)
+
+    def _discard(self, landed: Future, tier) -> None:
+        """Free the stored bytes of a block whose graph went away without a backward."""
+        from ..offload import Tier
+
+        def drop(f: Future) -> None:
+            if f.exception() is not None:
+                return  # a failed write freed its extent already
+            if tier is not Tier.NVME:
+                self._unregister(f.result())
+                return
+            try:
+                self.store.nvme.free(f.result())
+            except Exception:  # noqa: BLE001 - the store was closed first: it freed everything
                 pass
-        try:
-            self._writer.submit(drop)
-        except RuntimeError:  # shut down: close() frees everything with the store
-            pass
+        landed.add_done_callback(drop)
 
     # ------------------------------------------------------------------ helpers
-    def _side_stream(self):
-        if self._side is None:
-            self._side = torch.cuda.Stream()
-        return self._side
+    def _unregister(self, h) -> None:
+        try:
+            self.store.unregister(h)
+        except Exception:  # noqa: BLE001 - the store was closed first: it freed everything
+            pass
+
+    def _side_stream(self, device: torch.device):
+        """The CUDA side stream for ``device`` (one per device, shared by the I/O threads)."""
+        with self._cv:  # the writer and the readers may ask for it first at the same time
+            side = self._side.get(device)
+            if side is None:
+                side = self._side[device] = torch.cuda.Stream(device=device)
+        return side
 
     def new_step(self) -> None:
-        """Forget the previous step's block lists (their tensors live on in their graphs)."""
+        """Forget the previous step's blocks (their bytes live on in their graphs)."""
         self._blocks = {}
 
     def close(self) -> None:
-        """Wait for transfers in flight and stop the I/O threads."""
+        """Wait for transfers in flight, stop the I/O threads, free the pooled buffers."""
         self._writer.shutdown(wait=True)
         self._readers.shutdown(wait=True)
+        self.pool.clear()

@@ -75,7 +75,7 @@ def choose_policy(profiles: Sequence[BlockProfile], device_budget: int, *,
                   host_budget: int = 0, host_bps: float = 0.0,
                   nvme_budget: int | None = 0, nvme_read_bps: float = 0.0,
                   nvme_write_bps: float = 0.0, keep_last: int = 1,
-                  backward_factor: float = 2.0) -> list[ActivationPolicy]:
+                  backward_factor: float = 2.0, copy_bps: float = 0.0) -> list[ActivationPolicy]:
     """Choose a policy per block so the activations fit ``device_budget`` at least cost.
 
     Start from KEEP everywhere. While the kept bytes exceed the budget, change the
@@ -86,8 +86,10 @@ def choose_policy(profiles: Sequence[BlockProfile], device_budget: int, *,
     - RECOMPUTE: ``f`` (one more forward); keeps ``input_bytes``.
     - OFFLOAD to a tier with bandwidth ``bw``: the stall
       ``max(0, s/bw_write - f) + max(0, s/bw_read - b)`` (the write hides behind the
-      next block's forward, the read behind a later block's backward); keeps 0.
-      Only while that tier's budget still holds the bytes.
+      next block's forward, the read behind a later block's backward), plus
+      ``s/copy_bps`` when packing the block into its transfer buffer takes the
+      compute's own cores (a CPU device; 0 on CUDA, where a DMA engine copies);
+      keeps 0. Only while that tier's budget still holds the bytes.
 
     The last ``keep_last`` blocks stay KEEP: their backward comes first, so there
     is nothing to hide an offload behind.
@@ -101,6 +103,8 @@ def choose_policy(profiles: Sequence[BlockProfile], device_budget: int, *,
         nvme_read_bps, nvme_write_bps: measured NVMe bandwidth in bytes/s.
         keep_last: blocks at the end that always KEEP.
         backward_factor: backward time as a multiple of forward time.
+        copy_bps: bytes/s of the copy into the transfer buffer when it competes with
+            compute (CPU devices); 0: the copy is free (DMA).
 
     Returns:
         One :class:`ActivationPolicy` per block.
@@ -112,8 +116,8 @@ def choose_policy(profiles: Sequence[BlockProfile], device_budget: int, *,
     if device_budget < 0 or host_budget < 0 or (nvme_budget is not None and nvme_budget < 0):
         raise ConfigError(f"budgets must be >= 0 (device={device_budget}, host={host_budget}, "
                           f"nvme={nvme_budget})")
-    if keep_last < 0:
-        raise ConfigError(f"keep_last={keep_last} must be >= 0")
+    if keep_last < 0 or copy_bps < 0:
+        raise ConfigError(f"keep_last={keep_last} and copy_bps={copy_bps} must be >= 0")
     n = len(profiles)
     policy = [ActivationPolicy.KEEP] * n
     held = [int(p.saved_bytes) for p in profiles]
@@ -131,7 +135,8 @@ def choose_policy(profiles: Sequence[BlockProfile], device_budget: int, *,
         for tier, (rd, wr) in bw.items():
             if room[tier] >= p.saved_bytes and rd > 0 and wr > 0:
                 stall = (max(0.0, p.saved_bytes / wr - p.forward_s)
-                         + max(0.0, p.saved_bytes / rd - backward_factor * p.forward_s))
+                         + max(0.0, p.saved_bytes / rd - backward_factor * p.forward_s)
+                         + (p.saved_bytes / copy_bps if copy_bps > 0 else 0.0))
                 out.append((stall, held[i], tier))
         return out
 
@@ -160,17 +165,20 @@ def choose_policy(profiles: Sequence[BlockProfile], device_budget: int, *,
 
 
 def expand_policy(policy: "ActivationPolicy | str | Sequence[ActivationPolicy | str]",
-                  n_blocks: int) -> list[ActivationPolicy]:
+                  n_blocks: int, keep_last: int = 1) -> list[ActivationPolicy]:
     """One policy per block from a single policy, a name, or a list.
 
-    ``"offload"`` means OFFLOAD_NVME for every block but the last (whose backward
-    comes first, so its offload could not be hidden).
+    ``"offload"`` means OFFLOAD_NVME for every block but the last ``keep_last``
+    (their backward comes first, so their transfers could not be hidden).
 
     Raises:
-        ConfigError: an unknown name, or a list of the wrong length.
+        ConfigError: an unknown name, a list of the wrong length, or ``keep_last < 0``.
     """
+    if keep_last < 0:
+        raise ConfigError(f"keep_last={keep_last} must be >= 0")
     if isinstance(policy, str) and policy.lower() == "offload":
-        return [ActivationPolicy.OFFLOAD_NVME] * max(0, n_blocks - 1) + [ActivationPolicy.KEEP][:n_blocks]
+        kept = min(keep_last, n_blocks)
+        return [ActivationPolicy.OFFLOAD_NVME] * (n_blocks - kept) + [ActivationPolicy.KEEP] * kept
     if isinstance(policy, (str, ActivationPolicy)):
         return [ActivationPolicy.parse(policy)] * n_blocks
     out = [ActivationPolicy.parse(p) for p in _per_block(policy, n_blocks, "policy")]

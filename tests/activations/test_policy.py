@@ -35,6 +35,23 @@ def test_host_budget_is_used_before_nvme_and_respected():
     assert got.count(P.OFFLOAD_NVME) == 3 and got[-1] is P.KEEP
 
 
+def test_copy_that_steals_compute_is_charged():
+    # On a CPU device the copy into the transfer buffer runs on the compute's cores:
+    # at 0.5 GB/s, 100 MB costs 0.2 s, more than recomputing a 0.1 s forward.
+    fast = dict(nvme_budget=None, nvme_read_bps=2e9, nvme_write_bps=3e9)
+    assert choose_policy(BLOCKS, 350 * MB, copy_bps=20e9, **fast) == [P.OFFLOAD_NVME] * 3 + [P.KEEP] * 3
+    assert choose_policy(BLOCKS, 350 * MB, copy_bps=0.5e9, **fast) == [P.RECOMPUTE] * 3 + [P.KEEP] * 3
+
+
+def test_keep_last_blocks_are_never_changed():
+    got = choose_policy(BLOCKS, 300 * MB, nvme_budget=None, nvme_read_bps=2e9, nvme_write_bps=3e9,
+                        keep_last=3)
+    assert got == [P.OFFLOAD_NVME] * 3 + [P.KEEP] * 3
+    with pytest.raises(BudgetError, match="last 4"):
+        choose_policy(BLOCKS, 300 * MB, nvme_budget=None, nvme_read_bps=2e9, nvme_write_bps=3e9,
+                      keep_last=4)
+
+
 def test_no_offload_tiers_means_recompute_and_keep_last():
     got = choose_policy(BLOCKS, 200 * MB)
     assert got[-1] is P.KEEP and P.OFFLOAD_NVME not in got and P.OFFLOAD_HOST not in got
@@ -51,10 +68,16 @@ def test_bad_arguments():
         choose_policy(BLOCKS, -1)
     with pytest.raises(ConfigError, match="keep_last=-2"):
         choose_policy(BLOCKS, 10, keep_last=-2)
+    with pytest.raises(ConfigError, match="copy_bps=-1"):
+        choose_policy(BLOCKS, 10, copy_bps=-1)
 
 
 def test_expand_policy():
     assert expand_policy("offload", 3) == [P.OFFLOAD_NVME, P.OFFLOAD_NVME, P.KEEP]
+    assert expand_policy("offload", 4, keep_last=2) == [P.OFFLOAD_NVME] * 2 + [P.KEEP] * 2
+    assert expand_policy("offload", 2, keep_last=5) == [P.KEEP] * 2
+    with pytest.raises(ConfigError, match="keep_last=-1"):
+        expand_policy("offload", 2, keep_last=-1)
     assert expand_policy("recompute", 2) == [P.RECOMPUTE] * 2
     assert expand_policy(["keep", P.OFFLOAD_HOST], 2) == [P.KEEP, P.OFFLOAD_HOST]
     with pytest.raises(ConfigError, match="3 entries for 2 blocks"):

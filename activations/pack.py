@@ -1,0 +1,166 @@
+"""One block's saved activations laid out in one contiguous byte buffer, and back.
+
+An offloaded block saves a dozen or more tensors for its backward, and several
+of them alias: a ``Linear``'s input is saved once per projection (q, k, v share
+it), a reshape's output shares its input's storage. :class:`BlockPack` groups
+what the block saves **by storage**, so each byte is moved once, and lays the
+groups out back to back in one buffer, so a block is one transfer each way
+(one copy, one NVMe extent, one checksum) instead of one per tensor.
+
+Each saved tensor becomes a :class:`PackedRef` (its storage group, byte offset,
+shape, stride, dtype); :meth:`BlockPack.view` rebuilds it from the buffer with
+the *same strides*, so kernels in the backward see exactly the layout they saw
+in the forward and the gradients stay bit-identical.
+
+Only tensors that read most of the storage span they touch are packed (the
+span at most ``max_span_ratio`` times their bytes, no negative strides): a
+narrow slice of a large buffer would inflate the copy and stays where it is. A
+broadcast (stride-0) tensor moves only the bytes it really reads.
+"""
+from __future__ import annotations
+
+import torch
+
+ALIGN = 64  # groups start at 64-byte offsets: vectorized copies, any dtype's alignment
+
+
+def storage_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """Byte range ``[lo, hi)`` of ``t``'s storage that ``t`` reads (None: negative strides)."""
+    es = t.element_size()
+    if any(st < 0 for st in t.stride()):
+        return None
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    lo = t.storage_offset() * es
+    return lo, lo + span * es
+
+
+class _Group:
+    """The saved bytes of one storage: ``[lo, hi)`` of it, placed at ``offset`` in the buffer."""
+
+    __slots__ = ("storage", "lo", "hi", "offset", "versions")
+
+    def __init__(self, storage, lo: int, hi: int):
+        self.storage, self.lo, self.hi = storage, lo, hi
+        self.offset = 0
+        self.versions: list[tuple[torch.Tensor, int]] = []  # (saved tensor, its version when saved)
+
+
+class PackedRef:
+    """Where one saved tensor lives in its block's buffer (what the pack hook hands autograd)."""
+
+    __slots__ = ("group", "byte_offset", "shape", "stride", "dtype", "nbytes")
+
+    def __init__(self, group: _Group, byte_offset: int, t: torch.Tensor):
+        self.group, self.byte_offset = group, byte_offset
+        self.shape, self.stride, self.dtype = tuple(t.shape), tuple(t.stride()), t.dtype
+        self.nbytes = t.numel() * t.element_size()
+
+
+class BlockPack:
+    """Collects one block's saved tensors (deduplicated by storage) and lays them out.
+
+    Life cycle: :meth:`add` per saved tensor during the forward, :meth:`seal` at the
+    block's end (fixes the layout, returns the byte count), :meth:`copy_into` once
+    (fills the buffer and lets go of the sources), :meth:`view` per unpack.
+
+    Args:
+        max_span_ratio: pack a tensor only if the storage span it reads is at most
+            this many times its own bytes.
+    """
+
+    def __init__(self, max_span_ratio: float = 2.0):
+        self.max_span_ratio = float(max_span_ratio)
+        self.device: torch.device | None = None
+        self._groups: dict[int, _Group] = {}  # storage data_ptr -> group
+        self.nbytes = 0  # the buffer's length once sealed
+        self.saved_bytes = 0  # bytes of the tensors added (aliases counted once per save)
+        self._sealed = False
+
+    def add(self, t: torch.Tensor) -> PackedRef | None:
+        """Take ``t`` into the pack; None when it should stay where it is.
+
+        Args:
+            t: a saved tensor (any shape; strided layout).
+
+        Returns:
+            Its :class:`PackedRef`, or None for tensors that are not dense enough,
+            empty, on another device than the pack's first tensor, or not strided.
+        """
+        if self._sealed:
+            raise RuntimeError("BlockPack.add after seal()")
+        if t.layout is not torch.strided or t.numel() == 0:
+            return None
+        if self.device is not None and t.device != self.device:
+            return None
+        span = storage_span(t)
+        nbytes = t.numel() * t.element_size()
+        if span is None or span[1] - span[0] > self.max_span_ratio * nbytes:
+            return None
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        lo = span[0] - span[0] % ALIGN  # keeps byte offsets congruent mod 64 (dtype alignment)
+        g = self._groups.get(ptr)
+        if g is None:
+            g = self._groups[ptr] = _Group(storage, lo, span[1])
+        else:
+            g.lo, g.hi = min(g.lo, lo), max(g.hi, span[1])
+        g.versions.append((t, t._version))
+        self.device = t.device
+        self.saved_bytes += nbytes
+        return PackedRef(g, span[0], t)
+
+    def seal(self) -> int:
+        """Fix the layout (groups back to back at 64-byte offsets); returns the buffer bytes."""
+        if not self._sealed:
+            off = 0
+            for g in self._groups.values():
+                g.offset = off
+                off += -(-(g.hi - g.lo) // ALIGN) * ALIGN
+            self.nbytes, self._sealed = off, True
+        return self.nbytes
+
+    def copy_into(self, buf: torch.Tensor, non_blocking: bool = False) -> None:
+        """Copy every group into ``buf`` and drop the references to the sources.
+
+        Args:
+            buf: uint8 ``[>= nbytes]`` (HOST; pinned when the sources are on CUDA and
+                ``non_blocking``: then the caller synchronizes before reading it).
+            non_blocking: asynchronous device-to-host copies (on the current stream).
+
+        Raises:
+            RuntimeError: a saved tensor was modified in place after it was saved
+                (its backward would have read the changed values).
+        """
+        if not self._sealed:
+            raise RuntimeError("BlockPack.copy_into before seal()")
+        for g in self._groups.values():
+            for t, version in g.versions:
+                if t._version != version:
+                    raise RuntimeError(
+                        f"a tensor of shape {tuple(t.shape)} saved for backward was modified in place "
+                        f"(version {version} -> {t._version}) before it was offloaded")
+            n = g.hi - g.lo
+            src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(g.storage, g.lo, (n,), (1,))
+            buf[g.offset:g.offset + n].copy_(src, non_blocking=non_blocking)
+        self.release_sources()
+
+    def release_sources(self) -> None:
+        """Let go of the saved tensors (after the copy, or when the block is dropped)."""
+        for g in self._groups.values():
+            g.storage, g.versions = None, []
+
+    @staticmethod
+    def view(base: torch.Tensor, ref: PackedRef) -> torch.Tensor:
+        """The saved tensor of ``ref`` rebuilt from ``base`` (the block's uint8 buffer), same strides.
+
+        Args:
+            base: uint8 ``[>= nbytes]`` holding the block's bytes (HOST or device).
+            ref: what :meth:`add` returned.
+
+        Returns:
+            A tensor viewing ``base`` with ``ref``'s shape, stride and dtype.
+        """
+        g = ref.group
+        pos = g.offset + ref.byte_offset - g.lo
+        span = (1 + sum((s - 1) * st for s, st in zip(ref.shape, ref.stride))) * ref.dtype.itemsize
+        return base[pos:pos + span].view(ref.dtype).as_strided(ref.shape, ref.stride)
