@@ -20,42 +20,31 @@ access order and chooses what to evict.
 Thread model: public methods run on the caller's thread and never block on
 I/O (except ``register`` with data, ``load`` and ``close``). Transfers
 complete on I/O / copy threads, which update handle state under one lock.
+
+The bytes themselves (arenas, swap file, budgets) are a :class:`TierSpace` (``tiers.py``);
+the per-tier traffic counters are a :class:`TierTraffic` (``traffic.py``).
 """
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
-from ..errors import BudgetError
 from ..events import TierStats
 from ._futures import completed, then
-from .arena import Arena
 from .device import Device
-from .directio import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH, IOPool, align_up, aligned_empty
+from .directio import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH, align_up
 from .handle import Residency, TensorHandle, Tier
 from .nvme import NvmeBackend
 from .swapdir import SwapDir
+from .tiers import TierSpace
+from .traffic import TierTraffic
 
 _HELD = (Residency.RESIDENT, Residency.DIRTY)
-
-
-def _fmt(n: int | None) -> str:
-    if n is None:
-        return "unbounded"
-    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
-
-
-class _Traffic:
-    """Bytes moved into and out of one tier, and a snapshot for bandwidth windows."""
-
-    def __init__(self) -> None:
-        self.read = self.written = 0
-        self.mark = (0, 0, time.perf_counter())
 
 
 class TieredStore:
@@ -82,77 +71,39 @@ class TieredStore:
                  swap_dir: str | Path | SwapDir | None = None, device: Device | str | None = None,
                  queue_depth: int = DEFAULT_QUEUE_DEPTH, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  slab_bytes: int | None = None, direct: bool = True):
-        for name, b in (("device_bytes", device_bytes), ("host_bytes", host_bytes), ("nvme_bytes", nvme_bytes)):
-            if b is not None and b < 0:
-                raise BudgetError(f"{name}={b} must be >= 0")
         self.device = device if isinstance(device, Device) else Device(device)
-        self._arenas = {Tier.DEVICE: Arena(device_bytes, self.device.alloc_device_slab, slab_bytes),
-                        Tier.HOST: Arena(host_bytes, self.device.alloc_host_slab, slab_bytes)}
-        self.swap: SwapDir | None = None
-        self.nvme: NvmeBackend | None = None
-        if swap_dir is not None:
-            self.swap = swap_dir if isinstance(swap_dir, SwapDir) else SwapDir(swap_dir)
-            pool = IOPool(queue_depth, chunk_bytes)
-            try:
-                self.nvme = NvmeBackend(self.swap, nvme_bytes, pool, direct=direct)
-            except BaseException:  # e.g. the disk is too small: leave nothing behind
-                pool.close()
-                self.swap.close()
-                self.device.close()
-                raise
-            self.nvme._own_pool = True  # closed with the store
-        self._lock = threading.RLock()  # guards every handle's state and the counters
+        try:
+            self.space = TierSpace(self.device, device_bytes, host_bytes, nvme_bytes, swap_dir,
+                                   queue_depth=queue_depth, chunk_bytes=chunk_bytes,
+                                   slab_bytes=slab_bytes, direct=direct)
+        except BaseException:
+            self.device.close()
+            raise
+        self._lock = threading.RLock()  # guards every handle's state
         self._handles: dict[str, TensorHandle] = {}
-        self._traffic = {t: _Traffic() for t in Tier}
+        self.traffic = TierTraffic()
         self.stall_s = 0.0  # time consumers waited in wait() for transfers not yet done
+        self.nvme: NvmeBackend | None = self.space.nvme  # None without a swap dir
+        self.swap: SwapDir | None = self.space.swap
 
     # -- budgets -----------------------------------------------------------------
     def budget(self, tier: Tier) -> int | None:
         """The tier's budget in bytes (None: NVME without a bound; 0: tier unused)."""
-        if tier is Tier.NVME:
-            return None if self.nvme is None or self.nvme.budget is None else self.nvme.budget
-        return self._arenas[tier].budget
+        return self.space.budget(tier)
 
     def held(self, tier: Tier) -> int:
         """Bytes the tier has handed out now (block sizes, 4 KiB padding included)."""
-        if tier is Tier.NVME:
-            return 0 if self.nvme is None else self.nvme.held
-        return self._arenas[tier].held
-
-    def _budget_error(self, tier: Tier, h: TensorHandle, why: str = "") -> BudgetError:
-        return BudgetError(
-            f"{tier.name} tier budget {_fmt(self.budget(tier))} cannot hold {h.key!r} "
-            f"({_fmt(align_up(h.nbytes))} requested, {_fmt(self.held(tier))} held{why}); "
-            f"raise the {tier.name.lower()} budget, evict, or fetch fewer tensors at once")
-
-    def _alloc(self, tier: Tier, h: TensorHandle):
-        need = align_up(max(h.nbytes, 1))
-        if tier is Tier.NVME:
-            if self.nvme is None:
-                raise BudgetError(f"NVME tier is not set up (no swap_dir) but {h.key!r} has home NVME; "
-                                  "pass swap_dir or register it with home='host'")
-            ext = self.nvme.alloc(h.key, h.nbytes)
-            if ext is None:
-                raise self._budget_error(tier, h)
-            return ext
-        arena = self._arenas[tier]
-        if need > arena.slab_bytes:
-            raise self._budget_error(tier, h, ", larger than the whole tier")
-        blk = arena.alloc(h.nbytes)
-        if blk is None:
-            frag = arena.largest_free
-            raise self._budget_error(tier, h, f", largest free block {_fmt(frag)}" if frag else "")
-        return blk
+        return self.space.held(tier)
 
     def _free_slot(self, tier: Tier, h: TensorHandle) -> None:
         c = h.copies[tier]
         assert all(f.done() for f in c.outgoing), f"freeing {h.key!r} in {tier.name} while a transfer reads it"
         if c.slot is not None:
-            (self.nvme if tier is Tier.NVME else self._arenas[tier]).free(c.slot)
+            self.space.free(tier, c.slot)
         c.slot, c.residency, c.future, c.writing = None, Residency.ABSENT, None, None
 
     def _bytes(self, tier: Tier, h: TensorHandle) -> torch.Tensor:
-        return self._arenas[tier].bytes_of(h.copies[tier].slot)
+        return self.space.bytes_of(tier, h.copies[tier].slot)
 
     # -- registration ----------------------------------------------------------
     def register(self, key: str, shape: Iterable[int] | None = None, dtype: torch.dtype | None = None,
@@ -188,22 +139,11 @@ class TieredStore:
         with self._lock:
             if key in self._handles:
                 raise ValueError(f"a tensor named {key!r} is already registered")
-            h.copies[home].slot = self._alloc(home, h)
+            h.copies[home].slot = self.space.alloc(home, key, h.nbytes)
             self._handles[key] = h
-        if home is Tier.HOST:
-            if data is None:
-                self._bytes(Tier.HOST, h).zero_()
-            else:
-                self.view_of(h, Tier.HOST).copy_(data)
+        if home is Tier.HOST or data is not None:  # an NVMe tensor without data stays unwritten
+            self.traffic.wrote(home, self.space.write_initial(home, h.copies[home].slot, data))
             h.copies[home].residency = Residency.RESIDENT
-        elif data is not None:
-            # Stage through one transient aligned buffer: O_DIRECT needs aligned memory.
-            stage = aligned_empty(h.copies[home].slot.length)
-            stage[: h.nbytes].view(dtype).view(h.shape).copy_(data)
-            self.nvme.write(h.copies[home].slot, stage).result()
-            h.copies[home].residency = Residency.RESIDENT
-            with self._lock:
-                self._traffic[Tier.NVME].written += stage.numel()
         return h
 
     def unregister(self, h: TensorHandle) -> None:
@@ -250,11 +190,12 @@ class TieredStore:
             return completed(None)
         if c.residency is Residency.IN_FLIGHT:
             return c.future
-        c.slot = self._alloc(tier, h)
-        c.residency, c.future = Residency.IN_FLIGHT, Future()
-        c.future.set_running_or_notify_cancel()
-        self._pull(h, tier)
-        return c.future
+        c.slot = self.space.alloc(tier, h.key, h.nbytes)
+        fut = c.future = Future()
+        c.residency = Residency.IN_FLIGHT
+        fut.set_running_or_notify_cancel()
+        self._pull(h, tier)  # a transfer failing at once aborts (and clears c.future) inside
+        return fut
 
     def _pull(self, h: TensorHandle, tier: Tier) -> None:
         """Copy into ``tier``'s allocated slot from the best settled source. Completes its Future.
@@ -302,9 +243,8 @@ class TieredStore:
         def count(done: Future) -> None:
             with self._lock:
                 sc.outgoing.remove(done)
-                if done.exception() is None:
-                    self._traffic[src].read += n
-                    self._traffic[dst].written += n
+            if done.exception() is None:
+                self.traffic.moved(src, dst, n)
         f.add_done_callback(count)
         return f
 
@@ -377,7 +317,7 @@ class TieredStore:
         return self.view_of(h, tier)
 
     def view_of(self, h: TensorHandle, tier: Tier) -> torch.Tensor:
-        return self._arenas[tier].view(h.copies[tier].slot, h.shape, h.dtype)
+        return self.space.view(tier, h.copies[tier].slot, h.shape, h.dtype)
 
     def release(self, h: TensorHandle, tier: Tier | str) -> None:
         """Drop one pin taken by :meth:`fetch`; an unpinned copy may be evicted."""
@@ -520,33 +460,18 @@ class TieredStore:
         if src is None:
             return torch.zeros(h.shape, dtype=h.dtype)
         if src is Tier.NVME:
-            ext = h.copies[Tier.NVME].slot
-            buf = aligned_empty(ext.length, populate=False)
-            self.nvme.read(ext, buf).result()
-            return buf[: h.nbytes].view(h.dtype).view(h.shape)
+            return self.space.read_new(h.copies[Tier.NVME].slot, h.nbytes, h.shape, h.dtype)
         return self.view(h, src).to("cpu", copy=True)
 
     # -- statistics ------------------------------------------------------------
     def tier_stats(self, window: bool = False) -> dict[str, TierStats]:
-        """Occupancy and traffic per tier, keyed ``"DEVICE"``, ``"HOST"``, ``"NVME"``.
+        """Occupancy and traffic per tier, keyed ``"DEVICE"``, ``"HOST"``, ``"NVME"`` (see ``traffic.py``).
 
         Args:
             window: also fill ``read_gbps``/``write_gbps`` over the time since the
                 previous windowed call (and start a new window).
         """
-        out, now = {}, time.perf_counter()
-        with self._lock:
-            for t in Tier:
-                tr = self._traffic[t]
-                s = TierStats(held_bytes=self.held(t), budget_bytes=self.budget(t) or 0,
-                              read_bytes=tr.read, written_bytes=tr.written)
-                if window:
-                    r0, w0, t0 = tr.mark
-                    dt = max(now - t0, 1e-9)
-                    s.read_gbps, s.write_gbps = (tr.read - r0) / dt / 1e9, (tr.written - w0) / dt / 1e9
-                    tr.mark = (tr.read, tr.written, now)
-                out[t.name] = s
-        return out
+        return self.traffic.stats(self.held, self.budget, window=window)
 
     def synchronize(self) -> None:
         """Wait for every transfer and write-back in flight."""
@@ -565,13 +490,8 @@ class TieredStore:
     def close(self) -> None:
         """Wait for transfers, then release the arenas, the swap file and the swap dir."""
         self.synchronize()
-        if self.nvme is not None:
-            self.nvme.close()
-        if self.swap is not None:
-            self.swap.close()
+        self.space.close()
         self.device.close()
-        for a in self._arenas.values():
-            a.release_slabs()
 
     def __enter__(self) -> "TieredStore":
         return self

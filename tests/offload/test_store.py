@@ -300,3 +300,50 @@ def test_evict_waits_for_a_transfer_reading_the_copy(store, monkeypatch):
     assert h.residency("host") is Residency.ABSENT
     other = store.register("y", data=torch.zeros(50_000), home="host")  # may reuse the freed block
     assert torch.equal(store.view(h, "device"), x) and torch.equal(store.view(other, "host"), torch.zeros(50_000))
+
+
+def test_traffic_counts_moves_and_windows():
+    from outcore.offload.traffic import TierTraffic
+    tr = TierTraffic()
+    tr.moved(Tier.NVME, Tier.DEVICE, 8192)
+    tr.wrote(Tier.NVME, 4096)
+    assert tr.totals(Tier.NVME) == (8192, 4096) and tr.totals(Tier.DEVICE) == (0, 8192)
+    held = {Tier.DEVICE: 8192, Tier.HOST: 0, Tier.NVME: 4096}
+    budget = {Tier.DEVICE: MiB, Tier.HOST: 0, Tier.NVME: None}
+    st = tr.stats(held.get, budget.get, window=True)
+    assert st["DEVICE"].written_bytes == 8192 and st["DEVICE"].held_bytes == 8192
+    assert st["NVME"].budget_bytes == 0 and st["NVME"].read_gbps > 0  # unbounded reads as 0
+    again = tr.stats(held.get, budget.get, window=True)  # a new window: nothing moved since
+    assert again["NVME"].read_gbps == 0 and again["NVME"].read_bytes == 8192
+
+
+def test_failed_transfer_is_not_counted(store, monkeypatch):
+    h = store.register("x", data=torch.ones(1000))
+    before = store.tier_stats()["NVME"].read_bytes
+    monkeypatch.setattr(store.nvme, "read", lambda ext, dst: _failed(OSError(5, "EIO")))
+    with pytest.raises(OSError):
+        store.fetch(h, "host").result()
+    assert store.tier_stats()["NVME"].read_bytes == before and store.held(Tier.HOST) == 0
+
+
+def _failed(exc):
+    from concurrent.futures import Future
+    f = Future()
+    f.set_exception(exc)
+    return f
+
+
+def test_budget_error_names_fragmentation(tmp_path):
+    with pytest.raises(BudgetError, match="host_bytes=-1"):
+        TieredStore(device_bytes=MiB, host_bytes=-1, device="cpu")
+    quarter = MiB // 4 // 4  # float32 elements in 256 KiB
+    with TieredStore(device_bytes=3 * MiB // 4, host_bytes=0, swap_dir=tmp_path / "s", device="cpu") as s:
+        hs = [s.register(f"t{i}", data=torch.full((quarter,), float(i))) for i in range(3)]
+        for h in hs:
+            s.fetch(h, "device").result()
+            s.release(h, "device")
+        for h in (hs[0], hs[2]):
+            s.evict(h, "device").result()
+        big = s.register("big", data=torch.zeros(2 * quarter))  # 512 KiB: as much as is free, in two holes
+        with pytest.raises(BudgetError, match=r"'big' \(0.5 MiB requested, 0.2 MiB held, largest free block 0.2 MiB"):
+            s.fetch(big, "device")
