@@ -19,6 +19,7 @@ broadcast (stride-0) tensor moves only the bytes it really reads.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 ALIGN = 64  # groups start at 64-byte offsets: vectorized copies, any dtype's alignment
@@ -141,7 +142,13 @@ class BlockPack:
                         f"(version {version} -> {t._version}) before it was offloaded")
             n = g.hi - g.lo
             src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(g.storage, g.lo, (n,), (1,))
-            buf[g.offset:g.offset + n].copy_(src, non_blocking=non_blocking)
+            dst = buf[g.offset:g.offset + n]
+            if src.is_cpu:
+                # one thread's memcpy (numpy releases the GIL): torch's copy_ here would start a
+                # second OpenMP team on this I/O thread, competing with the compute's own team
+                np.copyto(dst.numpy(), src.numpy())
+            else:
+                dst.copy_(src, non_blocking=non_blocking)
         self.release_sources()
 
     def release_sources(self) -> None:

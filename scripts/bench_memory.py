@@ -172,7 +172,7 @@ def _worker(args) -> dict:
             from outcore.offload import TieredStore
             store = TieredStore(device_bytes=0, host_bytes=0, swap_dir=os.path.join(tmp, "swap"))
         handle = apply_activation_policy(model, "offload" if policy == "interleaved" else policy,
-                                         store=store, keep_last=args.keep_last)
+                                         store=store, keep_last=args.keep_last, min_bytes=args.min_bytes)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)  # gradients are part of the baseline, not the peak
 
@@ -191,17 +191,19 @@ def _worker(args) -> dict:
             # each round): both see the same machine load, so their ratio is robust to noise.
             plans = {p: expand_policy(p, n, keep_last=args.keep_last) for p in INTERLEAVED}
             times: dict[str, list[float]] = {p: [] for p in plans}
+            cpu: dict[str, list[float]] = {p: [] for p in plans}
             losses: dict[str, float] = {}
             for r in range(args.warmup + args.steps):
                 order = list(plans)[r % len(plans):] + list(plans)[:r % len(plans)]
                 for p in order:
                     handle.policies = plans[p]
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     losses[p] = step()
                     if r >= args.warmup:
                         times[p].append(time.perf_counter() - t0)
+                        cpu[p].append(time.process_time() - c0)
             return {p: {"step_s": statistics.median(ts), "step_s_min": min(ts), "step_s_max": max(ts),
-                        "loss": losses[p]} for p, ts in times.items()}
+                        "cpu_s": statistics.median(cpu[p]), "loss": losses[p]} for p, ts in times.items()}
         finally:
             handle.remove()
             if store is not None:
@@ -224,6 +226,8 @@ def main(argv=None) -> int:
     ap.add_argument("--loss-hidden", type=int, default=None, help="default 576; quick 256")
     ap.add_argument("--only", default=None, help="comma-separated configs to run")
     ap.add_argument("--swap-dir", default=None, help="parent dir of the NVMe swap dir (default: tmp)")
+    ap.add_argument("--min-bytes", type=int, default=None,
+                    help="saved tensors below this stay resident (default 512 KiB; quick 16 KiB)")
     ap.add_argument("--keep-last", type=int, default=1,
                     help="blocks at the end that keep their activations with 'offload' (default 1)")
     ap.add_argument("--timing", choices=("interleaved", "separate"), default="interleaved",
@@ -233,6 +237,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.seq = args.seq or (256 if args.quick else 1024)
     args.steps = args.steps or (3 if args.quick else 5)
+    args.min_bytes = args.min_bytes if args.min_bytes is not None else ((16 << 10) if args.quick else (512 << 10))
     args.loss_tokens = args.loss_tokens or (1024 if args.quick else 8192)
     args.loss_vocab = args.loss_vocab or (8192 if args.quick else 49152)
     args.loss_hidden = args.loss_hidden or (256 if args.quick else 576)
@@ -276,10 +281,15 @@ def main(argv=None) -> int:
                               for p in INTERLEAVED}
         per_round = [r["offload"]["step_s"] / r["keep"]["step_s"] for r in interleaved]
         out["ratio_step_offload_vs_keep"] = statistics.median(per_round)
+        # CPU seconds the process spent per step (all threads): the offload's own work
+        # (copies, checksums, syscalls), less sensitive to other processes than wall time
+        out["ratio_cpu_offload_vs_keep"] = statistics.median(
+            r["offload"]["cpu_s"] / r["keep"]["cpu_s"] for r in interleaved)
     out["ratio_loss_peak_chunked_vs_full"] = ratio("loss_chunked", "loss_full", "peak_bytes")
     out["ratio_loss_time_chunked_vs_full"] = ratio("loss_chunked", "loss_full", "step_s")
     out["setup"] = {"quick": args.quick, "seq": args.seq, "batch": args.batch, "steps": args.steps,
                     "rounds": args.rounds, "timing": args.timing, "keep_last": args.keep_last,
+                    "min_bytes": args.min_bytes,
                     "loss_tokens": args.loss_tokens, "loss_vocab": args.loss_vocab,
                     "loss_hidden": args.loss_hidden, "threads": os.cpu_count()}
     if args.json:
@@ -292,8 +302,8 @@ def main(argv=None) -> int:
               f"{r['step_s_max']:>8.3f}{r['loss']:>10.4f}"
               f"{r['io_read_bytes'] / 2**20:>8.0f}/{r['io_write_bytes'] / 2**20:<7.0f}")
     for p, r in out.get("interleaved", {}).items():
-        print(f"{'interleaved ' + p:<26}{r['step_s']:>9.3f}{r['step_s_min']:>8.3f}{r['step_s_max']:>8.3f}"
-              f"{r['loss']:>10.4f}")
+        print(f"{'interleaved ' + p:<16}{'':>10}{r['step_s']:>9.3f}{r['step_s_min']:>8.3f}"
+              f"{r['step_s_max']:>8.3f}{r['loss']:>10.4f}   cpu {r['cpu_s']:.3f} s")
     for k, v in out.items():
         if k.startswith("ratio_"):
             print(f"{k}: {'n/a' if v is None else f'{v:.3f}'}")
