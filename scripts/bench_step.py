@@ -139,15 +139,16 @@ def time_steps(step: Callable[[Any], float], batches: list, warmup: int) -> dict
         warmup: number of untimed steps.
 
     Returns:
-        The per-mode result dict (times, losses, bytes per step).
+        The per-mode result dict (wall and CPU times, losses, bytes per step).
     """
     losses = [step(b) for b in batches[:warmup]]
-    times = []
+    times, cpu = [], []
     r0, w0 = _proc_io()
     for b in batches[warmup:]:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         losses.append(step(b))  # step() returns a float: the step is finished when it returns
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     r1, w1 = _proc_io()
     n = len(times)
     return {
@@ -156,6 +157,9 @@ def time_steps(step: Callable[[Any], float], batches: list, warmup: int) -> dict
         "min_step_s": min(times),
         "max_step_s": max(times),
         "step_times_s": times,
+        # CPU seconds of all the process's threads per step: less sensitive than wall time to
+        # other jobs on a shared machine (but blind to time spent waiting for the disk).
+        "median_cpu_step_s": statistics.median(cpu),
         "bytes_read_per_step": (r1 - r0) // n,
         "bytes_written_per_step": (w1 - w0) // n,
         "losses": losses,
@@ -289,6 +293,8 @@ def run_child(mode: str, args, batches_file: str) -> dict[str, Any]:
                "--swap-dir", args.swap_dir, "--threads", str(args.threads), "--activations", args.activations]
         # OpenMP pools outside torch's own (DeepSpeed's CPU Adam) size themselves from this.
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+        if args.mmap_threshold:  # glibc: allocations above it are mmapped and unmapped on free
+            env["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0 or not out.exists():
@@ -374,6 +380,10 @@ def parse_args(argv=None):
     p.add_argument("--activations", default="keep", choices=("keep", "recompute", "offload", "auto"),
                    help="the outcore modes' activation policy (the recipe's `activations`; default keep, "
                         "its default): recompute / offload trade step time or NVMe writes for RSS")
+    p.add_argument("--mmap-threshold", type=int, default=0, metavar="BYTES",
+                   help="set glibc's MALLOC_MMAP_THRESHOLD_ in every child (0: glibc's dynamic default). "
+                        "A fixed threshold returns freed activations to the OS at once instead of "
+                        "letting the heap fragment: lower peak RSS, a little more page-fault time")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch / OpenMP threads for every mode (default: all cores, as BENCHMARKING.md asks; "
                         "on a shared machine fewer threads than cores avoids OpenMP stalls)")
@@ -408,6 +418,7 @@ def main(argv=None) -> int:
     results: dict[str, Any] = {
         "model": args.model, "seq_len": args.seq, "batch_size": args.batch, "steps": args.steps,
         "warmup": args.warmup, "dtype": "float32", "threads": args.threads, "activations": args.activations,
+        "mmap_threshold": args.mmap_threshold or None,
         "machine": {"cpus": os.cpu_count(), "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
     }
     with tempfile.TemporaryDirectory(prefix="bench_step_data_") as tmp:
@@ -434,8 +445,9 @@ def print_table(results: dict[str, Any]) -> None:
     gb = 1e9
     print(f"model={results['model']} seq={results['seq_len']} batch={results['batch_size']} fp32, "
           f"threads={results['threads']}, outcore activations={results['activations']}, "
+          f"MALLOC_MMAP_THRESHOLD_={results['mmap_threshold'] or 'glibc default'}, "
           f"median of {results['steps']} steps after {results['warmup']} warm-up")
-    print(f"{'mode':<18}{'median s':>9}{'min':>7}{'max':>7}{'peak RSS':>10}{'train RSS':>10}"
+    print(f"{'mode':<18}{'median s':>9}{'min':>7}{'max':>7}{'cpu s':>7}{'peak RSS':>10}{'train RSS':>10}"
           f"{'read/step':>11}{'write/step':>11}  losses")
     for mode in MODES:
         r = results[mode]
@@ -445,6 +457,7 @@ def print_table(results: dict[str, Any]) -> None:
         losses = " ".join(f"{x:.4f}" for x in r["losses"])
         train = r.get("peak_rss_train_bytes") or 0
         print(f"{mode:<18}{r['median_step_s']:>9.3f}{r['min_step_s']:>7.3f}{r['max_step_s']:>7.3f}"
+              f"{r['median_cpu_step_s']:>7.2f}"
               f"{r['peak_rss_bytes'] / gb:>8.2f}GB{train / gb:>8.2f}GB{r['bytes_read_per_step'] / gb:>9.3f}GB"
               f"{r['bytes_written_per_step'] / gb:>9.3f}GB  {losses}")
     print("RSS peaks per phase (sampled; anon + file-backed):")
