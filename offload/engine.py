@@ -35,6 +35,8 @@ from torch import nn
 
 from .units import Unit, causal_lm_units
 
+GRADS = "g"  # UnitMemory kind of a unit's spilled gradients
+
 _EMPTY: dict[torch.dtype, torch.Tensor] = {}
 
 
@@ -43,6 +45,15 @@ def _empty(dtype: torch.dtype) -> torch.Tensor:
     if dtype not in _EMPTY:
         _EMPTY[dtype] = torch.empty(0, dtype=dtype)
     return _EMPTY[dtype]
+
+
+def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient's 2-norm, computed the way ``clip_grad_norm_`` computes it on this device."""
+    from torch.utils._foreach_utils import _has_foreach_support
+
+    if grads and _has_foreach_support(grads, grads[0].device):
+        return list(torch._foreach_norm(grads, 2.0))
+    return [torch.linalg.vector_norm(g, 2.0) for g in grads]
 
 
 class UnitMemory(Protocol):
@@ -95,11 +106,16 @@ class OutOfCoreEngine:
         max_grad_norm: global-norm clipping (0 = off).
         grad_accum: micro-batches per optimizer step.
         units: the model cut into units (default: ``causal_lm_units(model)``).
+        spill_grads: when updates wait for every gradient (clipping, accumulation),
+            write each unit's gradient to the state's home tier as soon as it is
+            complete instead of keeping it in memory (``UnitMemory.spill_grads``):
+            a model whose gradients do not fit in RAM can still be clipped.
     """
 
     def __init__(self, model: nn.Module, optimizer: Any,
                  memory: Callable[[list[Unit], Any], UnitMemory], *, prefetch: int = 2,
-                 max_grad_norm: float = 0.0, grad_accum: int = 1, units: list[Unit] | None = None):
+                 max_grad_norm: float = 0.0, grad_accum: int = 1, units: list[Unit] | None = None,
+                 spill_grads: bool = False):
         self.model = model
         self.optimizer = optimizer
         self.group = optimizer.param_groups[0]
@@ -122,6 +138,9 @@ class OutOfCoreEngine:
         # Step-in-backward needs every gradient of a unit to be final when it
         # arrives: not so when they are clipped by a global norm or accumulated.
         self.step_in_backward = max_grad_norm <= 0 and grad_accum == 1 and not self.resident
+        self.spill = spill_grads and not self.step_in_backward and not self.resident
+        self._micro, self._n_micro = 0, 1  # which micro-batch of the step is running
+        self._norms: dict[int, torch.Tensor] = {}  # id(param) -> norm of its spilled gradient
         self.mem = memory(self.units, optimizer)
         self._bound: dict[int, torch.Tensor] = {}  # unit -> resident flat weights bound to params
         self._pins: dict[int, int] = {}  # unit -> how many phases hold its weights
@@ -233,8 +252,24 @@ class OutOfCoreEngine:
             self._unbind(i)  # a borrowed (tied) weight was needed for this unit's backward only
         if self.step_in_backward:
             self._update(index)  # releases the unit, dirty
-        else:
-            self._unbind(index)
+            return
+        if self.spill:
+            self._spill(index)
+        self._unbind(index)
+
+    def _spill(self, index: int) -> None:
+        """Move unit ``index``'s gradients out of memory (added to what earlier micro-batches
+        spilled); on the last micro-batch note each one's norm for the global clip."""
+        unit = self.units[index]
+        grads = {k: s.param.grad for k, s in enumerate(unit.slots) if s.param.requires_grad}
+        flat = self.mem.spill_grads(index, grads, first=self._micro == 0)
+        if self._micro == self._n_micro - 1 and self.max_grad_norm > 0:
+            views = [unit.view(flat, unit.slots[k]) for k in grads]
+            for k, norm in zip(grads, _norms(views)):
+                self._norms[id(unit.slots[k].param)] = norm
+        self.mem.release(index, GRADS, dirty=True)  # written home and evicted, asynchronously
+        for k in grads:
+            unit.slots[k].param.grad = None
 
     def _release_frozen(self, after: int = -1) -> None:
         """Let go of frozen units (and what they borrow) held for a backward that is over."""
@@ -259,6 +294,13 @@ class OutOfCoreEngine:
         self.mem.before_update(index, "w")
         w = self._bound[index]
         params = [unit.view(w, unit.slots[k]) for k in train]
+        if self.spill:
+            flat = self.mem.acquire(index, GRADS)
+            for k in train:
+                unit.slots[k].param.grad = unit.view(flat, unit.slots[k])
+            if self._clip_norm is not None:  # torch's own clip arithmetic, on this unit's share
+                torch.nn.utils.clip_grads_with_norm_([unit.slots[k].param for k in train],
+                                                     self.max_grad_norm, self._clip_norm)
         grads = [unit.slots[k].param.grad for k in train]
         states = [self.mem.state_views(index, flats, k) for k in train]
         group = {**self.group, "lr": self._lr}
@@ -275,6 +317,9 @@ class OutOfCoreEngine:
                 self.optimizer.update(params, grads, states, group)
         for k in train:
             unit.slots[k].param.grad = None  # freed now: step-in-backward never holds all gradients
+        if self.spill:
+            self.mem.release(index, GRADS, dirty=False)
+            self.mem.drop_grads(index)
         for kind in self._state_kinds(index):
             self.mem.release(index, kind, dirty=True)
         self._unbind(index, dirty=True)
@@ -321,7 +366,8 @@ class OutOfCoreEngine:
         for j in range(min(len(self.units), self.prefetch_depth)):
             self.mem.prefetch(j, "w")
         total = torch.zeros(())
-        for batch in micro_batches:
+        self._n_micro, self._norms = len(micro_batches), {}
+        for self._micro, batch in enumerate(micro_batches):
             with self._saved_hooks():
                 loss = loss_fn(self.model, batch) / len(micro_batches)
                 loss.backward()
@@ -346,14 +392,22 @@ class OutOfCoreEngine:
 
     def _update_after_backward(self) -> torch.Tensor | None:
         """Clip by the global norm (same arithmetic as ``clip_grad_norm_``), then update every unit."""
-        norm = None
-        if self.max_grad_norm > 0:
+        norm = self._clip_norm = None
+        if self.max_grad_norm > 0 and self.spill:
+            # the norms were taken as the gradients left memory; stacked in model order,
+            # as clip_grad_norm_ stacks them
+            groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            for p in self.params:  # clip_grad_norm_ groups by device and dtype first
+                groups.setdefault((p.device, p.dtype), []).append(self._norms[id(p)])
+            norms = [n for group in groups.values() for n in group]
+            norm = self._clip_norm = torch.linalg.vector_norm(torch.stack(norms), 2.0)
+        elif self.max_grad_norm > 0:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         trainable = [i for i, n in enumerate(self._trainable_slots) if n]
         for at, index in enumerate(trainable):
             for j in trainable[at:at + self.prefetch_depth]:
                 self.mem.prefetch(j, "w")
-                for kind in self._state_kinds(j):
+                for kind in self._state_kinds(j) + ([GRADS] if self.spill else []):
                     self.mem.prefetch(j, kind)
             self._update(index)
         self.last_grad_norm = norm

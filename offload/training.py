@@ -186,7 +186,7 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                   head_modules: list[torch.nn.Module] | tuple[torch.nn.Module, ...] = (),
                   init_weights: Callable[[Any, torch.Tensor], None] | None = None,
                   resident_trainable: bool = False, master_weights: bool = True,
-                  quantize_frozen: bool = False) -> OffloadedModel:
+                  quantize_frozen: bool = False, spill_grads: bool | None = None) -> OffloadedModel:
     """Move ``model``'s weights and ``optimizer``'s state into tiers and wrap it for training.
 
     Args:
@@ -210,6 +210,9 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
             False trains the 16-bit weights themselves.
         quantize_frozen: QLoRA: the blocks' frozen matrices are stored (and streamed) in
             NF4 and dequantized into the model's dtype when fetched (see ``nf4.py``).
+        spill_grads: with clipping or accumulation, write each unit's gradients to the
+            optimizer state's tier as soon as they are complete (default: when that tier
+            is NVMe), so gradients never all sit in RAM.
 
     Returns:
         The :class:`OffloadedModel`.
@@ -231,9 +234,12 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
         raise ConfigError("offload=nvme needs a swap directory; pass --swap-dir DIR on a fast disk")
 
     k = max(1, prefetch)
+    if spill_grads is None:
+        spill_grads = any(s is Tier.NVME for _, s in homes)
+    spill_grads = spill_grads and (max_grad_norm > 0 or grad_accum > 1) and not resident_trainable
     w_sizes = [_arena_bytes(NF4Layout(u, _dtype(u)).nbytes if quantize_frozen and NF4Layout.any_quantized(u)
                             else u.numel * _itemsize(u)) for u in units]
-    s_sizes = [_arena_bytes(kinds) for kinds in unit_state_bytes(units, optimizer, master_weights)]
+    s_sizes = [_arena_bytes(kinds) for kinds in unit_state_bytes(units, optimizer, master_weights, spill_grads)]
     need_device = _window(w_sizes, 2 * k + 1)
     host_home = sum(w for w, (hw, _) in zip(w_sizes, homes) if hw is Tier.HOST)
     host_home += sum(s for s, (_, hs) in zip(s_sizes, homes) if hs is Tier.HOST)
@@ -250,7 +256,8 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                                                                  init_weights=init_weights,
                                                                  master_weights=master_weights,
                                                                  quantize_frozen=quantize_frozen),
-                                 prefetch=k, max_grad_norm=max_grad_norm, grad_accum=grad_accum, units=units)
+                                 prefetch=k, max_grad_norm=max_grad_norm, grad_accum=grad_accum, units=units,
+                                 spill_grads=spill_grads)
     except BaseException:
         store.close()
         raise

@@ -30,6 +30,7 @@ from .nf4 import NF4Layout
 from .units import ParamSlot, Unit, _pad
 
 WEIGHTS = "w"
+GRADS = "g"  # a unit's spilled gradients (same layout as its weights)
 
 
 @dataclass
@@ -215,6 +216,35 @@ class StoreUnitMemory:
         else:
             self._writes.append(self.store.evict(h, tier))
 
+    # -- gradients spilled to disk (clipping / accumulation out of core) -----------------
+    def spill_grads(self, unit: int, grads: dict[int, torch.Tensor], first: bool) -> torch.Tensor:
+        """Add a unit's gradients (slot index -> grad) into its spilled gradient, on the state's home.
+
+        The first spill of a step registers a fresh handle: its first fetch is zeros
+        with no read, and it is *copied* into (not added: ``0 + -0.0`` would lose the sign
+        bit the in-memory gradient keeps). Later micro-batches fetch and add, as
+        autograd's accumulation does (``old + new``). Returns the pinned working copy;
+        the caller reads what it needs and calls ``release(unit, GRADS, dirty=True)``.
+        """
+        key = (unit, GRADS)
+        u = self.units[unit]
+        if first:
+            dtype = _unit_dtype(u)
+            self.handles[key] = self.store.register(f"{u.name}:{GRADS}", shape=(u.numel,), dtype=dtype,
+                                                    home=self.homes[unit][1])
+        flat = self.acquire(unit, GRADS)
+        for k, g in grads.items():
+            view = u.view(flat, u.slots[k])
+            view.copy_(g) if first else view.add_(g)
+        return flat
+
+    def drop_grads(self, unit: int) -> None:
+        """Forget a unit's spilled gradient (its update has consumed it)."""
+        h = self.handles.pop((unit, GRADS), None)
+        if h is not None:
+            self._unpinned.pop((unit, GRADS), None)
+            self.store.unregister(h)
+
     def state_views(self, unit: int, flats: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
         """Optimizer state of the unit's ``k``-th parameter as views into the fetched flats."""
         return {kind: flats[kind][s.offset:s.offset + s.shape.numel()].view(s.shape)
@@ -295,9 +325,11 @@ def needs_master(param: torch.Tensor) -> bool:
 MASTER_DTYPE = torch.float32
 
 
-def unit_state_bytes(units: list[Unit], optimizer, master_weights: bool = True) -> list[dict[str, int]]:
+def unit_state_bytes(units: list[Unit], optimizer, master_weights: bool = True,
+                     spill_grads: bool = False) -> list[dict[str, int]]:
     """Bytes of each optimizer-state handle (kind -> bytes) per unit, from ``state_spec``
-    (and the fp32 masters of mixed precision, see ``StoreUnitMemory``).
+    (and the fp32 masters of mixed precision, see ``StoreUnitMemory``; and with
+    ``spill_grads`` the spilled gradient, which streams with the state).
 
     Nothing is allocated: this sizes the store before anything is registered.
     """
@@ -317,6 +349,8 @@ def unit_state_bytes(units: list[Unit], optimizer, master_weights: bool = True) 
             for kind, (shape, dtype) in spec.items():
                 n = _pad(max(torch.Size(shape).numel(), 1), dtype.itemsize) * dtype.itemsize
                 kinds[kind] = kinds.get(kind, 0) + n
+        if spill_grads and kinds:
+            kinds[GRADS] = unit.numel * _unit_dtype(unit).itemsize
         out.append(kinds)
     return out
 

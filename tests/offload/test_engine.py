@@ -43,6 +43,7 @@ def _reference_step(model, opt, micro, clip):
     ("nvme", 0.0, 1),  # step-in-backward
     ("nvme", 1.0, 1),  # clipping: gradients kept, updates after the norm
     ("cpu", 0.0, 2),  # accumulation over two micro-batches
+    ("nvme", 1.0, 2),  # both, with every unit's gradient spilled to NVMe until the norm is known
 ])
 def test_streamed_training_is_bit_identical(tiny_llama_factory, tmp_path, offload, clip, accum):
     ref, ooc = _model(tiny_llama_factory), _model(tiny_llama_factory)
@@ -51,6 +52,7 @@ def test_streamed_training_is_bit_identical(tiny_llama_factory, tmp_path, offloa
                        swap_dir=tmp_path / "swap", prefetch=1, max_grad_norm=clip, grad_accum=accum,
                        device_bytes=3 * _block_bytes(ref))
     assert om.store.budget(Tier.DEVICE) <= 3 * _block_bytes(ref)
+    assert om.engine.spill == (offload == "nvme" and clip > 0)  # gradients never all in RAM
     g = torch.Generator().manual_seed(1)
     steps = 20 if offload == "nvme" and not clip else 6
     for _ in range(steps):
