@@ -222,7 +222,12 @@ def setup_deepspeed(args, config, device: str) -> Setup | str:
     if isinstance(built, str):
         return built
     step, close = built
-    return step, lambda: (close(), {})[1]
+
+    def finish() -> dict[str, Any]:
+        close()
+        return {}
+
+    return step, finish
 
 
 def setup_mode(mode: str, args, config) -> Setup | str:
