@@ -4,12 +4,16 @@ Each decoder block's ``forward`` is wrapped on the *instance* (``layer.forward =
 wrapper``; ``handle.remove()`` deletes the attribute and the class method is
 back). The wrapper does nothing outside autograd (eval, ``no_grad``); in
 training it runs the block under ``torch.utils.checkpoint`` (RECOMPUTE), or
-inside the :class:`ActivationOffloader`'s pack hooks with a gradient hook on the
-block's output that starts the reverse-order prefetch (OFFLOAD_*).
+inside the :class:`ActivationOffloader`'s pack hooks (OFFLOAD_*). When anything
+offloads, every block's output also gets a gradient hook that starts the
+reverse-order prefetch below it, so the kept last block's backward already
+hides the read of the first offloaded one.
 
-``"auto"`` measures the first training forward (saved bytes and time per block,
-with everything kept), then calls :func:`choose_policy` with the budgets and
-bandwidths, and applies its choice from the next step on.
+``"auto"`` measures the first training forward (per block: the bytes an offload
+would move, deduplicated as the offloader packs them, its input bytes and its
+time, with everything kept), then calls :func:`choose_policy` with the budgets
+and bandwidths (and, on a CPU device, the measured copy bandwidth), and applies
+its choice from the next step on.
 """
 from __future__ import annotations
 

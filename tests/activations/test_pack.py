@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from outcore.activations.pack import ALIGN, BlockPack, storage_span
 
 

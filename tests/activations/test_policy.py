@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-
 from outcore.activations.policy import ActivationPolicy as P
 from outcore.activations.policy import BlockProfile, choose_policy, expand_policy
 from outcore.errors import BudgetError, ConfigError

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import functools
 
-import pytest
-
 import outcore.activations
+import pytest
 from outcore.recipes.config import load_config
 from outcore.recipes.full_finetune import finetune
 
