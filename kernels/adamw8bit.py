@@ -116,14 +116,27 @@ def init_codes(numel: int, signed: bool, device: torch.device | str = "cpu") -> 
 # ---------------------------------------------------------------------------------
 # Segment tables of the AVX-512 quantizer (kernels/csrc/adamw8bit_cpu.cpp)
 # ---------------------------------------------------------------------------------
-SEG_MARGIN = 2.0 ** -12  # lanes whose f is closer than this to an integer take the exact path
 SEG_EXP_LO = 96  # binade slots 0..31 = fp32 exponents 96..127 (|y| in [2^-31, 2))
+# f is computed as 2048 + code + fraction: in [2048, 4096) an fp32's low 12 mantissa bits are
+# the fraction in units of 2^-12 and the next 8 bits the code, so both come out of the bit
+# pattern with integer ops. A lane whose fraction is within SEG_NEAR units of an integer
+# (f = 2048 + n + [-SEG_NEAR, SEG_NEAR) * 2^-12) takes the exact fallback.
+SEG_BIAS = 2048.0
+SEG_NEAR = 1
 _F32 = np.float32
+_UNIT = 2.0 ** -12
+
+
+def _segment_code_near(f: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(code, near) from the biased f, as the kernel extracts them from f's bit pattern."""
+    bits = f.astype(_F32).view(np.int32).astype(np.int64)
+    return (bits >> 12) & 0xFF, ((bits + SEG_NEAR) & 0xFFF) < 2 * SEG_NEAR
 
 
 def _segment_code_f(a: np.ndarray, neg: np.ndarray, tab: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The quantizer's f and piece for |y| = ``a`` (float32) and sign ``neg``, op for op as
-    the C++ kernel computes them (numpy float32 ops are IEEE-rounded like the kernel's)."""
+    """The quantizer's biased f (2048 + code + fraction) and piece for |y| = ``a`` (float32)
+    and sign ``neg``, op for op as the C++ kernel computes them (numpy float32 ops are
+    IEEE-rounded like the kernel's)."""
     key_bits = a.view(np.int32).astype(np.int64) + neg
     key = key_bits.astype(np.int32).view(_F32)
     slot = np.maximum(key_bits >> 23, SEG_EXP_LO) & 31
@@ -152,7 +165,7 @@ def _segment_table_np(signed: bool) -> np.ndarray:
             raise AssertionError(f"segment tables: binade {s} holds {len(inside)} boundaries")
         tab[0, s] = (bounds < lo).sum()
         tab[1, s] = inside[0] if len(inside) else np.inf
-    tab[3] = 0.5  # unused pieces (never indexed)
+    tab[3] = SEG_BIAS + 0.5  # unused pieces (never indexed)
     for neg in (0, 1):
         for s in range(len(bounds) + 1):
             col = s + 16 * neg
@@ -161,7 +174,7 @@ def _segment_table_np(signed: bool) -> np.ndarray:
             ks = [k for k in range(255) if lo < (-t[k] if neg else t[k]) < hi]
             if not ks:  # no threshold in the piece: a constant code
                 probe = -lo if neg else hi
-                tab[2, col], tab[3, col] = 0, (t < probe).sum() + 0.5
+                tab[2, col], tab[3, col] = 0, SEG_BIAS + (t < probe).sum() + 0.5
                 continue
             # f crosses the integer k + 1 at |t[k]|; slope from the group's uniform spacing
             ent = np.sort(np.array([q[j] for j in range(256) if gid[j] == gid[ks[0] + 1]], np.float64))
@@ -169,7 +182,7 @@ def _segment_table_np(signed: bool) -> np.ndarray:
             slope = (-1.0 if neg else 1.0) / spacing
             a_k = np.abs(t[ks].astype(np.float64))
             tab[2, col] = slope
-            tab[3, col] = np.mean(np.array(ks) + 1 - a_k * slope)
+            tab[3, col] = SEG_BIAS + np.mean(np.array(ks) + 1 - a_k * slope)
             tab[4, col] = a_k.max() + 0.5 * spacing  # past the last threshold: hold its code
     _verify_segment_table(tab, bounds, t)
     return tab
@@ -211,7 +224,12 @@ def _verify_segment_table(tab: np.ndarray, bounds: np.ndarray, t: np.ndarray) ->
     codes = np.array(codes)
     if not (piece == np.array(pieces)).all():
         raise AssertionError("segment tables: a piece boundary is misplaced")
-    bad = ~((f > codes - SEG_MARGIN) & (f < codes + 1 + SEG_MARGIN))
+    # f is a multiple of 2^-12 here; accepted values lie in [n + K u, n + 1 - (K + 1) u]
+    # (u = 2^-12, K = SEG_NEAR), so these bounds leave floor(f) = code as the only option.
+    lo = SEG_BIAS + codes - (SEG_NEAR + 1) * _UNIT
+    hi = SEG_BIAS + codes + 1 + SEG_NEAR * _UNIT
+    f64 = f.astype(np.float64)
+    bad = ~((f64 > lo) & (f64 < hi) & (f64 >= SEG_BIAS) & (f64 < SEG_BIAS + 256))
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
         raise AssertionError(f"segment tables: |y|={ends[i]!r} (neg={negs[i]}) gives f={f[i]!r}, "
@@ -223,8 +241,9 @@ def segment_tables(signed: bool) -> Tensor:
 
     Rows: per binade slot (exponent 96 + column) the number of piece boundaries below it and
     the boundary inside it (+inf if none); per piece (column s for y >= 0, 16 + s for y < 0)
-    the slope, offset and clamp of f(|y|) = min(|y|, clamp) * slope + offset, whose floor is
-    the code. Verified exhaustively when first built (:func:`_verify_segment_table`).
+    the slope, offset and clamp of f(|y|) = min(|y|, clamp) * slope + offset = 2048 + code +
+    fraction (:data:`SEG_BIAS`). Verified exhaustively when first built
+    (:func:`_verify_segment_table`).
 
     Args:
         signed: which dynamic map.
@@ -403,12 +422,12 @@ def quantize_blockwise_cpp(x: Tensor, signed: bool, isa: str | None = None) -> t
         raise ValueError("the C++ extension is disabled or cannot be built here")
     tab = _cpu_tables()
     bucket, thr, seg = (tab[2], tab[3], tab[6]) if signed else (tab[4], tab[5], tab[7])
-    return ext.quantize_blockwise(x.contiguous().view(-1), bool(signed), bucket, thr, seg, SEG_MARGIN)
+    return ext.quantize_blockwise(x.contiguous().view(-1), bool(signed), bucket, thr, seg, SEG_NEAR)
 
 
 def _update_cpp(ext, param, grad, m_codes, m_absmax, v_codes, v_absmax, c: Coefficients) -> None:
     ext.adamw8bit_update(param, grad, m_codes, m_absmax, v_codes, v_absmax, *_cpu_tables(),
-                         SEG_MARGIN, *c)
+                         SEG_NEAR, *c)
 
 
 # ---------------------------------------------------------------------------------

@@ -12,16 +12,16 @@
 // Paths (chosen at build time by the ISA flags kernels/adamw8bit.py passes):
 // * AVX-512 (F/BW/VL/DQ): 16 lanes per instruction, no gathers (they run at ~3 ns per 16
 //   lanes on the CPUs measured, slower than the rest of the update together).
-//   - dequantization: with AVX512-VBMI the 256-entry map is 4 byte planes and 64 codes are
-//     looked up at once with byte permutes (Planes256); without VBMI, fp32 permutes over
-//     the map held in 16 registers (Table256).
+//   - dequantization (Dequantizer): with AVX512-VBMI the 256-entry map is 4 byte planes and
+//     64 codes are looked up at once with byte permutes; without VBMI, fp32 permutes over
+//     the map held in 16 registers.
 //   - quantization (SegmentQuantizer): code = floor(f) of a piecewise-linear f(|y|) whose
 //     pieces are the map's decades (the dynamic map is linear within a decade). The piece is
 //     found with one exact comparison against the decade boundary inside |y|'s binade. The
 //     tables are built and *verified exhaustively* in Python (kernels/adamw8bit.py:
-//     segment_tables): wherever f lies at least `margin` away from an integer, floor(f) is
-//     the reference's searchsorted code. Lanes closer than that to a code boundary (a few
-//     in 10^4) are redone with the exact scalar bucket method below.
+//     segment_tables): wherever f is not within `near` units of 2^-12 of an integer,
+//     floor(f) is the reference's searchsorted code. Lanes that close to a code boundary
+//     (about 5 in 10^4) are redone with the exact scalar bucket method below.
 // * scalar (any CPU, and partial blocks): dequantize through the map, quantize with the
 //   16-bit bucket table + one threshold comparison of kernels/quantize.py (equal to the
 //   reference's searchsorted by construction).
@@ -69,7 +69,7 @@ struct Maps {  // everything a block update reads besides its own data
   const float* thr_v;
   const float* seg_m;  // (kSegRows, kSegCols)
   const float* seg_v;
-  float margin;
+  int32_t near_units;
 };
 
 inline uint8_t quantize_one(float y, const uint8_t* bucket, const float* thr) {
@@ -153,36 +153,39 @@ struct Dequantizer {
 //   a = |y|; k = a (y >= 0) or the next float above a (y < 0: boundaries count as "below"
 //   for negative values, the reference's ties go to the lower code);
 //   piece = seglo[binade(k)] + (k > boundary[binade(k)]) (+16 for y < 0);
-//   f = min(a, clamp[piece]) * slope[piece] + offset[piece];  code = floor(f).
-// `near` gets the lanes where f is within `margin` of an integer (code not certain).
+//   f = min(a, clamp[piece]) * slope[piece] + offset[piece] = 2048 + code + fraction.
+// In [2048, 4096) the low 12 mantissa bits of f are the fraction (units of 2^-12) and the
+// next 8 the code: both are integer ops on f's bits. f within `near` units of an integer
+// means the code is not certain (the exact fallback decides).
 template <bool kSigned>
 struct SegmentQuantizer {
-  __m512i seglo0, seglo1;
-  __m512 bnd0, bnd1, slope0, slope1, off0, off1, clamp0, clamp1, margin;
-  SegmentQuantizer(const float* seg, float m) {
+  __m512i seglo0, seglo1, bnd0, bnd1, near;
+  __m512 slope0, slope1, off0, off1, clamp0, clamp1;
+  SegmentQuantizer(const float* seg, int32_t near_units) {
     seglo0 = _mm512_cvtps_epi32(_mm512_loadu_ps(seg));
     seglo1 = _mm512_cvtps_epi32(_mm512_loadu_ps(seg + 16));
-    bnd0 = _mm512_loadu_ps(seg + kSegCols), bnd1 = _mm512_loadu_ps(seg + kSegCols + 16);
+    bnd0 = _mm512_loadu_si512(seg + kSegCols), bnd1 = _mm512_loadu_si512(seg + kSegCols + 16);
     slope0 = _mm512_loadu_ps(seg + 2 * kSegCols), slope1 = _mm512_loadu_ps(seg + 2 * kSegCols + 16);
     off0 = _mm512_loadu_ps(seg + 3 * kSegCols), off1 = _mm512_loadu_ps(seg + 3 * kSegCols + 16);
     clamp0 = _mm512_loadu_ps(seg + 4 * kSegCols), clamp1 = _mm512_loadu_ps(seg + 4 * kSegCols + 16);
-    margin = _mm512_set1_ps(m);
+    near = _mm512_set1_epi32(near_units);
   }
-  inline __m512i codes(__m512 y, __mmask16& near) const {
-    const __m512i one = _mm512_set1_epi32(1);
+  // The biased f of 16 values, as its bit pattern.
+  inline __m512i biased(__m512 y) const {
     const __m512i yb = _mm512_castps_si512(y);
     __m512i ab = yb, key = yb;
     __mmask16 neg = 0;
     if (kSigned) {
       ab = _mm512_and_si512(yb, _mm512_set1_epi32(0x7FFFFFFF));
       neg = _mm512_movepi32_mask(yb);
-      key = _mm512_mask_add_epi32(ab, neg, ab, one);
+      key = _mm512_mask_add_epi32(ab, neg, ab, _mm512_set1_epi32(1));
     }
     // permutex2var reads the low 5 bits: slots 0..31 = exponents 96..127 (|y| < 2).
     const __m512i e = _mm512_max_epu32(_mm512_srli_epi32(key, 23), _mm512_set1_epi32(kSegExpLo));
-    __m512i seg = _mm512_permutex2var_epi32(seglo0, e, seglo1);
-    const __m512 bnd = _mm512_permutex2var_ps(bnd0, e, bnd1);
-    seg = _mm512_mask_add_epi32(seg, _mm512_cmp_ps_mask(_mm512_castsi512_ps(key), bnd, _CMP_GT_OQ), seg, one);
+    // key > boundary as integers (both non-negative floats): the sign of boundary - key.
+    __m512i seg = _mm512_sub_epi32(_mm512_permutex2var_epi32(seglo0, e, seglo1),
+                                   _mm512_srai_epi32(_mm512_sub_epi32(
+                                       _mm512_permutex2var_epi32(bnd0, e, bnd1), key), 31));
     __m512 clamp, slope, off;
     if (kSigned) {  // pieces of y < 0 are columns 16..31
       seg = _mm512_mask_add_epi32(seg, neg, seg, _mm512_set1_epi32(16));
@@ -195,10 +198,14 @@ struct SegmentQuantizer {
       off = _mm512_permutexvar_ps(seg, off0);
     }
     const __m512 a = _mm512_min_ps(_mm512_castsi512_ps(ab), clamp);
-    const __m512 f = _mm512_add_ps(_mm512_mul_ps(a, slope), off);
-    const __m512 frac = _mm512_reduce_ps(f, _MM_FROUND_TO_NEAREST_INT);  // f - round(f), exact
-    near |= _mm512_cmp_ps_mask(_mm512_abs_ps(frac), margin, _CMP_LT_OQ);
-    return _mm512_cvt_roundps_epi32(f, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    return _mm512_castps_si512(_mm512_add_ps(_mm512_mul_ps(a, slope), off));
+  }
+  // (fraction + near) mod 4096: below 2 * near exactly for the uncertain lanes.
+  inline __m512i distance(__m512i f) const {
+    return _mm512_and_si512(_mm512_add_epi32(f, near), _mm512_set1_epi32(0xFFF));
+  }
+  inline __mmask16 uncertain(__m512 y) const {
+    return _mm512_cmplt_epu32_mask(distance(biased(y)), _mm512_add_epi32(near, near));
   }
 };
 
@@ -209,19 +216,20 @@ inline void requantize_avx512(const float* __restrict buf, float absmax, uint8_t
                               const float* thr) {
   const float inv = absmax > 0.f ? 1.f / absmax : 1.f;
   const __m512 inv16 = _mm512_set1_ps(inv);
-  __mmask16 near[kBlock / 16];
-  __mmask16 any_near = 0;
+  __m512i closest = _mm512_set1_epi32(0xFFF);
   for (int64_t i = 0; i < kBlock; i += 16) {
-    __mmask16 nr = 0;
-    const __m512i c = q.codes(_mm512_mul_ps(_mm512_loadu_ps(buf + i), inv16), nr);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(c));
-    near[i / 16] = nr;
-    any_near |= nr;
+    const __m512i f = q.biased(_mm512_mul_ps(_mm512_loadu_ps(buf + i), inv16));
+    closest = _mm512_min_epu32(closest, q.distance(f));
+    // the code is bits 12..19 of f; the byte truncation drops the exponent above them
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i), _mm512_cvtepi32_epi8(_mm512_srli_epi32(f, 12)));
   }
-  if (any_near) {  // rare: a value next to a code boundary; the exact scalar method decides
-    for (int64_t k = 0; k < kBlock / 16; ++k)
-      for (int l = 0; near[k] >> l; ++l)
-        if ((near[k] >> l) & 1) codes[16 * k + l] = quantize_one(buf[16 * k + l] * inv, bucket, thr);
+  if (_mm512_reduce_min_epu32(closest) < static_cast<uint32_t>(2 * _mm512_cvtsi512_si32(q.near))) {
+    // rare: a value next to a code boundary; the exact scalar method decides those lanes
+    for (int64_t i = 0; i < kBlock; i += 16) {
+      const __mmask16 nr = q.uncertain(_mm512_mul_ps(_mm512_loadu_ps(buf + i), inv16));
+      for (int l = 0; nr >> l; ++l)
+        if ((nr >> l) & 1) codes[i + l] = quantize_one(buf[i + l] * inv, bucket, thr);
+    }
   }
 }
 
@@ -230,7 +238,7 @@ struct Avx512Tables {
   SegmentQuantizer<true> quant_m;
   SegmentQuantizer<false> quant_v;
   explicit Avx512Tables(const Maps& t)
-      : deq_m(t.qm), deq_v(t.qv), quant_m(t.seg_m, t.margin), quant_v(t.seg_v, t.margin) {}
+      : deq_m(t.qm), deq_v(t.qv), quant_m(t.seg_m, t.near_units), quant_v(t.seg_v, t.near_units) {}
 };
 
 // One full 256-element block. Same float operations, same order as the scalar loop below
@@ -348,7 +356,7 @@ void adamw8bit_update(torch::Tensor param, torch::Tensor grad, torch::Tensor m_c
                       torch::Tensor m_absmax, torch::Tensor v_codes, torch::Tensor v_absmax,
                       torch::Tensor qmap_m, torch::Tensor qmap_v, torch::Tensor bucket_m,
                       torch::Tensor thr_m, torch::Tensor bucket_v, torch::Tensor thr_v,
-                      torch::Tensor seg_m, torch::Tensor seg_v, double seg_margin,
+                      torch::Tensor seg_m, torch::Tensor seg_v, int64_t seg_near,
                       double beta1, double one_minus_beta1, double beta2, double one_minus_beta2,
                       double inv_bc2_sqrt, double eps, double step_size, double decay) {
   const int64_t n = param.numel();
@@ -367,7 +375,7 @@ void adamw8bit_update(torch::Tensor param, torch::Tensor grad, torch::Tensor m_c
   check(thr_v, at::kFloat, 256, "thr_v");
   check(seg_m, at::kFloat, kSegRows * kSegCols, "seg_m");
   check(seg_v, at::kFloat, kSegRows * kSegCols, "seg_v");
-  TORCH_CHECK(seg_margin > 0.0 && seg_margin < 0.5, "seg_margin=", seg_margin, " must be in (0, 0.5)");
+  TORCH_CHECK(seg_near >= 1 && seg_near < 1024, "seg_near=", seg_near, " must be in [1, 1024)");
   // Scalars are rounded to fp32 exactly as PyTorch rounds Python scalars for fp32 tensors.
   const Coeffs c{static_cast<float>(beta1),        static_cast<float>(one_minus_beta1),
                  static_cast<float>(beta2),        static_cast<float>(one_minus_beta2),
@@ -375,7 +383,7 @@ void adamw8bit_update(torch::Tensor param, torch::Tensor grad, torch::Tensor m_c
                  static_cast<float>(step_size),    static_cast<float>(decay)};
   const Maps maps{qmap_m.data_ptr<float>(),  qmap_v.data_ptr<float>(), bucket_m.data_ptr<uint8_t>(),
                   thr_m.data_ptr<float>(),   bucket_v.data_ptr<uint8_t>(), thr_v.data_ptr<float>(),
-                  seg_m.data_ptr<float>(),   seg_v.data_ptr<float>(), static_cast<float>(seg_margin)};
+                  seg_m.data_ptr<float>(),   seg_v.data_ptr<float>(), static_cast<int32_t>(seg_near)};
   float* p = param.data_ptr<float>();
   const float* g = grad.data_ptr<float>();
   uint8_t* mc = m_codes.data_ptr<uint8_t>();
@@ -406,7 +414,7 @@ void adamw8bit_update(torch::Tensor param, torch::Tensor grad, torch::Tensor m_c
 // with the reference on adversarial values: thresholds, their neighbours, tiny and huge).
 std::tuple<torch::Tensor, torch::Tensor> quantize_blockwise(torch::Tensor x, bool is_signed,
                                                             torch::Tensor bucket, torch::Tensor thr,
-                                                            torch::Tensor seg, double seg_margin) {
+                                                            torch::Tensor seg, int64_t seg_near) {
   const int64_t n = x.numel();
   const int64_t nblocks = (n + kBlock - 1) / kBlock;
   check(x, at::kFloat, n, "x");
@@ -421,8 +429,9 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_blockwise(torch::Tensor x, boo
   const uint8_t* bp = bucket.data_ptr<uint8_t>();
   const float* tp = thr.data_ptr<float>();
 #ifdef OUTCORE_AVX512
-  const SegmentQuantizer<true> qs(seg.data_ptr<float>(), static_cast<float>(seg_margin));
-  const SegmentQuantizer<false> qu(seg.data_ptr<float>(), static_cast<float>(seg_margin));
+  TORCH_CHECK(seg_near >= 1 && seg_near < 1024, "seg_near=", seg_near, " must be in [1, 1024)");
+  const SegmentQuantizer<true> qs(seg.data_ptr<float>(), static_cast<int32_t>(seg_near));
+  const SegmentQuantizer<false> qu(seg.data_ptr<float>(), static_cast<int32_t>(seg_near));
 #endif
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t start = b * kBlock;

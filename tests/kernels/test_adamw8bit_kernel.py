@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from outcore.kernels.adamw8bit import (SEG_MARGIN, _segment_code_f, adamw8bit_update,
+from outcore.kernels.adamw8bit import (_segment_code_f, _segment_code_near, adamw8bit_update,
                                        coefficients, cpu_extension, cpu_isa, init_codes,
                                        quantize_blockwise_cpp, segment_tables)
 from outcore.kernels.quantize import (dequantize_blockwise, dynamic_map, num_blocks,
@@ -81,9 +81,9 @@ def test_segment_tables_equal_searchsorted_where_unflagged(signed):
     """The numpy model of the fast quantizer (the tables as the C++ kernel reads them)."""
     y = _adversarial(signed).numpy()
     f, _ = _segment_code_f(np.abs(y), np.signbit(y).astype(np.int64), segment_tables(signed).numpy())
-    flagged = np.abs(f - np.rint(f)) < SEG_MARGIN
+    code, flagged = _segment_code_near(f)
     want = np.searchsorted(thresholds(dynamic_map(signed)).numpy()[:255], y, side="left")
-    assert (np.floor(f).astype(np.int64)[~flagged] == want[~flagged]).all()
+    assert (code[~flagged] == want[~flagged]).all()
     assert flagged.sum() >= 255  # every threshold itself is flagged: the fallback is exercised
 
 
