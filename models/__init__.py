@@ -8,16 +8,18 @@ Public API::
     layers = decoder_layers(model)            # nn.ModuleList of blocks
     parts = model_parts(model)                # ModelParts(embed, layers, final_norm, lm_head, rotary, tied)
     max_positions(model); check_seq_len(model, seq_len)
+    model = add_lora(model, r=8, alpha=16, dropout=0.0, targets=["q_proj"], seed=0)  # peft
 """
 from ._gguf_cache import build_gguf_cache, default_cache_dir, gguf_cache_path
 from ._lazy import load_model_lazily
+from ._lora import add_lora
 from ._loader import (ModelSource, default_model_path, hub_offline, load_model, load_tokenizer,
                       resolve_model_spec)
 from ._structure import (SUPPORTED_MODEL_TYPES, ModelParts, check_seq_len, count_parameters,
                          decoder_layers, max_positions, model_parts, parameter_bytes)
 
 __all__ = [
-    "SUPPORTED_MODEL_TYPES", "ModelParts", "ModelSource", "build_gguf_cache", "check_seq_len",
+    "SUPPORTED_MODEL_TYPES", "ModelParts", "ModelSource", "add_lora", "build_gguf_cache", "check_seq_len",
     "count_parameters", "decoder_layers", "default_cache_dir", "default_model_path",
     "gguf_cache_path", "hub_offline", "load_model", "load_model_lazily", "load_tokenizer", "max_positions",
     "model_parts", "parameter_bytes", "resolve_model_spec",

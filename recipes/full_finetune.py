@@ -348,26 +348,11 @@ def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: An
 
 
 def _with_lora(model: torch.nn.Module, cfg: FinetuneConfig) -> torch.nn.Module:
-    """Wrap ``model`` with peft LoRA adapters on ``cfg.lora_targets``; the base is frozen.
+    """Wrap ``model`` with peft LoRA adapters on ``cfg.lora_targets`` (seeded; see ``add_lora``)."""
+    from ..models import add_lora
 
-    The adapters are initialized here from ``cfg.seed``, in module order, whether the
-    base is in memory or on the meta device (out of core: peft then leaves the
-    adapters on the meta device too): both runs start from the same adapters.
-    """
-    from peft import LoraConfig, get_peft_model
-
-    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=list(cfg.lora_targets), task_type="CAUSAL_LM")
-    model = get_peft_model(model, lora)
-    torch.manual_seed(cfg.seed)
-    for layer in model.modules():
-        if hasattr(layer, "reset_lora_parameters") and hasattr(layer, "lora_A"):
-            for adapter in layer.lora_A:
-                for part in (layer.lora_A[adapter], layer.lora_B[adapter]):
-                    if any(p.is_meta for p in part.parameters()):
-                        part.to_empty(device="cpu")
-                layer.reset_lora_parameters(adapter, init_lora_weights=True)
-    return model
+    return add_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                    targets=cfg.lora_targets, seed=cfg.seed)
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:

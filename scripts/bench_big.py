@@ -8,6 +8,13 @@ layer saw them, /proc/self/io) and peak RSS.
 
     python scripts/bench_big.py --json                 # 1.7B, AdamW8bit, 3 steps
     python scripts/bench_big.py --layers 4 --steps 2   # a quick check
+    python scripts/bench_big.py --method qlora --dtype bfloat16 --json
+                     # QLoRA: the frozen base streams as NF4, adapters resident
+
+``--method lora|qlora`` puts peft adapters (rank 16) on every linear layer of the
+blocks; their AdamW state stays in RAM and nothing is written back to NVMe.
+``--dtype bfloat16`` computes in bf16 (full fine-tune: with fp32 master weights in
+the state tier).
 """
 from __future__ import annotations
 
@@ -37,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefetch", type=int, default=1)
     ap.add_argument("--activations", default="recompute", help="keep | recompute | offload")
     ap.add_argument("--swap-dir", default=None, help="parent of the swap directory (default: tmp)")
+    ap.add_argument("--method", default="full", choices=("full", "lora", "qlora"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -45,38 +54,48 @@ def main(argv: list[str] | None = None) -> int:
 
     from outcore.activations import apply_activation_policy
     from outcore.kernels import CausalLMHeadLoss
+    from outcore.models import add_lora
     from outcore.models._lazy import materialize_buffers
     from outcore.offload import offload_model
+    from outcore.offload.training import plain_name
     from outcore.optim import build_optimizer
 
     torch.set_num_threads(os.cpu_count() or 1)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=args.layers,
                       num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048,
                       rope_theta=130000.0, tie_word_embeddings=True, use_cache=False)
+    dtype = getattr(torch, args.dtype)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg).to(dtype)
     materialize_buffers(model, cfg)
     n_params = sum(p.numel() for p in model.parameters())
+    base, adapters = model, args.method != "full"
+    if adapters:
+        model = add_lora(model, r=16, alpha=32, dropout=0.0, seed=0,
+                         targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 
     def init(slot, out):  # seeded per parameter: the same model every run
-        g = torch.Generator().manual_seed(zlib.crc32(slot.name.encode()))
+        g = torch.Generator().manual_seed(zlib.crc32(plain_name(slot.name).encode()))
         if out.dim() >= 2:
             out.normal_(0.0, 0.02, generator=g)
         else:
             out.fill_(1.0)
 
-    head = CausalLMHeadLoss(model.lm_head)
-    opt = build_optimizer(args.optim, list(model.parameters()), lr=1e-5, weight_decay=0.0)
+    head = CausalLMHeadLoss(base.lm_head)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = (torch.optim.AdamW(trainable, lr=1e-4, fused=True) if adapters
+           else build_optimizer(args.optim, trainable, lr=1e-5, weight_decay=0.0))
     swap = tempfile.mkdtemp(prefix="bench_big_", dir=args.swap_dir)
     t0 = time.perf_counter()
     om = offload_model(model, opt, offload="nvme", swap_dir=os.path.join(swap, "swap"), prefetch=args.prefetch,
-                       head_modules=[head], init_weights=init)
+                       head_modules=[head], init_weights=init, resident_trainable=adapters,
+                       quantize_frozen=args.method == "qlora")
     setup_s = time.perf_counter() - t0
     if args.activations != "keep":
-        apply_activation_policy(model, args.activations)
+        apply_activation_policy(base, args.activations)
 
     def loss_fn(m, ids):
-        return head(m.model(input_ids=ids).last_hidden_state, ids)
+        return head(base.model(input_ids=ids).last_hidden_state, ids)
 
     g = torch.Generator().manual_seed(0)
     times, reads, writes, losses = [], [], [], []
@@ -96,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"written {(w1 - w0) / 1e9:.2f} GB", file=sys.stderr, flush=True)
     om.close()
     out = {
-        "params": n_params, "layers": args.layers, "optim": args.optim, "seq_len": args.seq,
+        "params": n_params, "layers": args.layers, "method": args.method, "dtype": args.dtype,
+        "trainable_params": sum(p.numel() for p in trainable),
+        "optim": "adamw (adapters, resident)" if adapters else args.optim, "seq_len": args.seq,
         "batch_size": args.batch, "activations": args.activations, "setup_s": setup_s,
         "median_step_s": statistics.median(times), "min_step_s": min(times), "max_step_s": max(times),
         "bytes_read_per_step": int(statistics.median(reads)), "bytes_written_per_step": int(statistics.median(writes)),
