@@ -426,8 +426,35 @@ def quantize_blockwise_cpp(x: Tensor, signed: bool, isa: str | None = None) -> t
 
 
 def _update_cpp(ext, param, grad, m_codes, m_absmax, v_codes, v_absmax, c: Coefficients) -> None:
-    ext.adamw8bit_update(param, grad, m_codes, m_absmax, v_codes, v_absmax, *_cpu_tables(),
-                         SEG_NEAR, *c)
+    ext.adamw8bit_update(param, grad, m_codes, m_absmax, v_codes, v_absmax, list(_cpu_tables()),
+                         SEG_NEAR, list(c))
+
+
+def adamw8bit_update_many(params: list[Tensor], grads: list[Tensor], m_codes: list[Tensor],
+                          m_absmax: list[Tensor], v_codes: list[Tensor], v_absmax: list[Tensor],
+                          coeffs: list[Coefficients]) -> bool:
+    """Update many CPU tensors in one C++ call (one parallel region for all their blocks).
+
+    The optimizer's fast path: no per-tensor Python dispatch or thread fork/join. Same
+    numerics as :func:`adamw8bit_update` per tensor. Tensors must be flat and contiguous
+    (``param.view(-1)``); the C++ side checks dtypes and sizes (RuntimeError).
+
+    Args:
+        params, grads: (n_i,) float32 CPU tensors.
+        m_codes, v_codes: (n_i,) uint8.    m_absmax, v_absmax: (ceil(n_i / 256),) float32.
+        coeffs: each tensor's :class:`Coefficients` (its own step count).
+
+    Returns:
+        False (nothing done) where the extension is disabled or cannot be built: the caller
+        then updates tensor by tensor.
+    """
+    ext = cpu_extension()
+    if ext is None:
+        return False
+    flat = [float(x) for c in coeffs for x in c]
+    ext.adamw8bit_update_many(params, grads, m_codes, m_absmax, v_codes, v_absmax,
+                              list(_cpu_tables()), SEG_NEAR, flat)
+    return True
 
 
 # ---------------------------------------------------------------------------------

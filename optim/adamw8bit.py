@@ -24,7 +24,8 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
-from ..kernels.adamw8bit import IMPLS, adamw8bit_update, init_codes
+from ..kernels.adamw8bit import (IMPLS, adamw8bit_update, adamw8bit_update_many,
+                                 coefficients, init_codes)
 from ..kernels.quantize import SMALL_TENSOR_NUMEL, num_blocks
 from ._base import OutcoreOptimizer, StateSpec, check_hparams
 
@@ -82,21 +83,48 @@ class AdamW8bit(OutcoreOptimizer):
             state["v_codes"] = init_codes(p.numel(), False, p.device)
         return state
 
+    def _update_many_cpu(self, params: list[Tensor], grads: list[Tensor],
+                         states: list[dict[str, Tensor]], group: dict[str, Any]) -> bool:
+        """All 8-bit tensors in one C++ call (CPU, impl auto/cpp); False if not applicable."""
+        if self.impl not in ("auto", "cpp") or len(params) < 2:
+            return False
+        if not all(p.device.type == "cpu" and p.is_contiguous() and g.device.type == "cpu"
+                   and g.dtype == torch.float32 and g.shape == p.shape for p, g in zip(params, grads)):
+            return False
+        beta1, beta2 = group["betas"]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1)
+        coeffs = [coefficients(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
+                               float(t.item())) for t in steps]
+        flat = [g.reshape(-1) if g.is_contiguous() else g.contiguous().reshape(-1) for g in grads]
+        done = adamw8bit_update_many([p.view(-1) for p in params], flat,
+                                     [s["m_codes"] for s in states], [s["m_absmax"] for s in states],
+                                     [s["v_codes"] for s in states], [s["v_absmax"] for s in states],
+                                     coeffs)
+        if not done:
+            torch._foreach_sub_(steps, 1)  # the per-tensor path counts again
+            if self.impl == "cpp":
+                raise ValueError("impl='cpp' needs a buildable C++ extension "
+                                 "(unset OUTCORE_NO_CPP_EXT, install a C++ compiler)")
+        return done
+
     def update(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]],
                group: dict[str, Any]) -> None:
         """8-bit update of the large tensors, fused fp32 AdamW of the small ones."""
         beta1, beta2 = group["betas"]
         small = [i for i, s in enumerate(states) if "exp_avg" in s]
-        for i, (p, g, s) in enumerate(zip(params, grads, states)):
-            if "exp_avg" in s:
-                continue
-            s["step"].add_(1)
-            # .item() of a CPU tensor is free; on CUDA this is a sync point, once per tensor
-            # (the step count must reach the kernel as a scalar).
-            adamw8bit_update(p, g, s["m_codes"], s["m_absmax"], s["v_codes"], s["v_absmax"],
-                             lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                             weight_decay=group["weight_decay"], step=float(s["step"].item()),
-                             impl=self.impl)
+        big = [i for i, s in enumerate(states) if "exp_avg" not in s]
+        if big and not self._update_many_cpu([params[i] for i in big], [grads[i] for i in big],
+                                             [states[i] for i in big], group):
+            for i in big:
+                p, g, s = params[i], grads[i], states[i]
+                s["step"].add_(1)
+                # .item() of a CPU tensor is free; on CUDA this is a sync point, once per
+                # tensor (the step count must reach the kernel as a scalar).
+                adamw8bit_update(p, g, s["m_codes"], s["m_absmax"], s["v_codes"], s["v_absmax"],
+                                 lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                                 weight_decay=group["weight_decay"], step=float(s["step"].item()),
+                                 impl=self.impl)
         if small:
             steps = [states[i]["step"] for i in small]
             torch._foreach_add_(steps, 1)

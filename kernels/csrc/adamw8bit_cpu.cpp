@@ -352,13 +352,68 @@ void check(const torch::Tensor& t, at::ScalarType dtype, int64_t numel, const ch
 
 }  // namespace
 
-void adamw8bit_update(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes,
-                      torch::Tensor m_absmax, torch::Tensor v_codes, torch::Tensor v_absmax,
-                      torch::Tensor qmap_m, torch::Tensor qmap_v, torch::Tensor bucket_m,
-                      torch::Tensor thr_m, torch::Tensor bucket_v, torch::Tensor thr_v,
-                      torch::Tensor seg_m, torch::Tensor seg_v, int64_t seg_near,
-                      double beta1, double one_minus_beta1, double beta2, double one_minus_beta2,
-                      double inv_bc2_sqrt, double eps, double step_size, double decay) {
+namespace {
+
+struct Job {  // one tensor's update
+  float* p;
+  const float* g;
+  uint8_t* mc;
+  float* ma;
+  uint8_t* vc;
+  float* va;
+  int64_t n, nblocks;
+  Coeffs c;
+};
+
+Maps make_maps(const std::vector<torch::Tensor>& t, int64_t seg_near) {
+  // t: qmap_m, qmap_v, bucket_m, thr_m, bucket_v, thr_v, seg_m, seg_v
+  TORCH_CHECK(t.size() == 8, "expected 8 table tensors, got ", t.size());
+  check(t[0], at::kFloat, 256, "qmap_m");
+  check(t[1], at::kFloat, 256, "qmap_v");
+  check(t[2], at::kByte, kTableBytes, "bucket_m");
+  check(t[3], at::kFloat, 256, "thr_m");
+  check(t[4], at::kByte, kTableBytes, "bucket_v");
+  check(t[5], at::kFloat, 256, "thr_v");
+  check(t[6], at::kFloat, kSegRows * kSegCols, "seg_m");
+  check(t[7], at::kFloat, kSegRows * kSegCols, "seg_v");
+  TORCH_CHECK(seg_near >= 1 && seg_near < 1024, "seg_near=", seg_near, " must be in [1, 1024)");
+  return Maps{t[0].data_ptr<float>(), t[1].data_ptr<float>(), t[2].data_ptr<uint8_t>(),
+              t[3].data_ptr<float>(), t[4].data_ptr<uint8_t>(), t[5].data_ptr<float>(),
+              t[6].data_ptr<float>(), t[7].data_ptr<float>(), static_cast<int32_t>(seg_near)};
+}
+
+// All jobs' blocks, in chunks of kChunkBlocks, handed out dynamically: each worker pulls the
+// next chunk (of any tensor) until none is left, so a thread the OS parks on a shared machine
+// delays only the chunk it holds, and a whole optimizer step is one parallel region (one
+// fork/join, not one per tensor). The counter is all the workers share; chunks are disjoint.
+void run_jobs(const std::vector<Job>& jobs, const Maps& maps) {
+  std::vector<int64_t> first_chunk(jobs.size() + 1, 0);
+  for (size_t j = 0; j < jobs.size(); ++j)
+    first_chunk[j + 1] = first_chunk[j] + (jobs[j].nblocks + kChunkBlocks - 1) / kChunkBlocks;
+  const int64_t nchunks = first_chunk.back();
+  auto run_chunk = [&](int64_t k, const Tables& tables) {
+    const size_t j = std::upper_bound(first_chunk.begin(), first_chunk.end(), k) - first_chunk.begin() - 1;
+    const Job& t = jobs[j];
+    const int64_t b0 = (k - first_chunk[j]) * kChunkBlocks;
+    update_range(t.p, t.g, t.mc, t.ma, t.vc, t.va, maps, tables, t.n, b0,
+                 std::min(t.nblocks, b0 + kChunkBlocks), t.c);
+  };
+  const int64_t workers = std::min<int64_t>(at::get_num_threads(), nchunks);
+  if (workers <= 1) {
+    const Tables tables(maps);
+    for (int64_t k = 0; k < nchunks; ++k) run_chunk(k, tables);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    const Tables tables(maps);  // per worker: the maps' registers / L1 copies, built once
+    for (int64_t k = next.fetch_add(1); k < nchunks; k = next.fetch_add(1)) run_chunk(k, tables);
+  });
+}
+
+Job make_job(const torch::Tensor& param, const torch::Tensor& grad, const torch::Tensor& m_codes,
+             const torch::Tensor& m_absmax, const torch::Tensor& v_codes,
+             const torch::Tensor& v_absmax, const double* k) {
   const int64_t n = param.numel();
   const int64_t nblocks = (n + kBlock - 1) / kBlock;
   check(param, at::kFloat, n, "param");
@@ -367,47 +422,45 @@ void adamw8bit_update(torch::Tensor param, torch::Tensor grad, torch::Tensor m_c
   check(v_codes, at::kByte, n, "v_codes");
   check(m_absmax, at::kFloat, nblocks, "m_absmax");
   check(v_absmax, at::kFloat, nblocks, "v_absmax");
-  check(qmap_m, at::kFloat, 256, "qmap_m");
-  check(qmap_v, at::kFloat, 256, "qmap_v");
-  check(bucket_m, at::kByte, kTableBytes, "bucket_m");
-  check(bucket_v, at::kByte, kTableBytes, "bucket_v");
-  check(thr_m, at::kFloat, 256, "thr_m");
-  check(thr_v, at::kFloat, 256, "thr_v");
-  check(seg_m, at::kFloat, kSegRows * kSegCols, "seg_m");
-  check(seg_v, at::kFloat, kSegRows * kSegCols, "seg_v");
-  TORCH_CHECK(seg_near >= 1 && seg_near < 1024, "seg_near=", seg_near, " must be in [1, 1024)");
   // Scalars are rounded to fp32 exactly as PyTorch rounds Python scalars for fp32 tensors.
-  const Coeffs c{static_cast<float>(beta1),        static_cast<float>(one_minus_beta1),
-                 static_cast<float>(beta2),        static_cast<float>(one_minus_beta2),
-                 static_cast<float>(inv_bc2_sqrt), static_cast<float>(eps),
-                 static_cast<float>(step_size),    static_cast<float>(decay)};
-  const Maps maps{qmap_m.data_ptr<float>(),  qmap_v.data_ptr<float>(), bucket_m.data_ptr<uint8_t>(),
-                  thr_m.data_ptr<float>(),   bucket_v.data_ptr<uint8_t>(), thr_v.data_ptr<float>(),
-                  seg_m.data_ptr<float>(),   seg_v.data_ptr<float>(), static_cast<int32_t>(seg_near)};
-  float* p = param.data_ptr<float>();
-  const float* g = grad.data_ptr<float>();
-  uint8_t* mc = m_codes.data_ptr<uint8_t>();
-  uint8_t* vc = v_codes.data_ptr<uint8_t>();
-  float* ma = m_absmax.data_ptr<float>();
-  float* va = v_absmax.data_ptr<float>();
-  const int64_t nchunks = (nblocks + kChunkBlocks - 1) / kChunkBlocks;
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), nchunks);
-  if (workers <= 1) {
-    const Tables tables(maps);
-    update_range(p, g, mc, ma, vc, va, maps, tables, n, 0, nblocks, c);
-    return;
-  }
-  // Dynamic scheduling: each worker pulls the next chunk until none is left, so a thread that
-  // the OS parks (a shared machine) delays only the chunk it holds. The counter is the only
-  // thing the workers share; chunks are disjoint.
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
-    const Tables tables(maps);  // per worker: the maps' registers / L1 copies, built once
-    for (int64_t k = next.fetch_add(1); k < nchunks; k = next.fetch_add(1)) {
-      const int64_t b0 = k * kChunkBlocks;
-      update_range(p, g, mc, ma, vc, va, maps, tables, n, b0, std::min(nblocks, b0 + kChunkBlocks), c);
-    }
-  });
+  const Coeffs c{static_cast<float>(k[0]), static_cast<float>(k[1]), static_cast<float>(k[2]),
+                 static_cast<float>(k[3]), static_cast<float>(k[4]), static_cast<float>(k[5]),
+                 static_cast<float>(k[6]), static_cast<float>(k[7])};
+  return Job{param.data_ptr<float>(), grad.data_ptr<float>(), m_codes.data_ptr<uint8_t>(),
+             m_absmax.data_ptr<float>(), v_codes.data_ptr<uint8_t>(), v_absmax.data_ptr<float>(),
+             n, nblocks, c};
+}
+
+}  // namespace
+
+// One tensor. coeffs: beta1, 1 - beta1, beta2, 1 - beta2, 1 / sqrt(1 - beta2^t), eps,
+// lr / (1 - beta1^t), 1 - lr * wd (kernels/adamw8bit.py: Coefficients).
+void adamw8bit_update(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes,
+                      torch::Tensor m_absmax, torch::Tensor v_codes, torch::Tensor v_absmax,
+                      std::vector<torch::Tensor> tables, int64_t seg_near,
+                      std::vector<double> coeffs) {
+  TORCH_CHECK(coeffs.size() == 8, "expected 8 coefficients, got ", coeffs.size());
+  const Maps maps = make_maps(tables, seg_near);
+  run_jobs({make_job(param, grad, m_codes, m_absmax, v_codes, v_absmax, coeffs.data())}, maps);
+}
+
+// Many tensors in one parallel region; coeffs holds 8 per tensor, in order.
+void adamw8bit_update_many(std::vector<torch::Tensor> params, std::vector<torch::Tensor> grads,
+                           std::vector<torch::Tensor> m_codes, std::vector<torch::Tensor> m_absmax,
+                           std::vector<torch::Tensor> v_codes, std::vector<torch::Tensor> v_absmax,
+                           std::vector<torch::Tensor> tables, int64_t seg_near,
+                           std::vector<double> coeffs) {
+  const size_t k = params.size();
+  TORCH_CHECK(grads.size() == k && m_codes.size() == k && m_absmax.size() == k &&
+                  v_codes.size() == k && v_absmax.size() == k && coeffs.size() == 8 * k,
+              "adamw8bit_update_many: lists of different lengths");
+  const Maps maps = make_maps(tables, seg_near);
+  std::vector<Job> jobs;
+  jobs.reserve(k);
+  for (size_t i = 0; i < k; ++i)
+    jobs.push_back(make_job(params[i], grads[i], m_codes[i], m_absmax[i], v_codes[i], v_absmax[i],
+                            coeffs.data() + 8 * i));
+  run_jobs(jobs, maps);
 }
 
 // Block-wise quantization of `x` with the update's requantization code (tests compare it
@@ -459,5 +512,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_blockwise(torch::Tensor x, boo
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw8bit_update", &adamw8bit_update, "fused block-wise 8-bit AdamW update (in place)");
+  m.def("adamw8bit_update_many", &adamw8bit_update_many,
+        "fused block-wise 8-bit AdamW update of many tensors (in place, one parallel region)");
   m.def("quantize_blockwise", &quantize_blockwise, "block-wise 8-bit quantization (the update's path)");
 }

@@ -132,6 +132,25 @@ def test_lower_isa_builds_bit_identical(isa, monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_update_many_equals_per_tensor_reference():
+    """One C++ call over tensors of different sizes (partial blocks) and step counts."""
+    _needs_ext()
+    from outcore.kernels.adamw8bit import adamw8bit_update_many
+    sizes, steps = [256 * 64, 4099, 256 * 97 + 13], [1, 3, 7]
+    many = [_state(n, seed=i) for i, n in enumerate(sizes)]
+    ref = [[t.clone() for t in st] for st in many]
+    for rnd in range(3):
+        grads = [_grad(n, rnd + 10 * i) for i, n in enumerate(sizes)]
+        cs = [coefficients(HP["lr"], HP["beta1"], HP["beta2"], HP["eps"], HP["weight_decay"], s + rnd)
+              for s in steps]
+        assert adamw8bit_update_many(*[[st[k] for st in many] for k in range(1)], grads,
+                                     *[[st[k] for st in many] for k in range(1, 5)], cs)
+        for st, g, s in zip(ref, grads, steps):
+            adamw8bit_update(st[0], g, *st[1:], step=s + rnd, impl="ref", **HP)
+    for a, b in zip(many, ref):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def test_auto_is_the_op_and_matches_reference():
     ref, auto = _run("ref", 5000, 4), _run("auto", 5000, 4)
     for a, b in zip(ref, auto):
