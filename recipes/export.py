@@ -46,7 +46,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
 
     from ..models import load_model
 
-    model, tokenizer = load_model(cfg.model, dtype=torch_dtype(cfg.dtype))
+    model, tokenizer = load_model(cfg.model, dtype=torch_dtype(cfg.dtype), quantize_4bit=cfg.method == "qlora")
     if cfg.method in ("lora", "qlora"):
         from .full_finetune import _with_lora
         model = _with_lora(model, cfg)

@@ -201,6 +201,10 @@ def test_qlora_in_memory_and_offloaded(tiny_run_inputs, tmp_path):
         # adapted ones also carry two runs' adapters, trained through different matmul kernels
         adapted = any(f".{m}." in name for m in targets)
         torch.testing.assert_close(a.state_dict()[name], t, rtol=0, atol=5e-2 if adapted else 2e-3, msg=name)
+    from outcore.recipes.export import export_run  # the run's checkpoint (adapters) + the NF4 base
+    c = AutoModelForCausalLM.from_pretrained(export_run(ooc.output_dir)).state_dict()
+    for name, t in b.state_dict().items():
+        torch.testing.assert_close(c[name], t, rtol=0, atol=1e-6, msg=name)
     delta = [(a.state_dict()[n] - t).abs().max() for n, t in AutoModelForCausalLM.from_pretrained(
         lora.output_dir / "final").state_dict().items() if "q_proj" in n]
     assert max(delta) > 0  # the NF4 base differs from the plain base
