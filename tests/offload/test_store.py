@@ -347,3 +347,47 @@ def test_budget_error_names_fragmentation(tmp_path):
         big = s.register("big", data=torch.zeros(2 * quarter))  # 512 KiB: as much as is free, in two holes
         with pytest.raises(BudgetError, match=r"'big' \(0.5 MiB requested, 0.2 MiB held, largest free block 0.2 MiB"):
             s.fetch(big, "device")
+
+
+def test_large_blocks_come_from_the_top_so_small_ones_cannot_split_them():
+    """Regression: a HOST window of 2 large moments + small block states failed first-fit."""
+    from outcore.offload.arena import Arena, FreeList
+    from outcore.offload.directio import ALIGN, aligned_empty
+    arena = Arena(10 * ALIGN, aligned_empty, large_fraction=0.3)  # >= 3 pages is large
+    small = [arena.alloc(ALIGN) for _ in range(3)]  # bottom: pages 0..2
+    big1 = arena.alloc(4 * ALIGN)
+    assert big1.offset == 6 * ALIGN and all(b.offset < 3 * ALIGN for b in small)
+    for b in small:
+        arena.free(b)
+    big2 = arena.alloc(4 * ALIGN)  # first-fit would have put big1 at page 3: 3 + 3 pages free, no 4
+    assert big2 is not None and big2.offset == 2 * ALIGN
+    fl = FreeList(8 * ALIGN)
+    assert fl.alloc(ALIGN, high=True) == 7 * ALIGN and fl.alloc(ALIGN) == 0
+    assert fl.alloc(6 * ALIGN, high=True) == ALIGN and fl.alloc(1, high=True) is None
+    fl.free(ALIGN, 6 * ALIGN)
+    fl.free(0, ALIGN)
+    fl.free(7 * ALIGN, ALIGN)
+    assert fl.largest_free == fl.capacity  # coalesced back into one range
+    with pytest.raises(ValueError, match="large_fraction=1.5"):
+        Arena(ALIGN, aligned_empty, large_fraction=1.5)
+
+
+def test_free_list_high_and_low_allocations_never_overlap():
+    from outcore.offload.arena import FreeList
+    from outcore.offload.directio import ALIGN
+    rng = random.Random(7)
+    fl, live = FreeList(64 * ALIGN), []
+    for _ in range(400):
+        if live and rng.random() < 0.45:
+            fl.free(*live.pop(rng.randrange(len(live))))
+        else:
+            n = rng.randint(1, 6 * ALIGN)
+            off = fl.alloc(n, high=rng.random() < 0.5)
+            if off is None:
+                assert fl.largest_free < align_up(n)
+                continue
+            size = align_up(n)
+            assert off % ALIGN == 0 and off + size <= fl.capacity
+            assert all(off + size <= o or o + s <= off for o, s in live)
+            live.append((off, size))
+        assert fl.free_bytes == fl.capacity - sum(s for _, s in live)
