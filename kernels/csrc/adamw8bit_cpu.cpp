@@ -271,8 +271,8 @@ inline void update_block_avx512(float* __restrict pb, const float* __restrict gb
                                              _mm512_mul_ps(_mm512_div_ps(m, denom), ss)));
       _mm512_store_ps(mbuf + i, m);
       _mm512_store_ps(vbuf + i, v);
-      amax_m = _mm512_max_ps(amax_m, _mm512_abs_ps(m));
-      amax_v = _mm512_max_ps(amax_v, _mm512_abs_ps(v));
+      amax_m = _mm512_range_ps(amax_m, m, 0x0B);  // max(|amax|, |m|), sign cleared: one op
+      amax_v = _mm512_range_ps(amax_v, v, 0x0B);
     }
   }
   const float am_new = _mm512_reduce_max_ps(amax_m), av_new = _mm512_reduce_max_ps(amax_v);
