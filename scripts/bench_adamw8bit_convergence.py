@@ -13,9 +13,15 @@ hidden states: no [tokens, vocab] logits), the weights fp32. By default the two 
 by side in two processes of ``--threads`` (1) thread each: on a shared 2-core machine a
 multi-threaded step mostly waits at OpenMP barriers for a descheduled thread (that, and the
 full-logits loss, made the first version take ~10 s/step). Thread count changes the float
-summation order, so both runs always use the same one.
+summation order, so both runs always use the same one. Rows are 64 tokens by default (batch
+2): a step is ~1.2 s of one core, so 200 steps of both optimizers fit in ~15 minutes of a
+quiet 2-core machine (~26 minutes measured on a busy one).
 
-    python scripts/bench_adamw8bit_convergence.py [--steps 200] [--seq-len 128] [--quick] [--json]
+Measured (2026-11-22, shared 2-core box, 200 steps, seq 64, batch 2, lr 5e-5): fp32 AdamW
+final train loss (mean of the last 20 steps) 3.8210, AdamW8bit 3.8239 (+0.07%); last step
+3.9002 vs 3.8969 (-0.09%); validation 3.8675 vs 3.8727 (+0.13%).
+
+    python scripts/bench_adamw8bit_convergence.py [--steps 200] [--seq-len 64] [--quick] [--json]
 
 ``--quick`` runs 3 steps per optimizer (proves the script works; the figures mean nothing).
 """
