@@ -160,8 +160,9 @@ class ActivationOffloader:
         # dropped without a backward frees its stored bytes (_Block.__del__).
         self._blocks: dict[int, weakref.ref] = {}
         self._side: dict = {}  # CUDA side stream per device, created on first use
+        # stall_s: unpacks waiting for reads; backpressure_s: seals waiting for writes
         self.stats = {"offloaded_bytes": 0, "saved_bytes": 0, "kept_bytes": 0, "stall_s": 0.0,
-                      "tensors": 0, "blocks": 0}
+                      "backpressure_s": 0.0, "tensors": 0, "blocks": 0}
 
     # ------------------------------------------------------------------ forward
     @contextmanager
@@ -223,8 +224,11 @@ class ActivationOffloader:
                     f"{_fmt(self.store.held(Tier.NVME))} held): raise the NVMe budget, give the store a "
                     f"swap_dir, or keep/recompute more blocks")
         with self._cv:  # backpressure: bounded bytes waiting for the writer
-            while self._inflight and self._inflight + nbytes > self.max_inflight:
-                self._cv.wait()
+            if self._inflight and self._inflight + nbytes > self.max_inflight:
+                t0 = time.perf_counter()
+                while self._inflight and self._inflight + nbytes > self.max_inflight:
+                    self._cv.wait()
+                self.stats["backpressure_s"] += time.perf_counter() - t0
             self._inflight += nbytes
         ready = None
         if rec.pack.device is not None and rec.pack.device.type == "cuda":

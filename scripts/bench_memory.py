@@ -197,17 +197,25 @@ def _worker(args) -> dict:
             times: dict[str, list[float]] = {p: [] for p in plans}
             cpu: dict[str, list[float]] = {p: [] for p in plans}
             losses: dict[str, float] = {}
+            stats = handle.offloader.stats
+            waits = {"stall_s": 0.0, "backpressure_s": 0.0}
             for r in range(args.warmup + args.steps):
                 order = list(plans)[r % len(plans):] + list(plans)[:r % len(plans)]
                 for p in order:
                     handle.policies = plans[p]
+                    before = {k: stats[k] for k in waits}
                     t0, c0 = time.perf_counter(), time.process_time()
                     losses[p] = step()
                     if r >= args.warmup:
                         times[p].append(time.perf_counter() - t0)
                         cpu[p].append(time.process_time() - c0)
-            return {p: {"step_s": statistics.median(ts), "step_s_min": min(ts), "step_s_max": max(ts),
-                        "cpu_s": statistics.median(cpu[p]), "loss": losses[p]} for p, ts in times.items()}
+                        if p == "offload":
+                            for k in waits:
+                                waits[k] += (stats[k] - before[k]) / args.steps
+            res = {p: {"step_s": statistics.median(ts), "step_s_min": min(ts), "step_s_max": max(ts),
+                       "cpu_s": statistics.median(cpu[p]), "loss": losses[p]} for p, ts in times.items()}
+            res["offload"].update(waits)  # per step: time the forward/backward waited for I/O
+            return res
         finally:
             handle.remove()
             if store is not None:
