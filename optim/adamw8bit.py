@@ -19,7 +19,8 @@ bit-identical. Parameters must be float32 (they are the master weights).
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+import contextlib
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -128,9 +129,27 @@ class AdamW8bit(OutcoreOptimizer):
         if small:
             steps = [states[i]["step"] for i in small]
             torch._foreach_add_(steps, 1)
-            torch._fused_adamw_([params[i] for i in small], [grads[i] for i in small],
-                                [states[i]["exp_avg"] for i in small],
-                                [states[i]["exp_avg_sq"] for i in small], [], steps,
-                                lr=group["lr"], beta1=beta1, beta2=beta2,
-                                weight_decay=group["weight_decay"], eps=group["eps"],
-                                amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
+            # Each small tensor is microseconds of work, but the fused kernel opens one
+            # parallel region per tensor: on CPU run them on one thread (same bits; on a
+            # busy 2-core machine the regions' barrier waits were ~1000x the work).
+            with _one_cpu_thread(params[small[0]].device.type == "cpu"):
+                torch._fused_adamw_([params[i] for i in small], [grads[i] for i in small],
+                                    [states[i]["exp_avg"] for i in small],
+                                    [states[i]["exp_avg_sq"] for i in small], [], steps,
+                                    lr=group["lr"], beta1=beta1, beta2=beta2,
+                                    weight_decay=group["weight_decay"], eps=group["eps"],
+                                    amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
+
+
+@contextlib.contextmanager
+def _one_cpu_thread(active: bool) -> Iterator[None]:
+    """Intra-op parallelism off for the block (process-wide; restored on exit)."""
+    threads = torch.get_num_threads()
+    if not active or threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
