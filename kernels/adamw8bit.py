@@ -25,7 +25,8 @@ Implementations, all bit-identical (the tests check it):
   nothing is gathered: dequantization is in-register byte permutes (VBMI) or fp32 permutes,
   and quantization evaluates a verified piecewise-linear formula (:func:`segment_tables`)
   with an exact fallback next to code boundaries. Elsewhere a scalar loop with the 7 KiB
-  bucket table of ``kernels/quantize.py``. Blocks are handed to threads dynamically. The
+  bucket table of ``kernels/quantize.py``. Blocks are handed to threads dynamically, and
+  :func:`adamw8bit_update_many` updates all tensors of an optimizer step in one call. The
   fastest CPU path; ``OUTCORE_NO_CPP_EXT=1`` disables it and the reference serves.
 * ``torch.compile`` of the reference (``impl="compile"``, for comparison in benchmarks).
 * Triton for CUDA (``kernels/adamw8bit_triton.py``).
@@ -34,12 +35,14 @@ Exactness, not a tolerance: the reference's fp32 sqrt is made correctly rounded 
 the hardware instruction) because ``torch.sqrt`` on CPU is not (1 ulp off for ~20% of
 inputs here); every other op is IEEE-exact in both PyTorch and C++.
 
-Measured on the 2-core shared dev box (AMD EPYC, Zen 5; noisy; CPU time per element, one
-thread, side by side): the previous AVX-512 kernel (fp32-permute dequantization and a
-branch-free binary search for quantization) 1.6-1.7 ns/elem in L2, this one 0.55-0.6 ns/elem
-in L2 and 0.58-0.66 ns/elem streaming 16M-element tensors from DRAM, against torch's fused
-fp32 AdamW 0.47-0.54 ns/elem (it is bound by memory: 28 B/param against our 16).
-``scripts/bench_optim.py --impls`` compares ref / compile / C++ and the fused fp32 AdamW.
+Measured on the 2-core shared dev box (AMD EPYC, Zen 5; noisy: CPU time per element of one
+thread, 16M-element tensors streamed from DRAM, side by side): the previous AVX-512 kernel
+(fp32-permute dequantization, branch-free binary-search quantization) ~1.7 ns/elem, this one
+~0.56 ns/elem (~0.5 in L2), torch's fused fp32 AdamW ~0.43-0.48 ns/elem (it is bound by
+memory: 28 B/param against our 16). Per thread we are still ~20% slower than the fused fp32
+update; with both cores the optimizer's one parallel region per step (``adamw8bit_update_many``)
+is what wins on a busy machine. ``scripts/bench_optim.py --impls`` compares ref / compile / C++
+and the fused fp32 AdamW.
 """
 from __future__ import annotations
 
