@@ -95,8 +95,14 @@ class AdamW8bit(OutcoreOptimizer):
         beta1, beta2 = group["betas"]
         steps = [s["step"] for s in states]
         torch._foreach_add_(steps, 1)
-        coeffs = [coefficients(group["lr"], beta1, beta2, group["eps"], group["weight_decay"],
-                               float(t.item())) for t in steps]
+        by_step: dict[float, Any] = {}  # tensors usually share their step count
+        coeffs = []
+        for t in steps:
+            k = float(t.item())
+            if k not in by_step:
+                by_step[k] = coefficients(group["lr"], beta1, beta2, group["eps"],
+                                          group["weight_decay"], k)
+            coeffs.append(by_step[k])
         flat = [g.reshape(-1) if g.is_contiguous() else g.contiguous().reshape(-1) for g in grads]
         done = adamw8bit_update_many([p.view(-1) for p in params], flat,
                                      [s["m_codes"] for s in states], [s["m_absmax"] for s in states],
