@@ -107,14 +107,24 @@ class OutcoreTrainer:
 
     def __init__(self, kind: str, config: Any, seed: int, *, offload: str, optim: str, seq_len: int,
                  batch_size: int, hyper: dict[str, Any], work_dir: str, activations: str = "keep"):
+        self.work = Path(tempfile.mkdtemp(prefix="bench_outcore_", dir=work_dir))
+        self.lr = hyper["lr"]
+        try:
+            self._build(kind, config, seed, offload, optim, seq_len, batch_size, hyper, activations)
+        except BaseException:  # e.g. the plan does not fit: leave no swap files behind
+            import shutil
+
+            shutil.rmtree(self.work, ignore_errors=True)
+            raise
+
+    def _build(self, kind: str, config: Any, seed: int, offload: str, optim: str, seq_len: int,
+               batch_size: int, hyper: dict[str, Any], activations: str) -> None:
         from outcore.kernels.linear_cross_entropy import CausalLMHeadLoss
         from outcore.models import model_parts
         from outcore.recipes.config import FinetuneConfig
         from outcore.recipes.full_finetune import (build_optimizer, check_offload_supported, make_plan,
                                                    offload_from_plan)
 
-        self.work = Path(tempfile.mkdtemp(prefix="bench_outcore_", dir=work_dir))
-        self.lr = hyper["lr"]
         cfg = FinetuneConfig(offload=offload, optim=optim, seq_len=seq_len, batch_size=batch_size,
                              max_grad_norm=0.0, grad_accum=1, seed=seed, dtype="float32",
                              activations=activations, swap_dir=str(self.work / "swap"),

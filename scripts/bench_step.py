@@ -274,7 +274,11 @@ def child_main(args) -> None:
         reset = _reset_peak_rss()  # from here on VmHWM (and ru_maxrss) cover the training phase only
         trace.mark("train")
         t0 = time.perf_counter()
-        result = time_steps(step, batches, args.warmup)
+        try:
+            result = time_steps(step, batches, args.warmup)
+        except BaseException:
+            finish()  # close the trainer (its swap files go) before the error ends this child
+            raise
         result["wall_s"] = time.perf_counter() - t0
         result["peak_rss_train_bytes"] = status_bytes("VmHWM")["VmHWM"] if reset else None
         result["peak_rss_load_bytes"] = load_peak

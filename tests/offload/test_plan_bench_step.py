@@ -185,3 +185,13 @@ def test_quick_run_prints_the_json_contract(tmp_path):
     assert o["status"] == "ok" and o["bytes_written_per_step"] > 0
     assert o["losses"] == pytest.approx(m["losses"], abs=1e-5)  # the same job as the baseline
     assert set(o["rss_trace"]) == {"imports", "setup", "train", "finish"}
+
+
+def test_outcore_trainer_that_cannot_be_built_leaves_no_files(bench, tmp_path):
+    from _bench_outcore import OutcoreTrainer
+
+    from outcore.errors import ConfigError
+    with pytest.raises(ConfigError, match="optim='sgd'"):
+        OutcoreTrainer("tiny", bench.model_config("tiny"), 0, offload="nvme", optim="sgd", seq_len=32,
+                       batch_size=1, hyper=bench.HYPER, work_dir=str(tmp_path))
+    assert not any(tmp_path.iterdir())
