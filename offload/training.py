@@ -243,8 +243,10 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
     need_device = _window(w_sizes, 2 * k + 1)
     host_home = sum(w for w, (hw, _) in zip(w_sizes, homes) if hw is Tier.HOST)
     host_home += sum(s for s, (_, hs) in zip(s_sizes, homes) if hs is Tier.HOST)
-    # optimizer state streams through HOST: k prefetched, one updating, one writing back
-    need_host = host_home + (_window(s_sizes, k + 3) if any(hs is Tier.NVME for _, hs in homes) else 0)
+    # optimizer state streams through HOST: the unit updating and k prefetched (a copy still
+    # writing back is evicted when its write lands; the arena allocates large blocks from the
+    # top, so the embedding's state and the blocks' do not fragment each other)
+    need_host = host_home + (_window(s_sizes, k + 1) if any(hs is Tier.NVME for _, hs in homes) else 0)
     device = min(device_bytes, need_device) if device_bytes else need_device
     host = min(host_bytes, need_host) if host_bytes else need_host
     nvme_bytes = None

@@ -137,11 +137,15 @@ class StoreUnitMemory:
                 layout.append(entry)
                 inits.append(init)
             for kind, numel in sizes.items():
+                parts = [(entry[kind], init[kind]) for entry, init in zip(layout, inits)
+                         if kind in entry and init[kind].any()]
+                if not parts:  # all zeros (Adam moments): the store starts it as zeros, no I/O
+                    self.handles[(unit.index, kind)] = store.register(
+                        f"{unit.name}:{kind}", shape=(numel,), dtype=dtypes[kind], home=s_home)
+                    continue
                 flat = torch.zeros(numel, dtype=dtypes[kind])
-                for entry, init in zip(layout, inits):
-                    if kind in entry and init[kind].any():
-                        s = entry[kind]
-                        flat[s.offset:s.offset + s.shape.numel()].view(s.shape).copy_(init[kind])
+                for s, value in parts:
+                    flat[s.offset:s.offset + s.shape.numel()].view(s.shape).copy_(value)
                 self.handles[(unit.index, kind)] = store.register(f"{unit.name}:{kind}", data=flat,
                                                                   home=s_home)
             del masters, inits
