@@ -160,7 +160,7 @@ def _load_source(source: ModelSource, dtype: torch.dtype, cache_dir: str | Path 
 
 def _load_dir(location: str, dtype: torch.dtype, what: str, quantize_4bit: bool = False):
     try:
-        return _from_pretrained(location, dtype, quantize_4bit)
+        return _from_pretrained(location, dtype, quantize_4bit=quantize_4bit)
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise ModelError(f"cannot load the model in {what}: {_first_line(err)}") from err
 
@@ -169,7 +169,7 @@ def _load_hub(repo_id: str, dtype: torch.dtype, quantize_4bit: bool = False):
     offline = hub_offline()
     try:
         # Offline, a model already in the local HF cache still loads.
-        return _from_pretrained(repo_id, dtype, quantize_4bit, local_files_only=offline)
+        return _from_pretrained(repo_id, dtype, quantize_4bit=quantize_4bit, local_files_only=offline)
     except (OSError, ValueError) as err:
         if offline:
             raise ModelError(
