@@ -139,7 +139,7 @@ class ActivationOffloader:
     """
 
     def __init__(self, store: Any, *, min_bytes: int = _MIN_BYTES, prefetch_depth: int = 2,
-                 max_inflight_bytes: int = 128 << 20, io_threads: int = 2, pool_keep: int | None = None):
+                 max_inflight_bytes: int = 256 << 20, io_threads: int = 2, pool_keep: int | None = None):
         if prefetch_depth < 0 or min_bytes < 0 or max_inflight_bytes <= 0 or io_threads < 1:
             raise ValueError(f"prefetch_depth={prefetch_depth}, min_bytes={min_bytes}, "
                              f"max_inflight_bytes={max_inflight_bytes}, io_threads={io_threads}: "
