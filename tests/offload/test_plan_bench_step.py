@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import mmap
 import subprocess
 import sys
 from pathlib import Path
@@ -103,9 +104,13 @@ def test_add_ratios_names_every_comparison(bench):
 def test_rss_trace_records_each_phase(bench):
     trace = bench.RssTrace(interval=0.001)
     trace.mark("work")
-    blob = bytearray(32 << 20)  # touched: 32 MiB more resident
+    # fresh anonymous pages, each touched: 32 MiB more resident (a heap allocation could
+    # reuse pages an earlier test freed, and RSS would not grow)
+    blob = mmap.mmap(-1, 32 << 20)
+    for offset in range(0, 32 << 20, mmap.PAGESIZE):
+        blob[offset] = 1
     trace.mark("after")
-    del blob
+    blob.close()
     phases = trace.stop()
     assert list(phases) == ["imports", "work", "after"]
     work = phases["work"]
