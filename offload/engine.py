@@ -141,6 +141,7 @@ class OutOfCoreEngine:
         self.spill = spill_grads and not self.step_in_backward and not self.resident
         self._micro, self._n_micro = 0, 1  # which micro-batch of the step is running
         self._norms: dict[int, torch.Tensor] = {}  # id(param) -> norm of its spilled gradient
+        self._clip_norm: torch.Tensor | None = None  # this step's global norm (spill mode)
         self.mem = memory(self.units, optimizer)
         self._bound: dict[int, torch.Tensor] = {}  # unit -> resident flat weights bound to params
         self._pins: dict[int, int] = {}  # unit -> how many phases hold its weights
