@@ -342,6 +342,7 @@ def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: An
                          grad_accum=cfg.grad_accum, homes=homes,
                          resident_trainable=cfg.method in ("lora", "qlora"),
                          quantize_frozen=cfg.method == "qlora",
+                         spill_grads=any(u.grads is Tier.NVME for u in plan.units),
                          device_bytes=parse_bytes(cfg.device_mem) if cfg.device_mem else None,
                          host_bytes=parse_bytes(cfg.host_mem) if cfg.host_mem else None,
                          init_weights=None if fill is None else (lambda slot, t: fill(plain_name(slot.name), t)))
