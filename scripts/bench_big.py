@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     head = CausalLMHeadLoss(base.lm_head)
     trainable = [p for p in model.parameters() if p.requires_grad]
+    n_trainable = sum(p.numel() for p in trainable)  # before the engine empties streamed parameters
     opt = (torch.optim.AdamW(trainable, lr=1e-4, fused=True) if adapters
            else build_optimizer(args.optim, trainable, lr=1e-5, weight_decay=0.0))
     swap = tempfile.mkdtemp(prefix="bench_big_", dir=args.swap_dir)
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     om.close()
     out = {
         "params": n_params, "layers": args.layers, "method": args.method, "dtype": args.dtype,
-        "trainable_params": sum(p.numel() for p in trainable),
+        "trainable_params": n_trainable,
         "optim": "adamw (adapters, resident)" if adapters else args.optim, "seq_len": args.seq,
         "batch_size": args.batch, "activations": args.activations, "setup_s": setup_s,
         "median_step_s": statistics.median(times), "min_step_s": min(times), "max_step_s": max(times),
