@@ -62,6 +62,7 @@ class FinetuneConfig:
     host_mem: str | None = None  # HOST tier budget
     swap_dir: str | None = None  # NVMe swap directory (default: OUTPUT/swap)
     activations: str = "keep"  # auto | keep | recompute | offload
+    activations_keep_last: int = 1  # with offload: the last N blocks keep theirs (backward needs them first)
     # --- evaluation, logging, checkpoints --------------------------------------
     eval_every: int = 20  # steps between validation passes (0 = only before and after)
     eval_batches: int = 8  # micro-batches per validation pass (0 = the whole validation set)
@@ -90,7 +91,7 @@ class FinetuneConfig:
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
         for name in ("warmup_steps", "eval_every", "eval_batches", "save_every", "threads",
-                     "data_max_bytes"):
+                     "data_max_bytes", "activations_keep_last"):
             if int(getattr(self, name)) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 0")
         if not (self.lr > 0 and math.isfinite(self.lr)):

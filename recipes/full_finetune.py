@@ -99,7 +99,8 @@ class Recipe:
         self.activations = None
         if policy != "keep":
             from ..activations import apply_activation_policy
-            self.activations = apply_activation_policy(_unwrapped(self.model), policy)
+            self.activations = apply_activation_policy(_unwrapped(self.model), policy,
+                                                       keep_last=cfg.activations_keep_last)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
 

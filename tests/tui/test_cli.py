@@ -115,6 +115,7 @@ def test_dry_run_prints_config_and_does_not_train(fake_finetune, capsys):
     (["finetune", "optim=sgd"], "optim='sgd' is not one of"),
     (["finetune", "foo=1"], "unknown config key 'foo'"),
     (["finetune", "max_steps=abc"], "max_steps='abc' is not a valid int"),
+    (["finetune", "activations_keep_last=-1"], "activations_keep_last=-1 must be >= 0"),
     (["finetune", "--ui", "fancy"], "ui='fancy' is not one of"),
     (["finetune", "--method", "zo"], "method='zo' does not go with optim='adamw'"),
     (["finetune", "--config", "/no/such/run.yaml"], "config file '/no/such/run.yaml' does not exist"),
