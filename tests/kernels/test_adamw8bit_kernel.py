@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from outcore.kernels.adamw8bit import (_segment_code_f, _segment_code_near, adamw8bit_update,
-                                       coefficients, cpu_extension, cpu_isa, init_codes,
-                                       quantize_blockwise_cpp, segment_tables)
+from outcore.kernels.adamw8bit import (adamw8bit_update, coefficients, cpu_extension, cpu_isa,
+                                       init_codes, quantize_blockwise_cpp)
+from outcore.kernels.adamw8bit_segments import _segment_code_f, _segment_code_near, segment_tables
 from outcore.kernels.quantize import (dequantize_blockwise, dynamic_map, num_blocks,
                                       quantize_blockwise, thresholds)
 
