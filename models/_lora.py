@@ -38,3 +38,28 @@ def add_lora(model: torch.nn.Module, *, r: int, alpha: float, dropout: float, ta
                         part.to_empty(device="cpu")
                 layer.reset_lora_parameters(adapter, init_lora_weights=True)
     return model
+
+
+def lora_deltas(module: torch.nn.Module) -> dict[int, torch.Tensor]:
+    """The merged LoRA update of every adapted weight under ``module``, in fp32.
+
+    Returns:
+        ``id(base weight)`` -> the sum of its active adapters' ``get_delta_weight``
+        (the weight's shape, scaling included); empty for a module without adapters.
+    """
+    deltas: dict[int, torch.Tensor] = {}
+    for layer in module.modules():
+        if not (hasattr(layer, "get_delta_weight") and hasattr(layer, "get_base_layer")):
+            continue
+        key = id(layer.get_base_layer().weight)
+        for adapter in layer.active_adapters:
+            if adapter in getattr(layer, "lora_A", {}):
+                with torch.no_grad():
+                    d = layer.get_delta_weight(adapter).float()
+                deltas[key] = deltas[key] + d if key in deltas else d
+    return deltas
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name in the plain model, from its name under a peft wrapper."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")

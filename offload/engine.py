@@ -33,9 +33,8 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
+from .unit_memory import GRADS
 from .units import Unit, causal_lm_units
-
-GRADS = "g"  # UnitMemory kind of a unit's spilled gradients
 
 _EMPTY: dict[torch.dtype, torch.Tensor] = {}
 

@@ -126,19 +126,15 @@ class OffloadedModel:
     def merged_weights(self, unit: Unit) -> dict[str, torch.Tensor]:
         """The unit's weights as a plain model has them: LoRA deltas merged in, peft's
         name prefixes dropped (``base_model.model.``, ``.base_layer``)."""
+        from ..models import lora_deltas, plain_name
+
         tensors = self.named_weights(unit)
-        slot_of = {id(s.param): s.name for s in unit.slots}
+        deltas: dict[int, torch.Tensor] = {}
         for module in unit.modules:
-            for layer in module.modules():
-                if not (hasattr(layer, "get_delta_weight") and hasattr(layer, "get_base_layer")):
-                    continue
-                name = slot_of.get(id(layer.get_base_layer().weight))
-                if name is None:
-                    continue
-                with torch.no_grad():
-                    for adapter in layer.active_adapters:
-                        if adapter in getattr(layer, "lora_A", {}):
-                            tensors[name] += layer.get_delta_weight(adapter).to(tensors[name].dtype)
+            deltas.update(lora_deltas(module))
+        for s in unit.slots:
+            if id(s.param) in deltas:
+                tensors[s.name] += deltas[id(s.param)].to(tensors[s.name].dtype)
         return {plain_name(n): t for n, t in tensors.items()}
 
     def export_hf(self, out_dir: str | Path, hf_config: Any, tokenizer: Any = None) -> Path:
@@ -264,12 +260,6 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
         store.close()
         raise
     return OffloadedModel(engine, store, Path(swap_dir) if uses_nvme else None)
-
-
-def plain_name(name: str) -> str:
-    """A parameter's name in the plain model, from its name under a peft wrapper."""
-    name = name.removeprefix("base_model.model.")
-    return name.replace(".base_layer.", ".")
 
 
 def _itemsize(unit: Unit) -> int:

@@ -153,17 +153,9 @@ def _save_dequantized_merged(model: torch.nn.Module, directory: Path) -> None:
 
     from safetensors.torch import save_file
 
-    from ..offload.training import plain_name
+    from ..models import lora_deltas, plain_name
 
-    deltas: dict[int, torch.Tensor] = {}
-    for layer in model.modules():
-        if hasattr(layer, "get_delta_weight") and hasattr(layer, "get_base_layer"):
-            weight = layer.get_base_layer().weight
-            for adapter in layer.active_adapters:
-                if adapter in getattr(layer, "lora_A", {}):
-                    with torch.no_grad():
-                        d = layer.get_delta_weight(adapter).float()
-                    deltas[id(weight)] = deltas[id(weight)] + d if id(weight) in deltas else d
+    deltas = lora_deltas(model)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     dtype = base.config.dtype if isinstance(base.config.dtype, torch.dtype) else torch.float32
     state = {}

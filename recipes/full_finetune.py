@@ -330,9 +330,10 @@ def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: An
 
     ``fill(name, out)`` reads a weight of a meta-device model (see ``load_model_lazily``).
     """
+    from ..models import plain_name
     from ..offload.handle import Tier
     from ..offload.plan import parse_bytes
-    from ..offload.training import offload_model, plain_name
+    from ..offload.training import offload_model
 
     home = {Tier.DEVICE: Tier.HOST, Tier.HOST: Tier.HOST, Tier.NVME: Tier.NVME}
     homes = [(home[u.weights], home[u.state or u.weights]) for u in plan.units]

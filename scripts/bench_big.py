@@ -54,10 +54,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from outcore.activations import apply_activation_policy
     from outcore.kernels import CausalLMHeadLoss
-    from outcore.models import add_lora
+    from outcore.models import add_lora, plain_name
     from outcore.models._lazy import materialize_buffers
     from outcore.offload import offload_model
-    from outcore.offload.training import plain_name
     from outcore.optim import build_optimizer
 
     torch.set_num_threads(os.cpu_count() or 1)
