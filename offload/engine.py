@@ -59,10 +59,20 @@ class UnitMemory(Protocol):
     """Where the engine's flat unit buffers live (implemented over the TieredStore).
 
     ``kind`` is ``"w"`` (weights) or an optimizer-state name (``"exp_avg"`` …);
-    ``unit_kinds[i]`` lists the state names unit ``i`` has.
+    ``unit_kinds[i]`` lists the state names unit ``i`` fetches whole. A unit in
+    ``pieces`` (its one trainable parameter's element ranges) has the rest of its state
+    in pieces, kinds ``piece_kinds(i, piece)``, assembled by ``piece_state``.
     """
 
     unit_kinds: list[list[str]]
+    pieces: dict[int, list[tuple[int, int]]]
+
+    def piece_kinds(self, unit: int, piece: int) -> list[str]:
+        """The state kinds of one piece of a pieced unit."""
+
+    def piece_state(self, unit: int, k: int, piece: int, whole: dict[str, torch.Tensor],
+                    part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The optimizer's state dict for one piece of slot ``k``."""
 
     def prefetch(self, unit: int, kind: str) -> None:
         """Start bringing ``kind`` of ``unit`` to the working tier (no wait)."""
@@ -240,8 +250,7 @@ class OutOfCoreEngine:
             self.mem.prefetch(j, "w")
         if self.step_in_backward:
             for j in range(index, max(-1, index - self.prefetch_depth), -1):
-                for kind in self._state_kinds(j):
-                    self.mem.prefetch(j, kind)
+                self._prefetch_state(j)
 
     def _grad_ready(self, index: int) -> None:
         """One more parameter of unit ``index`` has its gradient; the last one ends its backward."""
@@ -283,26 +292,18 @@ class OutOfCoreEngine:
         """The optimizer-state tensor classes unit ``index`` has (a norm-only unit may lack some)."""
         return self.mem.unit_kinds[index]
 
-    def _update(self, index: int) -> None:
-        """Run the optimizer update of one unit, in place, and let it go dirty."""
-        unit = self.units[index]
-        train = [k for k, s in enumerate(unit.slots) if s.param.requires_grad]
-        if not train:
-            return
-        self._bind(index)
-        flats = {kind: self.mem.acquire(index, kind) for kind in self._state_kinds(index)}
-        self.mem.before_update(index, "w")
-        w = self._bound[index]
-        params = [unit.view(w, unit.slots[k]) for k in train]
-        if self.spill:
-            flat = self.mem.acquire(index, GRADS)
-            for k in train:
-                unit.slots[k].param.grad = unit.view(flat, unit.slots[k])
-            if self._clip_norm is not None:  # torch's own clip arithmetic, on this unit's share
-                torch.nn.utils.clip_grads_with_norm_([unit.slots[k].param for k in train],
-                                                     self.max_grad_norm, self._clip_norm)
-        grads = [unit.slots[k].param.grad for k in train]
-        states = [self.mem.state_views(index, flats, k) for k in train]
+    def _prefetch_state(self, index: int) -> None:
+        """Start fetching what unit ``index``'s update reads first: its state (the first piece of
+        a pieced unit's)."""
+        for kind in self._state_kinds(index):
+            self.mem.prefetch(index, kind)
+        if index in self.mem.pieces:
+            for kind in self.mem.piece_kinds(index, 0):
+                self.mem.prefetch(index, kind)
+
+    def _step(self, params: list[torch.Tensor], grads: list[torch.Tensor],
+              states: list[dict[str, torch.Tensor]]) -> None:
+        """The optimizer's update of ``params`` in place (through fp32 masters when the state has them)."""
         group = {**self.group, "lr": self._lr}
         with torch.no_grad():
             if states and "master" in states[0]:
@@ -315,6 +316,54 @@ class OutOfCoreEngine:
                     p.copy_(m)
             else:
                 self.optimizer.update(params, grads, states, group)
+
+    def _update_pieces(self, index: int, k: int) -> None:
+        """Update the one trainable parameter (slot ``k``) of a pieced unit a piece at a time,
+        each piece's state fetched while the one before is updated (see ``state_pieces``)."""
+        unit, pieces = self.units[index], self.mem.pieces[index]
+        whole = {kind: self.mem.acquire(index, kind) for kind in self._state_kinds(index)}
+        start = {kind: t.clone() for kind, t in whole.items()}  # the step count every piece advances
+        param = unit.view(self._bound[index], unit.slots[k]).view(-1)
+        grad = unit.slots[k].param.grad.reshape(-1)
+        for i, (a, b) in enumerate(pieces):
+            for j in range(i + 1, min(len(pieces), i + 1 + self.prefetch_depth)):
+                for kind in self.mem.piece_kinds(index, j):
+                    self.mem.prefetch(index, kind)
+            part = {kind: self.mem.acquire(index, kind) for kind in self.mem.piece_kinds(index, i)}
+            for kind, t in whole.items():
+                t.copy_(start[kind])
+            self._step([param[a:b]], [grad[a:b]], [self.mem.piece_state(index, k, i, whole, part)])
+            for kind in part:
+                self.mem.release(index, kind, dirty=True)  # written back while the next piece updates
+
+    def _update(self, index: int) -> None:
+        """Run the optimizer update of one unit, in place, and let it go dirty."""
+        unit = self.units[index]
+        train = [k for k, s in enumerate(unit.slots) if s.param.requires_grad]
+        if not train:
+            return
+        self._bind(index)
+        if index in self.mem.pieces:
+            self.mem.before_update(index, "w")
+            self._update_pieces(index, train[0])
+            unit.slots[train[0]].param.grad = None
+            for kind in self._state_kinds(index):
+                self.mem.release(index, kind, dirty=True)
+            self._unbind(index, dirty=True)
+            return
+        flats = {kind: self.mem.acquire(index, kind) for kind in self._state_kinds(index)}
+        self.mem.before_update(index, "w")
+        w = self._bound[index]
+        params = [unit.view(w, unit.slots[k]) for k in train]
+        if self.spill:
+            flat = self.mem.acquire(index, GRADS)
+            for k in train:
+                unit.slots[k].param.grad = unit.view(flat, unit.slots[k])
+            if self._clip_norm is not None:  # torch's own clip arithmetic, on this unit's share
+                torch.nn.utils.clip_grads_with_norm_([unit.slots[k].param for k in train],
+                                                     self.max_grad_norm, self._clip_norm)
+        grads = [unit.slots[k].param.grad for k in train]
+        self._step(params, grads, [self.mem.state_views(index, flats, k) for k in train])
         for k in train:
             unit.slots[k].param.grad = None  # freed now: step-in-backward never holds all gradients
         if self.spill:
@@ -407,8 +456,9 @@ class OutOfCoreEngine:
         for at, index in enumerate(trainable):
             for j in trainable[at:at + self.prefetch_depth]:
                 self.mem.prefetch(j, "w")
-                for kind in self._state_kinds(j) + ([GRADS] if self.spill else []):
-                    self.mem.prefetch(j, kind)
+                self._prefetch_state(j)
+                if self.spill:
+                    self.mem.prefetch(j, GRADS)
             self._update(index)
         self.last_grad_norm = norm
         return norm

@@ -27,7 +27,7 @@ from .engine import OutOfCoreEngine
 from .handle import Tier
 from .nf4 import NF4Layout
 from .store import TieredStore
-from .unit_memory import StoreUnitMemory, unit_state_bytes
+from .unit_memory import WEIGHTS, StoreUnitMemory, state_pieces, unit_state_bytes
 from .units import Unit
 
 # At the turn of the step the engine wants the unit computing, its borrowed (tied)
@@ -88,7 +88,9 @@ class OffloadedModel:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         for unit in self.engine.units:
-            tensors = {kind: self.store.load(h) for (i, kind), h in self.mem.handles.items() if i == unit.index}
+            # a pieced state is saved joined: the checkpoint does not depend on the split
+            tensors = {WEIGHTS: self.store.load(self.mem.handles[(unit.index, WEIGHTS)]),
+                       **{kind: self.mem.state(unit.index, kind) for kind in self.mem.kinds(unit.index)}}
             save_file({k: t.contiguous() for k, t in tensors.items()}, str(d / f"{unit.name}.safetensors"))
         (d / "units.json").write_text(json.dumps([u.name for u in self.engine.units]))
 
@@ -109,11 +111,10 @@ class OffloadedModel:
                                   f"this one has {len(names)}); resume with the same --model")
         for unit in self.engine.units:
             tensors = load_file(str(d / f"{unit.name}.safetensors"))
-            for (i, kind), h in self.mem.handles.items():
-                if i != unit.index:
-                    continue
+            for kind in [WEIGHTS, *self.mem.kinds(unit.index)]:
+                shape, dtype = self.mem.kind_layout(unit.index, kind)
                 t = tensors.get(kind)
-                if t is None or tuple(t.shape) != tuple(h.shape) or t.dtype != h.dtype:
+                if t is None or tuple(t.shape) != shape or t.dtype != dtype:
                     raise CheckpointError(f"{unit.name}.{kind} in {str(d)!r} does not match this run's "
                                           "optimizer state; resume with the same --optim and --model")
                 self.mem.overwrite(unit.index, kind, t)
@@ -182,7 +183,8 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                   head_modules: list[torch.nn.Module] | tuple[torch.nn.Module, ...] = (),
                   init_weights: Callable[[Any, torch.Tensor], None] | None = None,
                   resident_trainable: bool = False, master_weights: bool = True,
-                  quantize_frozen: bool = False, spill_grads: bool | None = None) -> OffloadedModel:
+                  quantize_frozen: bool = False, spill_grads: bool | None = None,
+                  split_state: bool = True) -> OffloadedModel:
     """Move ``model``'s weights and ``optimizer``'s state into tiers and wrap it for training.
 
     Args:
@@ -209,6 +211,10 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
         spill_grads: with clipping or accumulation, write each unit's gradients to the
             optimizer state's tier as soon as they are complete (default: when that tier
             is NVMe), so gradients never all sit in RAM.
+        split_state: stream the state of a unit far larger than a block (the embedding)
+            in block-sized pieces when the optimizer updates element-wise (see
+            ``unit_memory.state_pieces``), so the HOST window is a few blocks, not the
+            embedding's whole state. Bit-identical either way.
 
     Returns:
         The :class:`OffloadedModel`.
@@ -236,13 +242,21 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
     w_sizes = [_arena_bytes(NF4Layout(u, _dtype(u)).nbytes if quantize_frozen and NF4Layout.any_quantized(u)
                             else u.numel * _itemsize(u)) for u in units]
     s_sizes = [_arena_bytes(kinds) for kinds in unit_state_bytes(units, optimizer, master_weights, spill_grads)]
+    # A unit whose streamed state dwarfs a block's (the embedding) streams it in block-sized
+    # pieces when the optimizer is element-wise; spilled gradients are not split, so not with them.
+    piece_bytes = None if spill_grads or not split_state or len(s_sizes) < 2 else sorted(s_sizes)[-2]
+    window_sizes = list(s_sizes)
+    for i, unit in enumerate(units):
+        split = state_pieces(unit, optimizer, piece_bytes, master_weights) if homes[i][1] is Tier.NVME else None
+        if split is not None:
+            window_sizes[i] = _arena_bytes(split.handle_bytes)
     need_device = _window(w_sizes, 2 * k + 1)
     host_home = sum(w for w, (hw, _) in zip(w_sizes, homes) if hw is Tier.HOST)
     host_home += sum(s for s, (_, hs) in zip(s_sizes, homes) if hs is Tier.HOST)
     # optimizer state streams through HOST: the unit updating and k prefetched (a copy still
     # writing back is evicted when its write lands; the arena allocates large blocks from the
     # top, so the embedding's state and the blocks' do not fragment each other)
-    need_host = host_home + (_window(s_sizes, k + 1) if any(hs is Tier.NVME for _, hs in homes) else 0)
+    need_host = host_home + (_window(window_sizes, k + 1) if any(hs is Tier.NVME for _, hs in homes) else 0)
     device = min(device_bytes, need_device) if device_bytes else need_device
     host = min(host_bytes, need_host) if host_bytes else need_host
     nvme_bytes = None
@@ -253,7 +267,8 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                                  lambda us, opt: StoreUnitMemory(store, us, opt, homes=homes,
                                                                  init_weights=init_weights,
                                                                  master_weights=master_weights,
-                                                                 quantize_frozen=quantize_frozen),
+                                                                 quantize_frozen=quantize_frozen,
+                                                                 state_piece_bytes=piece_bytes),
                                  prefetch=k, max_grad_norm=max_grad_norm, grad_accum=grad_accum, units=units,
                                  spill_grads=spill_grads)
     except BaseException:

@@ -57,12 +57,19 @@ class StoreUnitMemory:
             keep an fp32 master copy as optimizer state (kind ``master``, in the state
             tier); the optimizer updates the master, the engine rounds it into the
             16-bit weights. ``init_weights`` then fills the master, in fp32.
+        state_piece_bytes: split the state of a unit larger than this (an embedding: 49152
+            x 576 fp32 Adam moments are 216 MiB, a block's 27 MiB) into pieces of about
+            this size, each its own handle (kind ``exp_avg@3``), when the optimizer
+            updates element-wise (see :func:`state_pieces`); the engine then updates the
+            unit piece by piece and the HOST window holds one piece, not the whole state.
+            None: never split.
     """
 
     def __init__(self, store: TieredStore, units: list[Unit], optimizer, home: Tier = Tier.NVME,
                  homes: list[tuple[Tier, Tier]] | None = None,
                  init_weights: Callable[[ParamSlot, torch.Tensor], None] | None = None,
-                 master_weights: bool = True, quantize_frozen: bool = False):
+                 master_weights: bool = True, quantize_frozen: bool = False,
+                 state_piece_bytes: int | None = None):
         self.store = store
         self.units = units
         self.homes = homes or [(Tier.parse(home), Tier.parse(home))] * len(units)
@@ -71,8 +78,18 @@ class StoreUnitMemory:
         self.unit_kinds: list[list[str]] = []  # per unit, its state tensor classes
         self.nf4: dict[int, NF4Layout] = {}  # quantized units (QLoRA)
         self._decoded: dict[int, torch.Tensor] = {}  # quantized unit -> its dequantized weights
+        # pieced units: unit -> element ranges of its one trainable parameter, and
+        # kind -> parameter elements per state element (0: the kind stays whole)
+        self.pieces: dict[int, list[tuple[int, int]]] = {}
+        self.piece_ratios: dict[int, dict[str, int]] = {}
+        self._flat_layout: dict[tuple[int, str], tuple[int, torch.dtype]] = {}  # (unit, kind) -> numel, dtype
         group = optimizer.param_groups[0]
         for unit in units:
+            w_home, s_home = self.homes[unit.index]
+            # state at home in HOST is not streamed: splitting it would save nothing
+            split = state_pieces(unit, optimizer, state_piece_bytes, master_weights) if s_home is Tier.NVME else None
+            if split is not None:
+                self.pieces[unit.index], self.piece_ratios[unit.index] = split.ranges, split.ratios
             w = torch.empty(unit.numel, dtype=_unit_dtype(unit))
             masters: dict[int, torch.Tensor] = {}  # slot index -> fp32 master (mixed precision)
             for k, slot in enumerate(unit.slots):
@@ -97,7 +114,6 @@ class StoreUnitMemory:
                     unit.view(w, slot).copy_(slot.param.data)
                     if wants_master:
                         masters[k].copy_(slot.param.data)
-            w_home, s_home = self.homes[unit.index]
             if quantize_frozen and NF4Layout.any_quantized(unit):
                 layout4 = self.nf4[unit.index] = NF4Layout(unit, w.dtype)
                 w4 = torch.zeros(layout4.nbytes, dtype=torch.uint8)
@@ -136,21 +152,26 @@ class StoreUnitMemory:
                     sizes[kind] = sizes.get(kind, 0) + _pad(max(n, 1), dtype.itemsize)
                 layout.append(entry)
                 inits.append(init)
+            self._flat_layout[(unit.index, WEIGHTS)] = (self.handles[(unit.index, WEIGHTS)].numel,
+                                                        self.handles[(unit.index, WEIGHTS)].dtype)
             for kind, numel in sizes.items():
+                self._flat_layout[(unit.index, kind)] = (numel, dtypes[kind])
                 parts = [(entry[kind], init[kind]) for entry, init in zip(layout, inits)
                          if kind in entry and init[kind].any()]
-                if not parts:  # all zeros (Adam moments): the store starts it as zeros, no I/O
-                    self.handles[(unit.index, kind)] = store.register(
-                        f"{unit.name}:{kind}", shape=(numel,), dtype=dtypes[kind], home=s_home)
-                    continue
-                flat = torch.zeros(numel, dtype=dtypes[kind])
-                for s, value in parts:
-                    flat[s.offset:s.offset + s.shape.numel()].view(s.shape).copy_(value)
-                self.handles[(unit.index, kind)] = store.register(f"{unit.name}:{kind}", data=flat,
-                                                                  home=s_home)
+                flat = None  # all zeros (Adam moments): the store starts it as zeros, no I/O
+                if parts:
+                    flat = torch.zeros(numel, dtype=dtypes[kind])
+                    for s, value in parts:
+                        flat[s.offset:s.offset + s.shape.numel()].view(s.shape).copy_(value)
+                for name, lo, hi in self._kind_ranges(unit.index, kind, numel):
+                    self.handles[(unit.index, name)] = store.register(
+                        f"{unit.name}:{name}", home=s_home, shape=None if parts else (hi - lo,),
+                        dtype=None if parts else dtypes[kind], data=None if flat is None else flat[lo:hi].clone())
+                del flat
             del masters, inits
             self.state_layout.append(layout)
-            self.unit_kinds.append(list(sizes))
+            ratios = self.piece_ratios.get(unit.index, {})
+            self.unit_kinds.append([kind for kind in sizes if not ratios.get(kind)])
             for slot in unit.slots:  # the store holds the unit now: free the model's own copy
                 slot.param.data = torch.empty(0, dtype=slot.param.dtype)
         self._pinned: dict[tuple[int, str], Future] = {}  # fetched and not yet released
@@ -254,6 +275,38 @@ class StoreUnitMemory:
         return {kind: flats[kind][s.offset:s.offset + s.shape.numel()].view(s.shape)
                 for kind, s in self.state_layout[unit][k].items()}
 
+    # -- pieced units (see state_pieces) -------------------------------------------------
+    def _kind_ranges(self, unit: int, kind: str, numel: int) -> list[tuple[str, int, int]]:
+        """(handle kind, first, end) of the state elements of ``kind``: one range, or one per piece."""
+        ratio = self.piece_ratios.get(unit, {}).get(kind)
+        if not ratio:
+            return [(kind, 0, numel)]
+        return [(f"{kind}@{i}", a // ratio, -(-b // ratio)) for i, (a, b) in enumerate(self.pieces[unit])]
+
+    def piece_kinds(self, unit: int, piece: int) -> list[str]:
+        """The handle kinds of piece ``piece`` of a pieced unit's state."""
+        return [f"{kind}@{piece}" for kind, ratio in self.piece_ratios[unit].items() if ratio]
+
+    def piece_state(self, unit: int, k: int, piece: int, whole: dict[str, torch.Tensor],
+                    part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The optimizer state of elements ``pieces[unit][piece]`` of the unit's ``k``-th
+        parameter: its own pieces (``part``, by handle kind) and the whole kinds (``whole``)."""
+        ratios, layout = self.piece_ratios[unit], self.state_layout[unit][k]
+        return {kind: part[f"{kind}@{piece}"] if ratios[kind]
+                else whole[kind][s.offset:s.offset + s.shape.numel()].view(s.shape)
+                for kind, s in layout.items()}
+
+    def kinds(self, unit: int) -> list[str]:
+        """Every state kind of ``unit`` (pieced or not), in ``state_spec`` order."""
+        layout = self.state_layout[unit]
+        return list(dict.fromkeys(kind for entry in layout for kind in entry))
+
+    def kind_layout(self, unit: int, kind: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """(shape, dtype) of the flat buffer of ``kind`` (``w`` or a state kind) as
+        :meth:`state` returns it, pieced or not."""
+        numel, dtype = self._flat_layout[(unit, kind)]
+        return (numel,), dtype
+
     # -- internals --------------------------------------------------------------------
     stall_s = 0.0
 
@@ -304,9 +357,24 @@ class StoreUnitMemory:
         return self._decode(unit, raw) if unit in self.nf4 else raw
 
     def state(self, unit: int, kind: str) -> torch.Tensor:
-        return self.store.load(self.handles[(unit, kind)])
+        """A CPU copy of the unit's state ``kind`` (a pieced kind's pieces joined)."""
+        if not self.piece_ratios.get(unit, {}).get(kind):
+            return self.store.load(self.handles[(unit, kind)])
+        numel, dtype = self._flat_layout[(unit, kind)]
+        out = torch.zeros(numel, dtype=dtype)  # the padding after the last piece stays zero
+        for name, lo, hi in self._kind_ranges(unit, kind, numel):
+            out[lo:hi] = self.store.load(self.handles[(unit, name)])
+        return out
 
     def overwrite(self, unit: int, kind: str, value: torch.Tensor) -> None:
+        """Replace the unit's state ``kind`` (or its weights, ``w``): see :meth:`_overwrite`."""
+        if kind != WEIGHTS and self.piece_ratios.get(unit, {}).get(kind):
+            for name, lo, hi in self._kind_ranges(unit, kind, 0):
+                self._overwrite(unit, name, value.reshape(-1)[lo:hi])
+            return
+        self._overwrite(unit, kind, value)
+
+    def _overwrite(self, unit: int, kind: str, value: torch.Tensor) -> None:
         """Replace a handle's value (resume from a checkpoint): through a pinned working copy,
         marked dirty and written home, so every tier agrees afterwards."""
         key = (unit, kind)
@@ -319,6 +387,61 @@ class StoreUnitMemory:
         if tier is not h.home:
             self.store.evict(h, tier).result()
             self._unpinned.pop(key, None)
+
+
+#: piece boundaries fall on multiples of this many elements: whole 8-bit quantization
+#: blocks (256) and whole pages of every dtype
+PIECE_ALIGN = 4096
+
+
+@dataclass
+class StatePieces:
+    """How a unit's optimizer state is split (see :func:`state_pieces`)."""
+
+    ranges: list[tuple[int, int]]  # element ranges [a, b) of the unit's trainable parameter
+    ratios: dict[str, int]  # kind -> parameter elements per state element; 0: kept whole
+    handle_bytes: dict[str, int]  # kind -> bytes of its largest handle (a piece, or the whole)
+
+
+def state_pieces(unit: Unit, optimizer, piece_bytes: int | None, master_weights: bool = True
+                 ) -> StatePieces | None:
+    """How to split ``unit``'s optimizer state into pieces of about ``piece_bytes``, if at all.
+
+    A unit is split when it has one trainable parameter, its state is over 1.5 x
+    ``piece_bytes`` and the optimizer updates element-wise
+    (``OutcoreOptimizer.elementwise_state``): updating elements [a, b) with the state
+    of [a, b) then gives the same bits as updating the whole.
+    """
+    train = [s for s in unit.slots if s.param.requires_grad]
+    ratios_of = getattr(optimizer, "elementwise_state", None)
+    if not piece_bytes or len(train) != 1 or ratios_of is None:
+        return None
+    slot = train[0]
+    state = unit_state_bytes([unit], optimizer, master_weights)[0]
+    total = sum(state.values())
+    if total <= 1.5 * piece_bytes:
+        return None
+    group = optimizer.param_groups[0]
+    target = slot.param
+    if master_weights and needs_master(slot.param):
+        target = torch.empty(slot.shape, dtype=MASTER_DTYPE, device="meta")
+    ratios = ratios_of(target, group)
+    if ratios is None:
+        return None
+    if master_weights and needs_master(slot.param):
+        ratios = {"master": 1, **ratios}
+    if set(ratios) != set(state) or any(r and PIECE_ALIGN % r for r in ratios.values()):
+        return None
+    n = slot.numel
+    count = -(-total // piece_bytes)
+    step = -(-n // count // PIECE_ALIGN) * PIECE_ALIGN
+    bounds = list(range(0, n, step)) + [n]
+    ranges = list(zip(bounds, bounds[1:]))
+    spec = optimizer.state_spec(target, group)
+    itemsize = {"master": MASTER_DTYPE.itemsize, **{k: dtype.itemsize for k, (_, dtype) in spec.items()}}
+    handle_bytes = {k: state[k] if not r else max(-(-b // r) - a // r for a, b in ranges) * itemsize[k]
+                    for k, r in ratios.items()}
+    return StatePieces(ranges, ratios, handle_bytes)
 
 
 def needs_master(param: torch.Tensor) -> bool:

@@ -53,6 +53,27 @@ class OutcoreOptimizer(torch.optim.Optimizer):
         return {name: torch.zeros(shape, dtype=dtype, device=p.device)
                 for name, (shape, dtype) in self.state_spec(p, group).items()}
 
+    def elementwise_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, int] | None:
+        """How ``p``'s state lines up with its elements, if the update is element-wise.
+
+        An optimizer whose update of element ``i`` reads only element ``i`` of the
+        gradient and of its state (Adam and its 8-bit form; not a projection method)
+        lets the out-of-core engine update a large parameter — an embedding — a piece
+        at a time, so its state streams through memory in pieces instead of whole.
+
+        Args:
+            p: the parameter (any shape; its elements are taken in row-major order).
+            group: its param group.
+
+        Returns:
+            None when the update mixes elements (the default). Otherwise, per state
+            name of :meth:`state_spec`, how many consecutive elements of ``p`` share one
+            state element: 1 (a state shaped like ``p``), ``b`` (one per block of ``b``
+            elements, e.g. an absmax) or 0 (one for the whole tensor, e.g. the step
+            count, which every piece reads and advances alike).
+        """
+        return None
+
     def update(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]],
                group: dict[str, Any]) -> None:
         """Update ``params`` and ``states`` in place from ``grads`` (one block, one group).

@@ -43,6 +43,10 @@ class AdamW(OutcoreOptimizer):
                 "exp_avg": (p.shape, p.dtype),
                 "exp_avg_sq": (p.shape, p.dtype)}
 
+    def elementwise_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, int]:
+        """Element-wise: the moments line up with ``p``; one step count per tensor."""
+        return {"step": 0, "exp_avg": 1, "exp_avg_sq": 1}
+
     def update(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]],
                group: dict[str, Any]) -> None:
         """One fused AdamW step of ``params`` (same call as torch's fused AdamW)."""
