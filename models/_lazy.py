@@ -37,7 +37,7 @@ def _weight_files(directory: Path) -> dict[str, Path]:
 
 
 def load_model_lazily(spec: str | Path = "default", *, dtype: torch.dtype | str = torch.float32,
-                      cache_dir: str | Path | None = None
+                      cache_dir: str | Path | None = None, tokenizer: bool = True
                       ) -> tuple[torch.nn.Module, Any, Callable[[str, torch.Tensor], None]]:
     """A model on the meta device, its tokenizer, and a reader for its weights.
 
@@ -46,6 +46,7 @@ def load_model_lazily(spec: str | Path = "default", *, dtype: torch.dtype | str 
             dequantized into its safetensors cache first).
         dtype: parameter dtype.
         cache_dir: the GGUF cache location.
+        tokenizer: also load the tokenizer (else None in its place; see ``load_model``).
 
     Returns:
         ``(model, tokenizer, fill)``; ``fill(name, out)`` copies parameter ``name``
@@ -79,7 +80,7 @@ def load_model_lazily(spec: str | Path = "default", *, dtype: torch.dtype | str 
         with safe_open(str(path), "pt") as f:  # memory-mapped: only this tensor's pages are read
             out.copy_(f.get_tensor(name))
 
-    return model, load_tokenizer(spec, cache_dir=cache_dir), fill
+    return model, load_tokenizer(spec, cache_dir=cache_dir) if tokenizer else None, fill
 
 
 def materialize_buffers(model: torch.nn.Module, config: Any) -> None:

@@ -134,11 +134,12 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def _from_pretrained(location: str, dtype: torch.dtype, quantize_4bit: bool = False, **kwargs: Any):
-    """``AutoModelForCausalLM`` + ``AutoTokenizer`` from a directory or hub id."""
+def _from_pretrained(location: str, dtype: torch.dtype, quantize_4bit: bool = False, tokenizer: bool = True,
+                     **kwargs: Any):
+    """``AutoModelForCausalLM`` + ``AutoTokenizer`` (or None) from a directory or hub id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: ~2 s import
 
-    tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(location, **kwargs) if tokenizer else None
     extra: dict[str, Any] = {}
     if quantize_4bit:  # QLoRA: bitsandbytes NF4 linear layers computing in `dtype`
         from transformers import BitsAndBytesConfig
@@ -149,27 +150,30 @@ def _from_pretrained(location: str, dtype: torch.dtype, quantize_4bit: bool = Fa
 
 
 def _load_source(source: ModelSource, dtype: torch.dtype, cache_dir: str | Path | None,
-                 quantize_4bit: bool = False):
+                 quantize_4bit: bool = False, tokenizer: bool = True):
     if source.kind == "gguf":
         entry = build_gguf_cache(source.location, cache_dir)
-        return _load_dir(str(entry), dtype, what=f"the cache of '{source.location}'", quantize_4bit=quantize_4bit)
+        return _load_dir(str(entry), dtype, what=f"the cache of '{source.location}'", quantize_4bit=quantize_4bit,
+                         tokenizer=tokenizer)
     if source.kind == "hf_dir":
-        return _load_dir(source.location, dtype, what=f"'{source.location}'", quantize_4bit=quantize_4bit)
-    return _load_hub(source.location, dtype, quantize_4bit)
+        return _load_dir(source.location, dtype, what=f"'{source.location}'", quantize_4bit=quantize_4bit,
+                         tokenizer=tokenizer)
+    return _load_hub(source.location, dtype, quantize_4bit, tokenizer)
 
 
-def _load_dir(location: str, dtype: torch.dtype, what: str, quantize_4bit: bool = False):
+def _load_dir(location: str, dtype: torch.dtype, what: str, quantize_4bit: bool = False, tokenizer: bool = True):
     try:
-        return _from_pretrained(location, dtype, quantize_4bit=quantize_4bit)
+        return _from_pretrained(location, dtype, quantize_4bit=quantize_4bit, tokenizer=tokenizer)
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         raise ModelError(f"cannot load the model in {what}: {_first_line(err)}") from err
 
 
-def _load_hub(repo_id: str, dtype: torch.dtype, quantize_4bit: bool = False):
+def _load_hub(repo_id: str, dtype: torch.dtype, quantize_4bit: bool = False, tokenizer: bool = True):
     offline = hub_offline()
     try:
         # Offline, a model already in the local HF cache still loads.
-        return _from_pretrained(repo_id, dtype, quantize_4bit=quantize_4bit, local_files_only=offline)
+        return _from_pretrained(repo_id, dtype, quantize_4bit=quantize_4bit, tokenizer=tokenizer,
+                                local_files_only=offline)
     except (OSError, ValueError) as err:
         if offline:
             raise ModelError(
@@ -187,7 +191,7 @@ def _load_hub(repo_id: str, dtype: torch.dtype, quantize_4bit: bool = False):
 
 
 def load_model(spec: str | Path = "default", *, dtype: torch.dtype | str = torch.float32,
-               cache_dir: str | Path | None = None, quantize_4bit: bool = False):
+               cache_dir: str | Path | None = None, quantize_4bit: bool = False, tokenizer: bool = True):
     """Load a causal LM and its tokenizer.
 
     Args:
@@ -197,6 +201,8 @@ def load_model(spec: str | Path = "default", *, dtype: torch.dtype | str = torch
             ``~/.cache/outcore``).
         quantize_4bit: QLoRA: load the linear layers as bitsandbytes NF4 (computing in
             ``dtype``); embeddings, norms and the head stay in ``dtype``.
+        tokenizer: also load the tokenizer (~140 MiB of RAM for SmolLM2's); False
+            returns None in its place, for a process that is handed token ids.
 
     Returns:
         ``(model, tokenizer)``: a ``PreTrainedModel`` in eval mode on the CPU, and its
@@ -209,7 +215,7 @@ def load_model(spec: str | Path = "default", *, dtype: torch.dtype | str = torch
     """
     dtype = _as_dtype(dtype)
     source = resolve_model_spec(spec)
-    model, tokenizer = _load_source(source, dtype, cache_dir, quantize_4bit)
+    model, tokenizer = _load_source(source, dtype, cache_dir, quantize_4bit, tokenizer)
     model_type = getattr(model.config, "model_type", "?")
     if model_type not in SUPPORTED_MODEL_TYPES:
         log.warning("model type %r is outside the tested families (%s); the out-of-core "

@@ -315,9 +315,9 @@ def _build(w: Workload, lay: Layout, st: StepTime, batch: int, offload: str, opt
                      "optimizer is measured)")
     if not w.budgets.measured:
         notes.append("disk and copy speeds are fallbacks, not measured (run `outcore doctor`)")
-    if lay.streamed and lay.prefetch < 2:
-        notes.append("DEVICE fits only one unit ahead: fetches will not overlap compute; "
-                     "raise --device-mem or lower --batch-size")
+    if lay.streamed and lay.prefetch < prefetch_depth(w, lay, batch):
+        notes.append(f"DEVICE fits only {lay.prefetch} unit(s) ahead, fewer than the I/O needs to hide "
+                     "behind compute; raise --device-mem or lower --batch-size")
     if w.grads_kept:
         notes.append("gradient clipping / accumulation: gradients are kept until every unit has one "
                      "and updates run after the backward")

@@ -172,7 +172,11 @@ def account(w: Workload, lay: Layout, batch: int) -> Accounting:
         acc.add(Tier.DEVICE, "grad window", 2 * max(us[i].grads for i in streamed))
         acc.add(Tier.DEVICE, "alignment", (k + 3) * slack)
         nvme_w = [us[i].weights for i in streamed if lay.weights[i] == Tier.NVME]
-        nvme_s = [us[i].state for i in streamed if lay.state[i] == Tier.NVME]
+        # a unit whose state streams in pieces stages a piece at a time (not when its
+        # gradients spill: the engine then updates it whole)
+        spilled = w.grads_kept
+        nvme_s = [us[i].state_piece if us[i].state_piece and not (spilled and lay.grads[i] == Tier.NVME)
+                  else us[i].state for i in streamed if lay.state[i] == Tier.NVME]
         nvme_g = [us[i].grads for i in streamed if lay.grads[i] == Tier.NVME and w.grads_kept]
         kinds = max(us[i].state_kinds for i in streamed)
         if nvme_w:
@@ -284,9 +288,12 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
 def prefetch_depth(w: Workload, lay: Layout, batch: int, max_depth: int = 4) -> int:
     """Units to keep in flight so a unit's fetch hides behind the previous units' compute.
 
-    ``1 + ceil(fetch time / compute time)`` per unit, at least 2 (double
-    buffering), at most ``max_depth``: when I/O is slower than compute a deeper
-    queue cannot raise the rate, it only absorbs jitter.
+    A unit fetched ``k`` units ahead has ``k`` units' compute to land in, so ``k`` is
+    ``ceil(1.25 x fetch time / compute time)`` per unit (a quarter of slack for
+    jitter), at least 1 (the next unit loads while this one computes), at most
+    ``max_depth``: when I/O is slower than compute a deeper queue cannot raise the
+    rate, it only absorbs jitter. Every unit of depth costs DEVICE (and HOST) room for
+    two more units, so no deeper than the I/O needs.
     """
     streamed = lay.streamed
     if not streamed:
@@ -295,4 +302,4 @@ def prefetch_depth(w: Workload, lay: Layout, batch: int, max_depth: int = 4) -> 
     visits = max(1, len(streamed) * (2 if w.has_backward else 1))
     per_unit_io = max(st.disk_s, st.io_s["h2d"] + st.io_s["d2h"]) / visits
     per_unit_compute = max(st.compute_s, 1e-9) / max(1, len(w.units) * (2 if w.has_backward else 1))
-    return int(min(max_depth, max(2, 1 + math.ceil(per_unit_io / per_unit_compute))))
+    return int(min(max_depth, max(1, math.ceil(1.25 * per_unit_io / per_unit_compute))))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from ..errors import ConfigError, ModelError
@@ -239,6 +239,7 @@ class UnitBytes:
     borrows: tuple[int, ...] = ()
     tensors: int = 0  # parameters the unit owns (each is 64-byte aligned in the unit's flat buffer)
     state_kinds: int = 0  # flat state buffers per unit (exp_avg, exp_avg_sq, ..., fp32 master)
+    state_piece: int = 0  # when its state streams in pieces (unit_memory.state_pieces): a piece's bytes
 
 
 def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str,
@@ -297,7 +298,21 @@ def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str,
         out.append(UnitBytes(u.name, u.kind, weights=base, grads=0, state=0, trainable=adapter_n,
                              frozen_weights=base, adapter_bytes=adapter,
                              matmul_params=matmul + adapter_n, borrows=u.borrows, tensors=len(u.params)))
-    return out
+    return _with_state_pieces(out) if method == "full" and optim in ELEMENTWISE_OPTIMIZERS else out
+
+
+#: optimizers whose update is element-wise (``OutcoreOptimizer.elementwise_state``)
+ELEMENTWISE_OPTIMIZERS = ("adamw", "adamw8bit")
+
+
+def _with_state_pieces(units: list[UnitBytes]) -> list[UnitBytes]:
+    """Mark the units whose state the engine streams in block-sized pieces: a single tensor
+    (the embedding) whose state is over 1.5 x the second-largest unit's (``state_pieces``)."""
+    sizes = sorted(u.state for u in units)
+    if len(sizes) < 2:
+        return units
+    piece = sizes[-2]
+    return [replace(u, state_piece=piece) if u.tensors == 1 and u.state > 1.5 * piece else u for u in units]
 
 
 # ---------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..kernels.adamw8bit import (IMPLS, adamw8bit_update, adamw8bit_update_many,
                                  coefficients, init_codes)
-from ..kernels.quantize import SMALL_TENSOR_NUMEL, num_blocks
+from ..kernels.quantize import BLOCKSIZE, SMALL_TENSOR_NUMEL, num_blocks
 from ._base import OutcoreOptimizer, StateSpec, check_hparams
 
 
@@ -75,6 +75,13 @@ class AdamW8bit(OutcoreOptimizer):
                 "m_absmax": (torch.Size([nb]), torch.float32),
                 "v_codes": (torch.Size([n]), torch.uint8),
                 "v_absmax": (torch.Size([nb]), torch.float32)}
+
+    def elementwise_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, int]:
+        """Element-wise: codes line up with ``p``, one absmax per 256-element block (pieces
+        start on block boundaries), one step count per tensor."""
+        if not self.is_8bit(p, group):
+            return {"step": 0, "exp_avg": 1, "exp_avg_sq": 1}
+        return {"step": 0, "m_codes": 1, "m_absmax": BLOCKSIZE, "v_codes": 1, "v_absmax": BLOCKSIZE}
 
     def init_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
         """Zero moments: codes set to each map's index of 0 (not code 0)."""

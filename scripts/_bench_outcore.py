@@ -70,7 +70,7 @@ def full_model(kind: str, config: Any, seed: int) -> torch.nn.Module:
     if kind == "default":
         from outcore.models import load_model
 
-        model, _tokenizer = load_model("default", dtype=torch.float32)
+        model, _ = load_model("default", dtype=torch.float32, tokenizer=False)  # the parent tokenizes
     else:
         model = materialize(meta_model(config), random_fill(seed))
     model.config.use_cache = False  # the KV cache is for generation
@@ -82,7 +82,7 @@ def lazy_model(kind: str, config: Any, seed: int) -> tuple[torch.nn.Module, Call
     if kind == "default":
         from outcore.models import load_model_lazily
 
-        model, _tokenizer, fill = load_model_lazily("default", dtype=torch.float32)
+        model, _, fill = load_model_lazily("default", dtype=torch.float32, tokenizer=False)
     else:
         model, fill = meta_model(config), random_fill(seed)
     model.config.use_cache = False

@@ -111,7 +111,7 @@ def test_hub_id_without_network(monkeypatch):
     with pytest.raises(ModelError, match=r"cannot reach the Hugging Face Hub to download 'org/m' "
                                          r"\(offline or no network"):
         load_model("org/m")
-    assert calls == [{"quantize_4bit": False, "local_files_only": False}]
+    assert calls == [{"quantize_4bit": False, "tokenizer": True, "local_files_only": False}]
 
 
 def test_hub_id_that_does_not_exist(monkeypatch):

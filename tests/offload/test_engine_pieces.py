@@ -143,3 +143,23 @@ def test_only_elementwise_optimizers_split(tiny_llama_factory):
     assert state_pieces(units[0], GaLore(m.parameters(), rank=4), 64 << 10) is None
     assert state_pieces(units[0], AdamW(m.parameters()), 64 << 20) is None  # already small enough
     assert state_pieces(units[1], AdamW(m.parameters()), 1024) is None  # a block: many tensors
+
+
+def test_pieced_adamw8bit_is_bit_identical(tiny_llama_factory, tmp_path):
+    """8-bit moments: pieces start on quantization-block boundaries, so each block's absmax
+    is the same as when the tensor is updated whole."""
+    from outcore.optim import AdamW8bit
+
+    ref, ooc = _model(tiny_llama_factory), _model(tiny_llama_factory)
+    opt = AdamW8bit(ref.parameters(), lr=LR, weight_decay=WD)
+    om = offload_model(ooc, AdamW8bit(ooc.parameters(), lr=LR, weight_decay=WD), offload="nvme",
+                       swap_dir=tmp_path / "swap", prefetch=1)
+    assert len(om.mem.pieces.get(0, [])) >= 2 and "m_absmax" in om.mem.piece_ratios[0]
+    g = torch.Generator().manual_seed(5)
+    for _ in range(5):
+        ids = torch.randint(0, VOCAB, (2, 24), generator=g)
+        assert torch.equal(_reference_step(ref, opt, ids, 0.0), om.train_step(_loss, [ids], LR))
+    state = opt.state[ref.model.embed_tokens.weight]
+    for kind in ("m_codes", "m_absmax", "v_codes", "v_absmax"):
+        assert torch.equal(om.mem.state(0, kind)[:state[kind].numel()], state[kind].view(-1)), kind
+    om.close()
