@@ -14,35 +14,44 @@ rounding per operation; the scalar coefficients are computed in Python (double) 
 rounded to fp32, as PyTorch does for Python scalars. The param step uses the fresh fp32
 moments, before they are requantized (as bitsandbytes does).
 
-Implementations, all bit-identical (the tests check it):
+Implementations (the tests check each claim):
 
 * :func:`adamw8bit_update_ref` — pure PyTorch; defines the numerics.
 * a C++ extension (``kernels/csrc/adamw8bit_cpu.cpp``), built on first use with
   ``torch.utils.cpp_extension.load`` and cached in ``TORCH_EXTENSIONS_DIR``: ``-O3
   -ffp-contract=off`` plus the flags of the CPU's ISA level (:func:`cpu_isa`: AVX512_VBMI,
   AVX512, AVX2 or DEFAULT; each level has its own cache entry, so a cache copied to an
-  older CPU is never loaded there; ``OUTCORE_CPU_ISA`` picks a lower level). On AVX-512
-  nothing is gathered: dequantization is in-register byte permutes (VBMI) or fp32 permutes,
-  and quantization evaluates a verified piecewise-linear formula (:func:`segment_tables`)
-  with an exact fallback next to code boundaries. Elsewhere a scalar loop with the 7 KiB
-  bucket table of ``kernels/quantize.py``. Blocks are handed to threads dynamically, and
-  :func:`adamw8bit_update_many` updates all tensors of an optimizer step in one call. The
-  fastest CPU path; ``OUTCORE_NO_CPP_EXT=1`` disables it and the reference serves.
-* ``torch.compile`` of the reference (``impl="compile"``, for comparison in benchmarks).
-* Triton for CUDA (``kernels/adamw8bit_triton.py``).
+  older CPU is never loaded there; ``OUTCORE_CPU_ISA`` picks a lower level). Blocks are
+  handed to threads dynamically, and :func:`adamw8bit_update_many` updates all tensors of
+  an optimizer step in one call. The fastest CPU path; ``OUTCORE_NO_CPP_EXT=1`` disables
+  it and the reference serves.
 
-Exactness, not a tolerance: the reference's fp32 sqrt is made correctly rounded (numpy's,
-the hardware instruction) because ``torch.sqrt`` on CPU is not (1 ulp off for ~20% of
-inputs here); every other op is IEEE-exact in both PyTorch and C++.
+  - Its scalar path (any CPU, and every partial last block) is bit-identical to the
+    reference: the 7 KiB bucket table of ``kernels/quantize.py`` and one rounding per op.
+  - Its AVX-512 path is *not* bit-identical, by design: FMAs, ``lr / (1 - beta1^t)`` folded
+    into the denominator, in-register exact map lookups (byte permutes, no gathers) and a
+    piecewise-linear quantizer whose tables are verified exhaustively
+    (``kernels/adamw8bit_segments.py``). Contract, per step against the reference from the
+    same state: params within 1e-6 relative, block absmax within 4 ulp, codes equal except
+    for values within ``SEG_TOL`` (2^-14) code spacings of a threshold, which may be one
+    code off (measured: ~1e-5 of ordinary values). Bit-exactness cost ~1.4x the cycles (a
+    guard band with a scalar redo, no FMAs) and kept the update slower than torch's fused
+    fp32 AdamW. The path is deterministic: the same bits for any thread
+    count, per tensor or batched, so out-of-core runs still equal in-memory runs bit for
+    bit (both call this kernel).
+* ``torch.compile`` of the reference (``impl="compile"``, for comparison in benchmarks),
+  bit-identical to the reference.
+* Triton for CUDA (``kernels/adamw8bit_triton.py``), bit-identical to the reference.
 
-Measured on the 2-core shared dev box (AMD EPYC, Zen 5; noisy: CPU time per element of one
-thread, 16M-element tensors streamed from DRAM, side by side): the previous AVX-512 kernel
-(fp32-permute dequantization, branch-free binary-search quantization) ~1.7 ns/elem, this one
-~0.56 ns/elem (~0.5 in L2), torch's fused fp32 AdamW ~0.43-0.48 ns/elem (it is bound by
-memory: 28 B/param against our 16). Per thread we are still ~20% slower than the fused fp32
-update; with both cores the optimizer's one parallel region per step (``adamw8bit_update_many``)
-is what wins on a busy machine. ``scripts/bench_optim.py --impls`` compares ref / compile / C++
-and the fused fp32 AdamW.
+The reference's fp32 sqrt is made correctly rounded (numpy's, the hardware instruction)
+because ``torch.sqrt`` on CPU is not (1 ulp off for ~20% of inputs here); every other op is
+IEEE-exact in both PyTorch and C++.
+
+Measured on the 2-core shared dev box (AMD EPYC, Zen 5; noisy; one thread, 2.5 MiB of
+state): the bit-exact AVX-512 kernel ~0.49 ns/elem, this one ~0.35 ns/elem (~1.55 cycles);
+torch's fused fp32 AdamW ~0.45 ns/elem (bound by memory: 28 B/param against our 16, so on
+two threads it gains little and ours gains more). ``scripts/bench_optim.py --impls``
+compares ref / compile / C++ and the fused fp32 AdamW.
 """
 from __future__ import annotations
 
@@ -58,7 +67,7 @@ import torch
 from torch import Tensor
 
 from ._library import op_name, triton_usable
-from .adamw8bit_segments import SEG_NEAR, segment_tables
+from .adamw8bit_segments import segment_tables
 from .quantize import (BLOCKSIZE, blocks_view, bucket_table, dynamic_map, num_blocks,
                        quantize_blocks_ref, thresholds)
 
@@ -284,12 +293,12 @@ def quantize_blockwise_cpp(x: Tensor, signed: bool, isa: str | None = None) -> t
         raise ValueError("the C++ extension is disabled or cannot be built here")
     tab = _cpu_tables()
     bucket, thr, seg = (tab[2], tab[3], tab[6]) if signed else (tab[4], tab[5], tab[7])
-    return ext.quantize_blockwise(x.contiguous().view(-1), bool(signed), bucket, thr, seg, SEG_NEAR)
+    return ext.quantize_blockwise(x.contiguous().view(-1), bool(signed), bucket, thr, seg)
 
 
 def _update_cpp(ext, param, grad, m_codes, m_absmax, v_codes, v_absmax, c: Coefficients) -> None:
     ext.adamw8bit_update(param, grad, m_codes, m_absmax, v_codes, v_absmax, list(_cpu_tables()),
-                         SEG_NEAR, list(c))
+                         list(c))
 
 
 def adamw8bit_update_many(params: list[Tensor], grads: list[Tensor], m_codes: list[Tensor],
@@ -315,7 +324,7 @@ def adamw8bit_update_many(params: list[Tensor], grads: list[Tensor], m_codes: li
         return False
     flat = [float(x) for c in coeffs for x in c]
     ext.adamw8bit_update_many(params, grads, m_codes, m_absmax, v_codes, v_absmax,
-                              list(_cpu_tables()), SEG_NEAR, flat)
+                              list(_cpu_tables()), flat)
     return True
 
 

@@ -1,9 +1,13 @@
-"""The fused 8-bit AdamW update: every implementation bit-identical to the reference.
+"""The fused 8-bit AdamW update against the pure-PyTorch reference.
 
-The C++ extension is compiled on first use (about 45 s on a 2-core machine, then cached in
-TORCH_EXTENSIONS_DIR); tests that need it skip when it cannot be built. Its AVX-512 path
-quantizes with verified segment tables (``segment_tables``) and falls back to the exact
-bucket method next to code boundaries: the adversarial tests below aim at those boundaries.
+Contract (kernels/adamw8bit.py): the portable C++ path, torch.compile and Triton are
+bit-identical to the reference; the AVX-512 path (FMAs, verified piecewise-linear
+quantizer) keeps each step within a stated tolerance of it: params within 1e-6 relative,
+absmax within 4 ulp, codes equal except a small fraction one code off, and only next to a
+threshold. It is deterministic (any thread count, per tensor or batched: same bits).
+
+The C++ extension is compiled on first use (about 20-45 s on a 2-core machine, then cached
+in TORCH_EXTENSIONS_DIR); tests that need it skip when it cannot be built.
 """
 from __future__ import annotations
 
@@ -16,9 +20,11 @@ import numpy as np
 import pytest
 import torch
 
-from outcore.kernels.adamw8bit import (adamw8bit_update, coefficients, cpu_extension, cpu_isa,
-                                       init_codes, quantize_blockwise_cpp)
-from outcore.kernels.adamw8bit_segments import _segment_code_f, _segment_code_near, segment_tables
+from outcore.kernels.adamw8bit import (ISA_LEVELS, adamw8bit_update, adamw8bit_update_many,
+                                       coefficients, cpu_extension, cpu_isa, init_codes,
+                                       quantize_blockwise_cpp)
+from outcore.kernels.adamw8bit_segments import (SEG_TOL, segment_code, segment_f, segment_misfit,
+                                                segment_tables)
 from outcore.kernels.quantize import (dequantize_blockwise, dynamic_map, num_blocks,
                                       quantize_blockwise, thresholds)
 
@@ -50,13 +56,94 @@ def _needs_ext():
         pytest.skip("the C++ extension cannot be built here")
 
 
+def _fast_path() -> bool:
+    """Whether the extension here runs the AVX-512 path (else the bit-exact scalar one)."""
+    return ISA_LEVELS.index(cpu_isa()) >= ISA_LEVELS.index("AVX512")
+
+
+# The AVX-512 path's stated tolerance per step (see the module docstring).
+PARAM_RTOL, CODE_MISMATCH_MAX = 1e-6, 1e-3
+
+
+def _assert_within_contract(got, want, before):
+    """One step of the kernel (``got``) against one step of the reference (``want``), both
+    from the state ``before``: params, absmax, codes as the contract states."""
+    p, mc, ma, vc, va = got
+    p_ref, mc_ref, ma_ref, vc_ref, va_ref = want
+    # params: within 1e-6 relative of the reference (+ a tiny absolute for params near 0)
+    tol = PARAM_RTOL * p_ref.abs() + 1e-6 * (p_ref - before[0]).abs().max()
+    assert bool(((p - p_ref).abs() <= tol).all()), float((p - p_ref).abs().max())
+    for a, b in ((ma, ma_ref), (va, va_ref)):  # absmax: a few ulp (FMA vs two roundings)
+        assert bool(((a - b).abs() <= 4 * torch.finfo(torch.float32).eps * b.abs()).all())
+    for c, c_ref in ((mc, mc_ref), (vc, vc_ref)):  # codes: rarely, and by one
+        d = (c.int() - c_ref.int()).abs()
+        assert int(d.max()) <= 1
+        assert float((d != 0).float().mean()) <= CODE_MISMATCH_MAX, float((d != 0).float().mean())
+
+
 @pytest.mark.parametrize("n", [256 * 64, 256 * 97 + 13, 4099])
-def test_cpp_bit_identical_to_reference(n):
+def test_cpp_step_within_contract_of_reference(n):
+    """Along the reference's trajectory, each C++ step lands within the contract of the
+    reference's step from the same state (bit-identical where the scalar path runs)."""
     _needs_ext()
     for hp in ({}, {"weight_decay": 0.0, "beta1": 0.0}):
-        ref, cpp = _run("ref", n, 6, **hp), _run("cpp", n, 6, **hp)
-        for a, b in zip(ref, cpp):
-            assert torch.equal(a, b)
+        st = _state(n)
+        for t in range(1, 7):
+            g = _grad(n, t, scale=10.0 ** (t % 5 - 3))
+            if t == 3:
+                g[: min(n, 300)] = 0  # an all-zero block
+            cpp = [x.clone() for x in st]
+            adamw8bit_update(cpp[0], g, *cpp[1:], step=t, impl="cpp", **{**HP, **hp})
+            before = [x.clone() for x in st]
+            adamw8bit_update(st[0], g, *st[1:], step=t, impl="ref", **{**HP, **hp})
+            if _fast_path():
+                _assert_within_contract(cpp, st, before)
+            else:
+                assert all(torch.equal(a, b) for a, b in zip(cpp, st))
+
+
+def test_cpp_trajectory_stays_close_to_reference():
+    """Twenty steps each, with gradient scales jumping by 10^4: the trajectories stay
+    together. A code one off near zero changes that element's later steps (as between any
+    two 8-bit implementations), so: almost all params within 1e-5 relative, none more than
+    one learning rate apart."""
+    _needs_ext()
+    n = 256 * 200 + 7
+    ref, cpp = _run("ref", n, 20), _run("cpp", n, 20)
+    d = (cpp[0] - ref[0]).abs()
+    assert float((d > 1e-5 * ref[0].abs()).float().mean()) <= 0.01
+    assert float(d.max()) <= HP["lr"]
+    for c, c_ref in ((cpp[1], ref[1]), (cpp[3], ref[3])):
+        assert float((c != c_ref).float().mean()) <= 0.01
+
+
+def test_cpp_deterministic_across_threads_and_batching():
+    """Same bits with 1 or 2 threads, per tensor or in one batched call (the out-of-core
+    engine and the in-memory optimizer rely on it)."""
+    _needs_ext()
+    sizes = [256 * 300, 4099, 256 * 64]
+    runs = []
+    for threads, batched in ((1, False), (2, False), (2, True)):
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            states = [_state(n, seed=i) for i, n in enumerate(sizes)]
+            for t in range(1, 4):
+                grads = [_grad(n, t + 10 * i) for i, n in enumerate(sizes)]
+                if batched:
+                    c = coefficients(HP["lr"], HP["beta1"], HP["beta2"], HP["eps"], HP["weight_decay"], t)
+                    assert adamw8bit_update_many(*[[st[0] for st in states]], grads,
+                                                 *[[st[k] for st in states] for k in range(1, 5)],
+                                                 [c] * len(sizes))
+                else:
+                    for st, g in zip(states, grads):
+                        adamw8bit_update(st[0], g, *st[1:], step=t, impl="cpp", **HP)
+            runs.append(states)
+        finally:
+            torch.set_num_threads(old)
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def _adversarial(signed: bool) -> torch.Tensor:
@@ -76,27 +163,56 @@ def _adversarial(signed: bool) -> torch.Tensor:
     return torch.cat([blocks, torch.ones(blocks.shape[0], 1)], dim=1).reshape(-1).contiguous()
 
 
+def _near_threshold(y: np.ndarray, signed: bool, tol: float) -> np.ndarray:
+    """Whether each y lies within ``tol`` code spacings of a threshold of the map."""
+    q = dynamic_map(signed).numpy().astype(np.float64)
+    t = thresholds(dynamic_map(signed)).numpy()[:255].astype(np.float64)
+    k = np.clip(np.searchsorted(t, y), 1, 254)
+    dist = np.minimum(np.abs(y - t[k - 1]) / (q[k] - q[k - 1]), np.abs(t[k] - y) / (q[k + 1] - q[k]))
+    return dist <= tol
+
+
 @pytest.mark.parametrize("signed", [True, False])
-def test_segment_tables_equal_searchsorted_where_unflagged(signed):
-    """The numpy model of the fast quantizer (the tables as the C++ kernel reads them)."""
+def test_segment_model_within_tolerance_of_searchsorted(signed):
+    """The numpy model of the fast quantizer (the tables as the C++ kernel reads them): codes
+    equal searchsorted's except next to a threshold, and there by one."""
     y = _adversarial(signed).numpy()
-    f, _ = _segment_code_f(np.abs(y), np.signbit(y).astype(np.int64), segment_tables(signed).numpy())
-    code, flagged = _segment_code_near(f)
+    neg = np.signbit(y).astype(np.int64)
+    f, _ = segment_f(np.abs(y), neg, segment_tables(signed).numpy())
+    code = segment_code(f, neg)
     want = np.searchsorted(thresholds(dynamic_map(signed)).numpy()[:255], y, side="left")
-    assert (code[~flagged] == want[~flagged]).all()
-    assert flagged.sum() >= 255  # every threshold itself is flagged: the fallback is exercised
+    off = code != want
+    assert int(np.abs(code - want).max()) <= 1
+    assert _near_threshold(y[off].astype(np.float64), signed, 2 * SEG_TOL).all()
+    assert 0 < segment_misfit(signed) <= SEG_TOL  # the verified bound holds, and is not vacuous
 
 
 @pytest.mark.parametrize("signed", [True, False])
-def test_cpp_quantization_bit_identical_on_adversarial_values(signed):
+def test_cpp_quantization_is_its_model_and_within_tolerance(signed):
+    """Bit-exact with its numpy model (absmax 1: y = x), and within the tolerance of the
+    reference (searchsorted) on adversarial values; exact on the scalar path."""
     _needs_ext()
     x = _adversarial(signed)
     want = quantize_blockwise(x, dynamic_map(signed))
     got = quantize_blockwise_cpp(x, signed)
-    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
-    scaled = x * 3.7e-4  # absmax != 1: the block normalization in between
-    assert all(torch.equal(a, b) for a, b in zip(quantize_blockwise_cpp(scaled, signed),
-                                                 quantize_blockwise(scaled, dynamic_map(signed))))
+    assert torch.equal(got[1], want[1])  # absmax: a max, exact
+    if not _fast_path():
+        assert torch.equal(got[0], want[0])
+        return
+    y = x.numpy()
+    neg = np.signbit(y).astype(np.int64)
+    model = segment_code(segment_f(np.abs(y), neg, segment_tables(signed).numpy())[0], neg)
+    full = (len(y) // 256) * 256  # the partial last block takes the exact scalar path
+    assert (got[0].numpy()[:full].astype(np.int64) == model[:full]).all()
+    d = got[0].int() - want[0].int()
+    assert int(d.abs().max()) <= 1
+    assert _near_threshold(y[d.numpy() != 0].astype(np.float64), signed, 2 * SEG_TOL).all()
+    # ordinary values (no adversarial placement): essentially never off
+    g = torch.Generator().manual_seed(3)
+    r = torch.randn(256 * 400, generator=g) ** (1 if signed else 2)
+    rc, rw = quantize_blockwise_cpp(r, signed), quantize_blockwise(r, dynamic_map(signed))
+    assert torch.equal(rc[1], rw[1])
+    assert float((rc[0] != rw[0]).float().mean()) <= 1e-4
 
 
 def test_cpp_quantization_rejects_negative_second_moments():
@@ -114,46 +230,51 @@ def test_cpu_isa_override(monkeypatch):
 
 
 @pytest.mark.slow  # builds two more variants of the extension (~45 s each on 2 cores)
-@pytest.mark.parametrize("isa", ["DEFAULT", "AVX512"])
-def test_lower_isa_builds_bit_identical(isa, monkeypatch):
-    """The portable scalar build, and AVX-512 without VBMI (fp32-permute dequantizer)."""
-    from outcore.kernels.adamw8bit import ISA_LEVELS
-    if ISA_LEVELS.index(isa) > ISA_LEVELS.index(cpu_isa()):
-        pytest.skip(f"this CPU is below {isa}")
-    if cpu_extension(isa) is None:
+def test_lower_isa_builds(monkeypatch):
+    """The portable scalar build is bit-identical to the reference; AVX-512 without VBMI
+    (fp32-permute dequantizer, same quantizer) is bit-identical to the VBMI build."""
+    if cpu_extension("DEFAULT") is None:
         pytest.skip("the C++ extension cannot be built here")
     for signed in (True, False):
         x = _adversarial(signed)
-        assert all(torch.equal(a, b) for a, b in zip(quantize_blockwise_cpp(x, signed, isa),
+        assert all(torch.equal(a, b) for a, b in zip(quantize_blockwise_cpp(x, signed, "DEFAULT"),
                                                      quantize_blockwise(x, dynamic_map(signed))))
-    monkeypatch.setenv("OUTCORE_CPU_ISA", isa)
     n = 256 * 97 + 13
+    monkeypatch.setenv("OUTCORE_CPU_ISA", "DEFAULT")
     for a, b in zip(_run("ref", n, 6), _run("cpp", n, 6)):
+        assert torch.equal(a, b)
+    monkeypatch.delenv("OUTCORE_CPU_ISA")
+    if cpu_isa() != "AVX512_VBMI":
+        pytest.skip("this CPU has no AVX512-VBMI to compare the AVX-512 build with")
+    vbmi = _run("cpp", n, 6)
+    monkeypatch.setenv("OUTCORE_CPU_ISA", "AVX512")
+    for a, b in zip(_run("cpp", n, 6), vbmi):
         assert torch.equal(a, b)
 
 
-def test_update_many_equals_per_tensor_reference():
-    """One C++ call over tensors of different sizes (partial blocks) and step counts."""
+def test_update_many_equals_per_tensor():
+    """One C++ call over tensors of different sizes (partial blocks) and step counts: the same
+    bits as one call per tensor."""
     _needs_ext()
-    from outcore.kernels.adamw8bit import adamw8bit_update_many
     sizes, steps = [256 * 64, 4099, 256 * 97 + 13], [1, 3, 7]
     many = [_state(n, seed=i) for i, n in enumerate(sizes)]
-    ref = [[t.clone() for t in st] for st in many]
+    one = [[t.clone() for t in st] for st in many]
     for rnd in range(3):
         grads = [_grad(n, rnd + 10 * i) for i, n in enumerate(sizes)]
         cs = [coefficients(HP["lr"], HP["beta1"], HP["beta2"], HP["eps"], HP["weight_decay"], s + rnd)
               for s in steps]
-        assert adamw8bit_update_many(*[[st[k] for st in many] for k in range(1)], grads,
+        assert adamw8bit_update_many([st[0] for st in many], grads,
                                      *[[st[k] for st in many] for k in range(1, 5)], cs)
-        for st, g, s in zip(ref, grads, steps):
-            adamw8bit_update(st[0], g, *st[1:], step=s + rnd, impl="ref", **HP)
-    for a, b in zip(many, ref):
+        for st, g, s in zip(one, grads, steps):
+            adamw8bit_update(st[0], g, *st[1:], step=s + rnd, impl="cpp", **HP)
+    for a, b in zip(many, one):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_auto_is_the_op_and_matches_reference():
-    ref, auto = _run("ref", 5000, 4), _run("auto", 5000, 4)
-    for a, b in zip(ref, auto):
+def test_auto_is_the_op():
+    """impl="auto" (the custom op) runs the C++ kernel where it builds, else the reference."""
+    want = _run("cpp" if cpu_extension() is not None else "ref", 5000, 4)
+    for a, b in zip(_run("auto", 5000, 4), want):
         assert torch.equal(a, b)
 
 
