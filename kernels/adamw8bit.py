@@ -56,6 +56,7 @@ compares ref / compile / C++ and the fused fp32 AdamW.
 from __future__ import annotations
 
 import functools
+import hashlib
 import math
 import os
 import threading
@@ -256,10 +257,16 @@ def cpu_extension(isa: str | None = None):
 def _build_extension(isa: str):
     from torch.utils import cpp_extension
 
-    src = Path(__file__).with_name("csrc") / "adamw8bit_cpu.cpp"
+    csrc = Path(__file__).with_name("csrc")
+    src = csrc / "adamw8bit_cpu.cpp"
     # -fopenmp: at::parallel_for's OpenMP region is compiled into the extension (it binds to
-    # the libgomp torch already loaded). No -ffast-math and no FMA contraction: bit-exactness.
-    flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", *_ISA_FLAGS[isa]]
+    # the libgomp torch already loaded). No -ffast-math and no FMA contraction: the scalar
+    # path is bit-exact (the AVX-512 path's FMAs are explicit intrinsics). The digest of every
+    # file in csrc/ is a flag because cpp_extension's cache key hashes the sources and flags
+    # only, not the headers they include.
+    digest = hashlib.sha1(b"".join(f.read_bytes() for f in sorted(csrc.iterdir()) if f.is_file()))
+    flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", *_ISA_FLAGS[isa],
+             f"-DOUTCORE_CSRC_DIGEST={digest.hexdigest()[:16]}"]
     try:
         return cpp_extension.load(name=f"outcore_adamw8bit_cpu_{isa.lower()}", sources=[str(src)],
                                   extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)

@@ -126,8 +126,12 @@ def _build(signed: bool) -> tuple[np.ndarray, float]:
 def _intervals(bounds: np.ndarray, t: np.ndarray, neg: int) -> list[tuple[np.float32, np.float32, int, int]]:
     """(first |y|, last |y|, reference code, piece) of every run of |y| with one reference
     code inside one piece, for y >= 0 (neg=0) or y < 0 (neg=1)."""
-    up = lambda x: np.nextafter(_F32(x), _F32(np.inf))  # noqa: E731
-    down = lambda x: np.nextafter(_F32(x), _F32(-np.inf))  # noqa: E731
+    def up(x):
+        return np.nextafter(_F32(x), _F32(np.inf))
+
+    def down(x):
+        return np.nextafter(_F32(x), _F32(-np.inf))
+
     out = []
     for s in range(len(bounds) + 1):
         lo = bounds[s - 1] if s else _F32(0)
