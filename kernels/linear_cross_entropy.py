@@ -144,6 +144,7 @@ def lce_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
         loss_rows[start:stop] = ce_chunk(logits, targets[start:stop], scale[start:stop],
                                          ignore_index, label_smoothing, need_grad)
         if not need_grad:
+            del logits
             continue
         g = logits.to(hidden.dtype)  # d_logits [c, V]; a no-op in fp32
         if need_dh:
@@ -155,6 +156,9 @@ def lce_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
                 d_weight.add_(torch.mm(g.t(), h).float())
         if need_db:
             d_bias.add_(logits.sum(dim=0))
+        # Drop this chunk before the next one is computed: rebinding `logits` frees it only
+        # after the next [c, V] product exists, so two chunks (2 x ~64 MiB) would be live.
+        del logits, g
     return loss_rows, d_hidden, d_weight, d_bias
 
 
@@ -253,6 +257,9 @@ def _setup_context(ctx, inputs, output):
      need_dh, need_dw, need_db) = inputs
     ctx.needs = (need_dh, need_dw, need_db)
     ctx.reduction = reduction
+    # The op's other outputs (d_hidden, d_weight, d_bias) get no gradient; without this,
+    # autograd would hand the backward a zero tensor for each: [V, H] fp32, 108 MiB for SmolLM2.
+    ctx.set_materialize_grads(False)
     if reduction == REDUCTIONS["none"]:
         ctx.args = (ignore_index, label_smoothing, chunk_size)
         ctx.save_for_backward(hidden, weight, targets, bias)

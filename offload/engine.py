@@ -33,6 +33,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
+from .tied_embedding import row_gradient_embedding
 from .unit_memory import GRADS
 from .units import Unit, causal_lm_units
 
@@ -163,6 +164,16 @@ class OutOfCoreEngine:
                 s.param.data = _empty(s.param.dtype)
         self._handles = []
         self._install_hooks()
+        # A tied embedding: the input side's gradient arrives as rows, added into the head's
+        # gradient in place (tied_embedding.py) instead of autograd's two extra [V, H]
+        # tensors. Unit 0 then waits for one more gradient. Not with accumulation: autograd
+        # adds (head + rows) to the earlier micro-batches' sum, this would add them one by one.
+        self._restore_embedding = None
+        if (self.units and 0 in self.units[-1].borrows and len(self.units[0].modules) == 1
+                and grad_accum == 1 and self._trainable_slots[0] == 1):
+            self._restore_embedding = row_gradient_embedding(self.units[0].modules[0], self._embedding_rows)
+            if self._restore_embedding is not None:
+                self._trainable_slots[0] += 1
 
     # ------------------------------------------------------------------ binding
     def _bind(self, index: int) -> None:
@@ -243,8 +254,9 @@ class OutOfCoreEngine:
         self._release_frozen(after=index)
         for i in self._needs(index):
             self._bind(i)
-        self._pending[index] = self._trainable_slots[index]
-        if self._pending[index] == 0:
+        # (a tied embedding's head gradient may have counted already: setdefault)
+        if self._pending.setdefault(index, self._trainable_slots[index]) == 0:
+            del self._pending[index]
             self._frozen_in_backward.append(index)
         for j in range(index - 1, max(-1, index - 1 - self.prefetch_depth), -1):
             self.mem.prefetch(j, "w")
@@ -254,9 +266,11 @@ class OutOfCoreEngine:
 
     def _grad_ready(self, index: int) -> None:
         """One more parameter of unit ``index`` has its gradient; the last one ends its backward."""
-        self._pending[index] -= 1
-        if self._pending[index] > 0:
+        left = self._pending.get(index, self._trainable_slots[index]) - 1
+        if left > 0:
+            self._pending[index] = left
             return
+        self._pending.pop(index, None)
         for i in self.units[index].borrows:
             self._unbind(i)  # a borrowed (tied) weight was needed for this unit's backward only
         if self.step_in_backward:
@@ -265,6 +279,16 @@ class OutOfCoreEngine:
         if self.spill:
             self._spill(index)
         self._unbind(index)
+
+    def _embedding_rows(self, rows: torch.Tensor) -> None:
+        """The input side's gradient of a tied embedding (sparse rows): added in place into
+        what the head gave, as autograd's merge would (same bits), then unit 0 counts it."""
+        (param,) = [s.param for s in self.units[0].slots if s.param.requires_grad]
+        if param.grad is None:
+            param.grad = rows.to_dense()
+        else:
+            param.grad.add_(rows)
+        self._grad_ready(0)
 
     def _spill(self, index: int) -> None:
         """Move unit ``index``'s gradients out of memory (added to what earlier micro-batches
@@ -468,3 +492,5 @@ class OutOfCoreEngine:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        if self._restore_embedding is not None:
+            self._restore_embedding()

@@ -1,0 +1,94 @@
+"""The input embedding's gradient as rows, for an embedding tied to the LM head.
+
+Autograd's embedding backward makes a dense [V, H] gradient — zeros but for the rows of
+the batch's tokens — and, because the weight is shared, adds it to the head's [V, H]
+gradient into a third [V, H] tensor (autograd merges the two out of place): 216 MiB of
+temporaries for SmolLM2-135M at the very end of the backward, just when the out-of-core
+engine also holds the embedding's weights. Here the input side computes with a separate
+leaf that aliases the weight, so the head's gradient lands in ``weight.grad`` alone; the
+backward sums the input side's gradient rows per token id in the order
+``embedding_dense_backward`` adds them (position by position, from zero) and hands them
+to ``on_rows`` as a coalesced sparse tensor, which the engine adds into ``weight.grad`` in
+place: ``head + rows`` is the same bits as autograd's ``head + dense`` (tested).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class _RowGradEmbedding(torch.autograd.Function):
+    """``F.embedding(ids, weight, padding_idx)`` whose weight gradient is sparse rows."""
+
+    @staticmethod
+    def forward(ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None) -> torch.Tensor:
+        return F.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ids, weight, padding_idx = inputs
+        ctx.save_for_backward(ids)
+        ctx.weight_shape, ctx.padding_idx = weight.shape, padding_idx
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (ids,) = ctx.saved_tensors
+        flat, rows = ids.reshape(-1), grad.reshape(-1, grad.shape[-1])
+        if ctx.padding_idx is not None:  # as F.embedding: the padding row gets no gradient
+            keep = flat != ctx.padding_idx
+            flat, rows = flat[keep], rows[keep]
+        uniq, inverse = torch.unique(flat, return_inverse=True)
+        # index_add_ adds the rows of one id in position order, onto zeros: the dense
+        # backward's arithmetic, row for row
+        sums = rows.new_zeros(len(uniq), rows.shape[1]).index_add_(0, inverse, rows)
+        sparse = torch.sparse_coo_tensor(uniq.unsqueeze(0), sums, ctx.weight_shape,
+                                         is_coalesced=True, check_invariants=False)
+        return None, sparse, None
+
+
+def row_gradient_embedding(embedding: nn.Module, on_rows: Callable[[torch.Tensor], None]
+                           ) -> Callable[[], None] | None:
+    """Make ``embedding``'s input-side gradient arrive as sparse rows, handed to ``on_rows``.
+
+    Only for a plain fp32 ``nn.Embedding`` that trains (no ``max_norm``, no
+    ``scale_grad_by_freq``, not already sparse); the instance's ``forward`` is replaced
+    (hooks still run), the model's code is not touched. The weight's own gradient then
+    holds only what other uses (the tied head) give it; ``on_rows(rows)`` — called once
+    per backward, after the input side's gradient is complete — must add ``rows`` to it.
+
+    Returns:
+        A function that puts the original ``forward`` back, or None when ``embedding``
+        is not eligible (nothing was changed).
+    """
+    eligible = (type(embedding) is nn.Embedding and embedding.weight.requires_grad
+                and embedding.weight.dtype == torch.float32 and embedding.max_norm is None
+                and not embedding.scale_grad_by_freq and not embedding.sparse)
+    if not eligible:
+        return None
+
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return F.embedding(ids, embedding.weight, embedding.padding_idx)
+        # a leaf of its own over the same storage: its gradient never meets the head's
+        leaf = embedding.weight.detach().requires_grad_()
+        leaf.register_post_accumulate_grad_hook(lambda t: on_rows(_take(t)))
+        return _RowGradEmbedding.apply(ids, leaf, embedding.padding_idx)
+
+    embedding.forward = forward
+
+    def restore() -> None:
+        if embedding.__dict__.get("forward") is forward:
+            del embedding.forward
+    return restore
+
+
+def _take(leaf: torch.Tensor) -> torch.Tensor:
+    """The leaf's gradient, handed over (the leaf lets go of it). Autograd stores a sparse
+    gradient without its coalesced flag; its ids are unique and sorted (``torch.unique``),
+    so the flag is put back and adding it needs no re-sort."""
+    rows, leaf.grad = leaf.grad, None
+    return torch.sparse_coo_tensor(rows._indices(), rows._values(), rows.shape, is_coalesced=True,
+                                   check_invariants=False)

@@ -1,0 +1,55 @@
+"""A tied embedding's input-side gradient as sparse rows: the same bits as the dense backward."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from outcore.offload.tied_embedding import row_gradient_embedding
+
+
+def _tied_grads(embedding: nn.Embedding, head_grad: torch.Tensor, ids: torch.Tensor, g: torch.Tensor):
+    """The weight's gradient with a stand-in tied head whose gradient is ``head_grad``."""
+    embedding.weight.grad = None
+    out = embedding(ids)
+    # a stand-in head: its gradient on the shared weight is exactly `head_grad`
+    head = (embedding.weight * head_grad).sum()
+    torch.autograd.backward([head, out], [torch.ones(()), g])
+    return embedding.weight.grad
+
+
+def test_rows_equal_the_dense_backward_bit_for_bit():
+    torch.manual_seed(0)
+    embedding = nn.Embedding(500, 48, padding_idx=3)
+    ids = torch.randint(0, 40, (4, 300))  # many repeats of each id, and the padding id
+    ids[0, :10] = 3
+    g, head_grad = torch.randn(4, 300, 48), torch.randn(500, 48)
+    want = _tied_grads(embedding, head_grad, ids, g).clone()  # autograd merges head + dense rows
+    handed = []
+
+    def add_rows(rows):  # what the engine does with them
+        assert rows.is_sparse and rows.is_coalesced()
+        handed.append(rows)
+        embedding.weight.grad.add_(rows)
+    restore = row_gradient_embedding(embedding, add_rows)
+    got = _tied_grads(embedding, head_grad, ids, g)
+    assert len(handed) == 1 and handed[0]._nnz() == len(torch.unique(ids[ids != 3]))
+    assert not got.is_sparse and torch.equal(got, want)
+    assert torch.equal(got[3], head_grad[3])  # the padding row: the head's part only
+    restore()
+    assert "forward" not in embedding.__dict__
+
+
+def test_outputs_unchanged_and_only_plain_fp32_trainable_embeddings_change():
+    torch.manual_seed(1)
+    embedding = nn.Embedding(50, 8)
+    ids = torch.randint(0, 50, (2, 5))
+    want = embedding(ids)
+    restore = row_gradient_embedding(embedding, lambda rows: None)
+    assert torch.equal(embedding(ids), want)
+    with torch.no_grad():
+        assert torch.equal(embedding(ids), want)
+    restore()
+    for other in (nn.Embedding(50, 8).to(torch.bfloat16), nn.Embedding(50, 8, max_norm=1.0),
+                  nn.Embedding(50, 8).requires_grad_(False)):
+        assert row_gradient_embedding(other, lambda rows: None) is None
+        assert "forward" not in other.__dict__
