@@ -47,11 +47,13 @@ The reference's fp32 sqrt is made correctly rounded (numpy's, the hardware instr
 because ``torch.sqrt`` on CPU is not (1 ulp off for ~20% of inputs here); every other op is
 IEEE-exact in both PyTorch and C++.
 
-Measured on the 2-core shared dev box (AMD EPYC, Zen 5; noisy; one thread, 2.5 MiB of
-state): the bit-exact AVX-512 kernel ~0.49 ns/elem, this one ~0.35 ns/elem (~1.55 cycles);
-torch's fused fp32 AdamW ~0.45 ns/elem (bound by memory: 28 B/param against our 16, so on
-two threads it gains little and ours gains more). ``scripts/bench_optim.py --impls``
-compares ref / compile / C++ and the fused fp32 AdamW.
+Measured on the 2-core shared dev box (AMD EPYC, Zen 5; noisy; one thread, aligned data):
+the bit-exact AVX-512 kernel ~0.50 ns/elem in cache and 0.53 from DRAM, this one ~0.35 and
+0.40 (~1.55 cycles per element in cache); torch's fused fp32 AdamW ~0.47 from DRAM. The
+fused update is bound by memory (28 B/param against our 16): on two threads it gains from
+bandwidth the host has to spare, ours from the second core, so their ratio in
+``scripts/bench_optim.py`` moves with the neighbours' load (see its docstring).
+``scripts/bench_optim.py --impls`` compares ref / compile / C++ and the fused fp32 AdamW.
 """
 from __future__ import annotations
 
