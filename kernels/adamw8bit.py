@@ -316,11 +316,12 @@ def adamw8bit_update_many(params: list[Tensor], grads: list[Tensor], m_codes: li
     """Update many CPU tensors in one C++ call (one parallel region for all their blocks).
 
     The optimizer's fast path: no per-tensor Python dispatch or thread fork/join. Same
-    numerics as :func:`adamw8bit_update` per tensor. Tensors must be flat and contiguous
-    (``param.view(-1)``); the C++ side checks dtypes and sizes (RuntimeError).
+    numerics as :func:`adamw8bit_update` per tensor. Tensors must be contiguous (any shape:
+    the kernel reads their numel and data); the C++ side checks dtypes, sizes and contiguity
+    (RuntimeError).
 
     Args:
-        params, grads: (n_i,) float32 CPU tensors.
+        params, grads: float32 CPU tensors of n_i elements each (contiguous, any shape).
         m_codes, v_codes: (n_i,) uint8.    m_absmax, v_absmax: (ceil(n_i / 256),) float32.
         coeffs: each tensor's :class:`Coefficients` (its own step count).
 

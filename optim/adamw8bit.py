@@ -111,8 +111,9 @@ class AdamW8bit(OutcoreOptimizer):
                 by_step[k] = coefficients(group["lr"], beta1, beta2, group["eps"],
                                           group["weight_decay"], k)
             coeffs.append(by_step[k])
-        flat = [g.reshape(-1) if g.is_contiguous() else g.contiguous().reshape(-1) for g in grads]
-        done = adamw8bit_update_many([p.view(-1) for p in params], flat,
+        # any shape will do (the kernel reads numel and data); no per-tensor view objects
+        flat = [g if g.is_contiguous() else g.contiguous() for g in grads]
+        done = adamw8bit_update_many(params, flat,
                                      [s["m_codes"] for s in states], [s["m_absmax"] for s in states],
                                      [s["v_codes"] for s in states], [s["v_absmax"] for s in states],
                                      coeffs)
