@@ -102,6 +102,21 @@ def test_cpp_step_within_contract_of_reference(n):
                 assert all(torch.equal(a, b) for a, b in zip(cpp, st))
 
 
+def test_cpp_zero_learning_rate_leaves_params_exactly():
+    """lr = 0 (the AVX-512 path folds 1 / step_size into the denominator: +inf there) moves
+    no parameter, even where v = 0, and still updates the moments like the reference."""
+    _needs_ext()
+    n = 256 * 40
+    st = _state(n)
+    ref = [x.clone() for x in st]
+    g = _grad(n, 1)
+    g[:256] = 0  # a block with v = 0 and m = 0
+    adamw8bit_update(st[0], g, *st[1:], step=1, impl="cpp", **{**HP, "lr": 0.0})
+    adamw8bit_update(ref[0], g, *ref[1:], step=1, impl="ref", **{**HP, "lr": 0.0})
+    assert torch.equal(st[0], _state(n)[0]) and torch.equal(ref[0], st[0])
+    _assert_within_contract(st, ref, _state(n))
+
+
 def test_cpp_trajectory_stays_close_to_reference():
     """Twenty steps each, with gradient scales jumping by 10^4: the trajectories stay
     together. A code one off near zero changes that element's later steps (as between any
