@@ -132,7 +132,9 @@ class ActivationOffloader:
         max_inflight_bytes: bytes of sealed blocks waiting for their write before
             the next block's seal waits.
         io_threads: reader threads (one writer thread keeps writes in order).
-        pool_keep: free transfer buffers kept for reuse (default ``prefetch_depth + 3``).
+        pool_keep: free transfer buffers kept for reuse (default ``prefetch_depth + 1``: what
+            the backward holds at once, the block in use and those read ahead; more would
+            sit idle through the loss, the step's memory peak, ~18 MiB each for SmolLM2).
 
     Raises:
         ValueError: a negative depth or threshold, or no thread/budget.
@@ -149,7 +151,7 @@ class ActivationOffloader:
         self.prefetch_depth = int(prefetch_depth)
         self.max_inflight = int(max_inflight_bytes)
         self.pool = BufferPool(store.device.alloc_host_slab,
-                               prefetch_depth + 3 if pool_keep is None else pool_keep)
+                               prefetch_depth + 1 if pool_keep is None else pool_keep)
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="outcore-act-w")
         self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="outcore-act-r")
         self._cv = threading.Condition()

@@ -118,6 +118,10 @@ class FreeList:
     def free_bytes(self) -> int:
         return sum(self._sizes.values())
 
+    def free_ranges(self) -> list[tuple[int, int]]:
+        """The free ranges as (offset, bytes), lowest first."""
+        return [(start, self._sizes[start]) for start in self._starts]
+
 
 @dataclass(eq=False)
 class Block:
@@ -205,6 +209,21 @@ class Arena:
             n *= d
         raw = self.bytes_of(block)[: n * dtype.itemsize]
         return raw.view(dtype).view(shape)
+
+    def discard_free(self) -> int:
+        """Return the free ranges' pages to the OS (RAM slabs only: never pinned or device
+        memory); a block later allocated there is backed again on first touch, zero-filled.
+
+        Returns:
+            Bytes discarded.
+        """
+        from .directio import discard_pages
+
+        done = 0
+        for slab, free in zip(self._slabs, self._free, strict=True):
+            if slab is not None:
+                done += sum(discard_pages(slab[off:off + n]) for off, n in free.free_ranges())
+        return done
 
     def release_slabs(self) -> None:
         """Drop the slabs (all blocks must have been freed)."""

@@ -14,6 +14,7 @@ The lowest layer of the NVMe tier (ARCHITECTURE.md §2). Everything above it
 """
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
 import mmap
@@ -56,6 +57,29 @@ def aligned_empty(nbytes: int, populate: bool = True) -> torch.Tensor:
     if populate:
         t.zero_()
     return t
+
+
+def discard_pages(buf: torch.Tensor) -> int:
+    """Give the whole pages inside ``buf`` back to the OS (``madvise(MADV_DONTNEED)``).
+
+    For private anonymous memory (:func:`aligned_empty`, never pinned or device memory):
+    the pages leave the process's RSS now and come back zero-filled on the next touch.
+
+    Returns:
+        Bytes discarded.
+    """
+    start = align_up(buf.data_ptr())
+    end = (buf.data_ptr() + buf.numel() * buf.element_size()) // ALIGN * ALIGN
+    if end <= start:
+        return 0
+    if _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), f"madvise(MADV_DONTNEED) of {end - start} bytes failed")
+    return end - start
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_MADV_DONTNEED = 4  # Linux
 
 
 def is_aligned(buf: torch.Tensor, offset: int = 0) -> bool:

@@ -289,11 +289,12 @@ def prefetch_depth(w: Workload, lay: Layout, batch: int, max_depth: int = 4) -> 
     """Units to keep in flight so a unit's fetch hides behind the previous units' compute.
 
     A unit fetched ``k`` units ahead has ``k`` units' compute to land in, so ``k`` is
-    ``ceil(1.25 x fetch time / compute time)`` per unit (a quarter of slack for
-    jitter), at least 1 (the next unit loads while this one computes), at most
-    ``max_depth``: when I/O is slower than compute a deeper queue cannot raise the
-    rate, it only absorbs jitter. Every unit of depth costs DEVICE (and HOST) room for
-    two more units, so no deeper than the I/O needs.
+    ``ceil(fetch time / compute time)`` per unit, at least 1 (the next unit loads while
+    this one computes), at most ``max_depth``: when I/O is slower than compute a deeper
+    queue cannot raise the rate, it only absorbs jitter. Every unit of depth costs
+    DEVICE (and HOST) room for two more units, so no deeper than the I/O needs
+    (measured on SmolLM2-135M from NVMe, fetch ~0.7 x compute: depth 1 and 2 step
+    equally fast, depth 1 peaks ~50 MiB lower).
     """
     streamed = lay.streamed
     if not streamed:
@@ -302,4 +303,4 @@ def prefetch_depth(w: Workload, lay: Layout, batch: int, max_depth: int = 4) -> 
     visits = max(1, len(streamed) * (2 if w.has_backward else 1))
     per_unit_io = max(st.disk_s, st.io_s["h2d"] + st.io_s["d2h"]) / visits
     per_unit_compute = max(st.compute_s, 1e-9) / max(1, len(w.units) * (2 if w.has_backward else 1))
-    return int(min(max_depth, max(1, math.ceil(1.25 * per_unit_io / per_unit_compute))))
+    return int(min(max_depth, max(1, math.ceil(per_unit_io / per_unit_compute))))

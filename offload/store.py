@@ -463,6 +463,20 @@ class TieredStore:
             return self.space.read_new(h.copies[Tier.NVME].slot, h.nbytes, h.shape, h.dtype)
         return self.view(h, src).to("cpu", copy=True)
 
+    def discard_free(self, tier: Tier | str) -> int:
+        """Give the free pages of a RAM tier's arena back to the OS (0 where the arena is
+        pinned or device memory: CUDA). For a window that sits empty through part of a
+        step, so the process's peak RSS is not paid for memory that does nothing then.
+
+        Returns:
+            Bytes discarded.
+        """
+        tier = Tier.parse(tier)
+        if tier is Tier.NVME or self.device.is_cuda:
+            return 0
+        with self._lock:  # no block is allocated or freed while the free list is walked
+            return self.space.arenas[tier].discard_free()
+
     # -- statistics ------------------------------------------------------------
     def tier_stats(self, window: bool = False) -> dict[str, TierStats]:
         """Occupancy and traffic per tier, keyed ``"DEVICE"``, ``"HOST"``, ``"NVME"`` (see ``traffic.py``).

@@ -58,6 +58,8 @@ class OffloadedModel:
     def __init__(self, engine: OutOfCoreEngine, store: TieredStore, swap_dir: Path | None):
         self.engine, self.store, self.swap_dir = engine, store, swap_dir
         self.mem: StoreUnitMemory = engine.mem  # type: ignore[assignment]
+        # optimizer state passes through the HOST window rather than living there
+        self._state_streams = any(h.home is Tier.NVME for (_, kind), h in self.mem.handles.items() if kind != WEIGHTS)
 
     @property
     def last_grad_norm(self) -> torch.Tensor | None:
@@ -66,6 +68,11 @@ class OffloadedModel:
     def train_step(self, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], micro_batches: list[Any],
                    lr: float) -> torch.Tensor:
         """One optimizer step (forward, backward and every unit's update). See ``OutOfCoreEngine``."""
+        if self._state_streams:
+            # The HOST window holds optimizer state only while units update (the backward);
+            # through the forward and the loss — the step's RSS peak — its pages are idle:
+            # return them (~1% of a step to fault them back on a CPU-only machine).
+            self.store.discard_free(Tier.HOST)
         return self.engine.train_step(loss_fn, micro_batches, lr)
 
     def tier_stats(self) -> dict[str, TierStats]:
