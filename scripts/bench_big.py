@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import resource
 import statistics
 import sys
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {step}: {dt:.1f} s, loss {losses[-1]:.4f}, read {(r1 - r0) / 1e9:.2f} GB, "
                   f"written {(w1 - w0) / 1e9:.2f} GB", file=sys.stderr, flush=True)
     om.close()
+    shutil.rmtree(swap, ignore_errors=True)  # close() removed the swap files; their folder goes too
     out = {
         "params": n_params, "layers": args.layers, "method": args.method, "dtype": args.dtype,
         "trainable_params": n_trainable,
