@@ -47,6 +47,11 @@ def _empty(dtype: torch.dtype) -> torch.Tensor:
     return _EMPTY[dtype]
 
 
+def _clip_coef(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """The factor ``clip_grads_with_norm_`` multiplies every gradient by (same expressions)."""
+    return torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+
+
 def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     """Each gradient's 2-norm, computed the way ``clip_grad_norm_`` computes it on this device."""
     from torch.utils._foreach_utils import _has_foreach_support
@@ -296,11 +301,13 @@ class OutOfCoreEngine:
         unit = self.units[index]
         grads = {k: s.param.grad for k, s in enumerate(unit.slots) if s.param.requires_grad}
         flat = self.mem.spill_grads(index, grads, first=self._micro == 0)
+        # a pieced unit's spill leaves the total in the gradient itself (flat is None)
+        totals = list(grads.values()) if flat is None else [unit.view(flat, unit.slots[k]) for k in grads]
         if self._micro == self._n_micro - 1 and self.max_grad_norm > 0:
-            views = [unit.view(flat, unit.slots[k]) for k in grads]
-            for k, norm in zip(grads, _norms(views)):
+            for k, norm in zip(grads, _norms(totals)):
                 self._norms[id(unit.slots[k].param)] = norm
-        self.mem.release(index, GRADS, dirty=True)  # written home and evicted, asynchronously
+        if flat is not None:
+            self.mem.release(index, GRADS, dirty=True)  # written home and evicted, asynchronously
         for k in grads:
             unit.slots[k].param.grad = None
 
@@ -348,7 +355,8 @@ class OutOfCoreEngine:
         whole = {kind: self.mem.acquire(index, kind) for kind in self._state_kinds(index)}
         start = {kind: t.clone() for kind, t in whole.items()}  # the step count every piece advances
         param = unit.view(self._bound[index], unit.slots[k]).view(-1)
-        grad = unit.slots[k].param.grad.reshape(-1)
+        grad = None if self.spill else unit.slots[k].param.grad.reshape(-1)
+        coef = None if self._clip_norm is None else _clip_coef(self.max_grad_norm, self._clip_norm)
         for i, (a, b) in enumerate(pieces):
             for j in range(i + 1, min(len(pieces), i + 1 + self.prefetch_depth)):
                 for kind in self.mem.piece_kinds(index, j):
@@ -356,7 +364,12 @@ class OutOfCoreEngine:
             part = {kind: self.mem.acquire(index, kind) for kind in self.mem.piece_kinds(index, i)}
             for kind, t in whole.items():
                 t.copy_(start[kind])
-            self._step([param[a:b]], [grad[a:b]], [self.mem.piece_state(index, k, i, whole, part)])
+            g = part.pop(f"{GRADS}@{i}") if self.spill else grad[a:b]
+            if coef is not None:
+                g.mul_(coef)  # clip_grads_with_norm_'s arithmetic, on this piece
+            self._step([param[a:b]], [g], [self.mem.piece_state(index, k, i, whole, part)])
+            if self.spill:
+                self.mem.release(index, f"{GRADS}@{i}", dirty=False)
             for kind in part:
                 self.mem.release(index, kind, dirty=True)  # written back while the next piece updates
 
@@ -371,6 +384,8 @@ class OutOfCoreEngine:
             self.mem.before_update(index, "w")
             self._update_pieces(index, train[0])
             unit.slots[train[0]].param.grad = None
+            if self.spill:
+                self.mem.drop_grads(index)
             for kind in self._state_kinds(index):
                 self.mem.release(index, kind, dirty=True)
             self._unbind(index, dirty=True)

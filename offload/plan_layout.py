@@ -172,12 +172,10 @@ def account(w: Workload, lay: Layout, batch: int) -> Accounting:
         acc.add(Tier.DEVICE, "grad window", 2 * max(us[i].grads for i in streamed))
         acc.add(Tier.DEVICE, "alignment", (k + 3) * slack)
         nvme_w = [us[i].weights for i in streamed if lay.weights[i] == Tier.NVME]
-        # a unit whose state streams in pieces stages a piece at a time (not when its
-        # gradients spill: the engine then updates it whole)
-        spilled = w.grads_kept
-        nvme_s = [us[i].state_piece if us[i].state_piece and not (spilled and lay.grads[i] == Tier.NVME)
-                  else us[i].state for i in streamed if lay.state[i] == Tier.NVME]
-        nvme_g = [us[i].grads for i in streamed if lay.grads[i] == Tier.NVME and w.grads_kept]
+        # a unit whose state streams in pieces stages a piece at a time, its spilled gradient too
+        nvme_s = [us[i].state_piece or us[i].state for i in streamed if lay.state[i] == Tier.NVME]
+        nvme_g = [us[i].grads * us[i].state_piece // us[i].state if us[i].state_piece else us[i].grads
+                  for i in streamed if lay.grads[i] == Tier.NVME and w.grads_kept]
         kinds = max(us[i].state_kinds for i in streamed)
         if nvme_w:
             acc.add(Tier.HOST, "NVMe staging", k * max(nvme_w))

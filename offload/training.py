@@ -27,7 +27,7 @@ from .engine import OutOfCoreEngine
 from .handle import Tier
 from .nf4 import NF4Layout
 from .store import TieredStore
-from .unit_memory import WEIGHTS, StoreUnitMemory, state_pieces, unit_state_bytes
+from .unit_memory import GRADS, WEIGHTS, StoreUnitMemory, state_pieces, unit_state_bytes
 from .units import Unit
 
 # At the turn of the step the engine wants the unit computing, its borrowed (tied)
@@ -250,13 +250,17 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                             else u.numel * _itemsize(u)) for u in units]
     s_sizes = [_arena_bytes(kinds) for kinds in unit_state_bytes(units, optimizer, master_weights, spill_grads)]
     # A unit whose streamed state dwarfs a block's (the embedding) streams it in block-sized
-    # pieces when the optimizer is element-wise; spilled gradients are not split, so not with them.
-    piece_bytes = None if spill_grads or not split_state or len(s_sizes) < 2 else sorted(s_sizes)[-2]
+    # pieces when the optimizer is element-wise (its spilled gradient too).
+    piece_bytes = None if not split_state or len(s_sizes) < 2 else sorted(s_sizes)[-2]
     window_sizes = list(s_sizes)
     for i, unit in enumerate(units):
         split = state_pieces(unit, optimizer, piece_bytes, master_weights) if homes[i][1] is Tier.NVME else None
         if split is not None:
-            window_sizes[i] = _arena_bytes(split.handle_bytes)
+            grads = {}
+            if spill_grads:
+                elems = max(b - a for a, b in split.ranges)
+                grads = {GRADS: elems * _dtype(unit).itemsize}
+            window_sizes[i] = _arena_bytes({**split.handle_bytes, **grads})
     need_device = _window(w_sizes, 2 * k + 1)
     host_home = sum(w for w, (hw, _) in zip(w_sizes, homes) if hw is Tier.HOST)
     host_home += sum(s for s, (_, hs) in zip(s_sizes, homes) if hs is Tier.HOST)

@@ -251,6 +251,9 @@ class StoreUnitMemory:
         autograd's accumulation does (``old + new``). Returns the pinned working copy;
         the caller reads what it needs and calls ``release(unit, GRADS, dirty=True)``.
         """
+        if unit in self.pieces:
+            self._spill_pieces(unit, grads, first)
+            return None
         key = (unit, GRADS)
         u = self.units[unit]
         if first:
@@ -263,12 +266,35 @@ class StoreUnitMemory:
             view.copy_(g) if first else view.add_(g)
         return flat
 
+    def _spill_pieces(self, unit: int, grads: dict[int, torch.Tensor], first: bool) -> None:
+        """``spill_grads`` of a pieced unit: its one gradient written a piece at a time
+        (kinds ``g@i``). A later micro-batch adds each spilled piece into the gradient in
+        place first (``old + new``, autograd's order), so the gradient holds the total the
+        caller takes the norm of."""
+        (g,) = grads.values()
+        flat, u = g.view(-1), self.units[unit]
+        pieces = self.pieces[unit]
+        for i, (a, b) in enumerate(pieces):
+            kind = f"{GRADS}@{i}"
+            if first:
+                self.handles[(unit, kind)] = self.store.register(f"{u.name}:{kind}", shape=(b - a,), dtype=g.dtype,
+                                                                 home=self.homes[unit][1])
+            elif i + 1 < len(pieces):
+                self.prefetch(unit, f"{GRADS}@{i + 1}")
+            piece = self.acquire(unit, kind)
+            if not first:
+                torch.add(piece, flat[a:b], out=flat[a:b])
+            piece.copy_(flat[a:b])
+            self.release(unit, kind, dirty=True)  # written home and evicted, asynchronously
+
     def drop_grads(self, unit: int) -> None:
         """Forget a unit's spilled gradient (its update has consumed it)."""
-        h = self.handles.pop((unit, GRADS), None)
-        if h is not None:
-            self._unpinned.pop((unit, GRADS), None)
-            self.store.unregister(h)
+        kinds = [f"{GRADS}@{i}" for i in range(len(self.pieces[unit]))] if unit in self.pieces else [GRADS]
+        for kind in kinds:
+            h = self.handles.pop((unit, kind), None)
+            if h is not None:
+                self._unpinned.pop((unit, kind), None)
+                self.store.unregister(h)
 
     def state_views(self, unit: int, flats: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
         """Optimizer state of the unit's ``k``-th parameter as views into the fetched flats."""
@@ -284,8 +310,10 @@ class StoreUnitMemory:
         return [(f"{kind}@{i}", a // ratio, -(-b // ratio)) for i, (a, b) in enumerate(self.pieces[unit])]
 
     def piece_kinds(self, unit: int, piece: int) -> list[str]:
-        """The handle kinds of piece ``piece`` of a pieced unit's state."""
-        return [f"{kind}@{piece}" for kind, ratio in self.piece_ratios[unit].items() if ratio]
+        """The handle kinds of piece ``piece`` of a pieced unit's state (and of its spilled
+        gradient, while one is registered)."""
+        kinds = [f"{kind}@{piece}" for kind, ratio in self.piece_ratios[unit].items() if ratio]
+        return kinds + ([f"{GRADS}@{piece}"] if (unit, f"{GRADS}@{piece}") in self.handles else [])
 
     def piece_state(self, unit: int, k: int, piece: int, whole: dict[str, torch.Tensor],
                     part: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

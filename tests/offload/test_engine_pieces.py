@@ -42,12 +42,15 @@ def _embed_state_bytes(om) -> int:
     ("nvme", 0.0, True),  # step-in-backward; the tied head's gradient joins the embedding's
     ("nvme", 0.0, False),  # an untied head (norm + lm_head) is as large and not split: neither is the embedding
     ("nvme", 1.0, True),  # clipping with gradients kept in memory: updates after the backward
+    ("nvme-spill", 1.0, True),  # clipping with gradients spilled to NVMe, in pieces too
 ])
 def test_pieced_embedding_is_bit_identical(tiny_llama_factory, tmp_path, offload, clip, tie):
     ref, ooc = _model(tiny_llama_factory, tie), _model(tiny_llama_factory, tie)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
-    om = offload_model(ooc, AdamW(ooc.parameters(), lr=LR, weight_decay=WD), offload=offload,
-                       swap_dir=tmp_path / "swap", prefetch=1, max_grad_norm=clip, spill_grads=False)
+    spill = offload == "nvme-spill"
+    om = offload_model(ooc, AdamW(ooc.parameters(), lr=LR, weight_decay=WD), offload="nvme",
+                       swap_dir=tmp_path / "swap", prefetch=1, max_grad_norm=clip, spill_grads=spill)
+    assert om.engine.spill == spill
     if tie:
         assert len(om.mem.pieces.get(0, [])) >= 4, "the embedding's state should be split"
         assert all(a % PIECE_ALIGN == 0 for a, _ in om.mem.pieces[0])
@@ -162,4 +165,32 @@ def test_pieced_adamw8bit_is_bit_identical(tiny_llama_factory, tmp_path):
     state = opt.state[ref.model.embed_tokens.weight]
     for kind in ("m_codes", "m_absmax", "v_codes", "v_absmax"):
         assert torch.equal(om.mem.state(0, kind)[:state[kind].numel()], state[kind].view(-1)), kind
+    om.close()
+
+
+def test_pieced_spill_with_accumulation_is_bit_identical(tiny_llama_factory, tmp_path):
+    """Two micro-batches: the second adds each spilled piece into its gradient (old + new) before
+    the norm is taken on the whole; then each piece is clipped and updated."""
+    ref, ooc = _model(tiny_llama_factory), _model(tiny_llama_factory)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
+    om = offload_model(ooc, AdamW(ooc.parameters(), lr=LR, weight_decay=WD), offload="nvme",
+                       swap_dir=tmp_path / "swap", prefetch=1, max_grad_norm=0.5, grad_accum=2)
+    assert om.engine.spill and om.mem.pieces
+    g = torch.Generator().manual_seed(6)
+    for _ in range(4):
+        micro = [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(2)]
+        want = torch.zeros(())
+        for ids in micro:
+            loss = _loss(ref, ids) / 2
+            loss.backward()
+            want += loss.detach()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert torch.equal(want, om.train_step(_loss, micro, LR))
+    params = dict(ref.named_parameters())
+    for unit in om.engine.units:
+        for name, w in om.named_weights(unit).items():
+            assert torch.equal(w, params[name].detach()), name
+    assert not any(kind.startswith("g") for _, kind in om.mem.handles)  # spilled pieces dropped
     om.close()
