@@ -56,7 +56,9 @@
 namespace {
 
 constexpr int64_t kBlock = 256;
-constexpr int64_t kChunkBlocks = 64;  // 16K elements (~10 us) per work item handed to a thread
+// Blocks per work item handed to a thread (see run_jobs): 16K to 256K elements.
+constexpr int64_t kMinChunkBlocks = 64;
+constexpr int64_t kMaxChunkBlocks = 1024;
 // Bucket index of a normalized value (kernels/quantize.py: bucket_index): sign and the top
 // 16 bits of |y| clamped to [kBucketMin, kBucketMax]. The tables hold one uint8 per bucket
 // (+4 bytes of padding).
@@ -217,23 +219,32 @@ Maps make_maps(const std::vector<torch::Tensor>& t) {
               t[6].data_ptr<float>(), t[7].data_ptr<float>()};
 }
 
-// All jobs' blocks, in chunks of kChunkBlocks, handed out dynamically: each worker pulls the
-// next chunk (of any tensor) until none is left, so a thread the OS parks on a shared machine
-// delays only the chunk it holds, and a whole optimizer step is one parallel region (one
-// fork/join, not one per tensor). The counter is all the workers share; chunks are disjoint.
+// All jobs' blocks, in chunks, handed out dynamically: each worker pulls the next chunk (of
+// any tensor) until none is left, so a thread the OS parks on a shared machine delays only
+// the chunk it holds, and a whole optimizer step is one parallel region (one fork/join, not
+// one per tensor). The counter is all the workers share; chunks are disjoint.
+// Chunk size: each worker should get >= 8 chunks (balance), but chunks as large as that
+// allows, up to 256K elements: a worker's consecutive chunks are not adjacent in memory, and
+// every jump restarts the hardware prefetcher's streams (measured, one thread taking every
+// other 16K-element chunk of a 50M tensor: 0.50 ns per element instead of 0.40; with 256K
+// chunks 0.41).
 void run_jobs(const std::vector<Job>& jobs, const Maps& maps) {
+  int64_t total_blocks = 0;
+  for (const Job& t : jobs) total_blocks += t.nblocks;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t chunk = std::clamp<int64_t>(total_blocks / (8 * threads), kMinChunkBlocks, kMaxChunkBlocks);
   std::vector<int64_t> first_chunk(jobs.size() + 1, 0);
   for (size_t j = 0; j < jobs.size(); ++j)
-    first_chunk[j + 1] = first_chunk[j] + (jobs[j].nblocks + kChunkBlocks - 1) / kChunkBlocks;
+    first_chunk[j + 1] = first_chunk[j] + (jobs[j].nblocks + chunk - 1) / chunk;
   const int64_t nchunks = first_chunk.back();
   auto run_chunk = [&](int64_t k, const Tables& tables) {
     const size_t j = std::upper_bound(first_chunk.begin(), first_chunk.end(), k) - first_chunk.begin() - 1;
     const Job& t = jobs[j];
-    const int64_t b0 = (k - first_chunk[j]) * kChunkBlocks;
+    const int64_t b0 = (k - first_chunk[j]) * chunk;
     update_range(t.p, t.g, t.mc, t.ma, t.vc, t.va, maps, tables, t.n, b0,
-                 std::min(t.nblocks, b0 + kChunkBlocks), t.c);
+                 std::min(t.nblocks, b0 + chunk), t.c);
   };
-  const int64_t workers = std::min<int64_t>(at::get_num_threads(), nchunks);
+  const int64_t workers = std::min<int64_t>(threads, nchunks);
   if (workers <= 1) {
     const Tables tables(maps);
     for (int64_t k = 0; k < nchunks; ++k) run_chunk(k, tables);
