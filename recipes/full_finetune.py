@@ -249,8 +249,7 @@ class Recipe:
                 final_dir = self.offloaded.export_hf(self.out / "final", self.model.config, self.tokenizer)
             elif self.cfg.export:
                 final_dir = export_hf(self.model, self.tokenizer, self.out / "final")
-        if self.offloaded is not None:
-            self.offloaded.close()  # finishes writes, removes the swap directory
+        self._release_memory()
         self.sink.emit(RunFinished(steps_done=self.step, wall_s=time.perf_counter() - self._t0,
                                    peak_rss_bytes=peak_rss_bytes(), output_dir=str(self.out),
                                    base_eval_loss=self.base_eval_loss, final_eval_loss=final_eval,
@@ -271,11 +270,19 @@ class Recipe:
             self.cleanup(interrupted=True)
             raise
         except BaseException:
-            if getattr(self, "offloaded", None) is not None:
-                self.offloaded.close()
+            self._release_memory()
             self.sink.close()
             raise
         return self.cleanup()
+
+    def _release_memory(self) -> None:
+        """Stop the activation offload threads, then finish the store's writes and remove
+        the swap directory (the offloader keeps its bytes in that store)."""
+        if getattr(self, "activations", None) is not None:
+            self.activations.remove()
+            self.activations = None
+        if getattr(self, "offloaded", None) is not None:
+            self.offloaded.close()
 
 
 # ---------------------------------------------------------------------- builders

@@ -118,10 +118,10 @@ def test_default_model_and_data_improve_perplexity(tmp_path):
     assert res.final_eval_loss < res.base_eval_loss
 
 
-@pytest.mark.parametrize("clip,activations", [(0.0, "keep"), (1.0, "keep"), (0.0, "recompute")])
+@pytest.mark.parametrize("clip,activations", [(0.0, "keep"), (1.0, "keep"), (0.0, "recompute"), (1.0, "offload")])
 def test_offloaded_run_equals_in_memory_run(tiny_run_inputs, tmp_path, clip, activations):
-    """The recipe with everything on NVMe (and blocks recomputed in the backward) gives the
-    in-memory run's losses and weights, bit for bit."""
+    """The recipe with everything on NVMe (and blocks recomputed in the backward, or their
+    activations on NVMe too) gives the in-memory run's losses and weights, bit for bit."""
     kw = dict(max_steps=5, eval_every=0, max_grad_norm=clip)
     mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", **kw), sink=_Collect())
     sink = _Collect()
