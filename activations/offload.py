@@ -276,7 +276,8 @@ class ActivationOffloader:
             self._copy(pack, buf, ready)
             f = self.store.nvme.write(ext, buf[:ext.length])
             # runs on an I/O thread when the bytes are on disk: the buffer is free again
-            f.add_done_callback(lambda f: done(ext) if f.exception() is None else done(exc=f.exception()))
+            f.add_done_callback(lambda f: self._written(ext, done) if f.exception() is None
+                                else done(exc=f.exception()))
         except BaseException as e:  # noqa: BLE001 - delivered to the unpack / next seal
             pack.release_sources()
             done(exc=e)
@@ -319,6 +320,7 @@ class ActivationOffloader:
             buf = self.pool.take(where.length)
             try:
                 self.store.nvme.read(where, buf[:where.length]).result()
+                self.store.traffic.moved(Tier.NVME, Tier.HOST, where.length)  # on the dashboard's NVMe line
             except BaseException:
                 self.pool.give(buf)
                 raise
@@ -352,6 +354,13 @@ class ActivationOffloader:
                 base.record_stream(stream)  # allocated on the side stream, used on this one
             rec.base, rec.read = base, None
         return BlockPack.view(rec.base, ref)
+
+    def _written(self, ext: Any, done: Callable[..., None]) -> None:
+        """A block's bytes are on disk: count them where the store counts its own traffic."""
+        from ..offload import Tier
+
+        self.store.traffic.moved(Tier.HOST, Tier.NVME, ext.length)
+        done(ext)
 
     def _discard(self, landed: Future, tier) -> None:
         """Free the stored bytes of a block whose graph went away without a backward."""

@@ -77,6 +77,8 @@ def test_offload_moves_bytes_once_per_block_and_frees_them(model, tmp_path):
         written = store.nvme.written_bytes
         loss.backward()
         assert 0 < written <= 2 * (off.stats["offloaded_bytes"] + (8 << 10))  # one 4 KiB-padded extent per block
+        nvme = store.tier_stats()["NVME"]  # what the dashboard shows: activations' bytes counted too
+        assert nvme.written_bytes == store.nvme.written_bytes > 0 and nvme.read_bytes == store.nvme.read_bytes > 0
         assert store.held(Tier.NVME) == 0 and store.held(Tier.HOST) == 0  # read back and freed
         assert prefetched and all(prefetched)  # read ahead by the backward hooks, not on demand
         # A graph dropped without backward frees its stored bytes too.
