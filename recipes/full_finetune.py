@@ -99,7 +99,10 @@ class Recipe:
         self.activations = None
         if policy != "keep":
             from ..activations import apply_activation_policy
-            self.activations = apply_activation_policy(_unwrapped(self.model), policy,
+            # Offloaded activations go to the run's store: its swap dir (the disk the user
+            # chose) and its traffic counters, not a private store in the temp dir.
+            store = self.offloaded.store if self.offloaded is not None and policy == "offload" else None
+            self.activations = apply_activation_policy(_unwrapped(self.model), policy, store=store,
                                                        keep_last=cfg.activations_keep_last)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lr_lambda(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
