@@ -120,6 +120,13 @@ class Accounting:
         return None
 
 
+def _window(sizes: list[int], count: int) -> int:
+    """The largest of ``sizes`` plus ``count`` of the second largest (an embedding is far larger
+    than a block, and only one of it is ever in flight)."""
+    top = sorted(sizes, reverse=True) + [0, 0]
+    return top[0] + count * top[1]
+
+
 def _fetch_bytes(w: Workload, lay: Layout, i: int) -> int:
     """Bytes brought to DEVICE to compute unit ``i``: its weights and borrowed streamed ones (tied head)."""
     u = w.units[i]
@@ -167,8 +174,10 @@ def account(w: Workload, lay: Layout, batch: int) -> Accounting:
     if streamed:
         k = max(lay.prefetch, 1)
         slack = max(_slack(us[i]) for i in streamed)
-        # The unit computing plus k in flight; gradients: one being produced, one being handed off.
-        acc.add(Tier.DEVICE, "prefetch window", (k + 1) * max(_fetch_bytes(w, lay, i) for i in streamed))
+        # As the engine sizes its arenas (offload/training.py: the largest unit once, the rest
+        # at the second size): on DEVICE the unit computing, what it borrows, k prefetched and
+        # k + 1 kept for the next phase; gradients: one being produced, one being handed off.
+        acc.add(Tier.DEVICE, "prefetch window", _window([us[i].weights for i in streamed], 2 * k + 1))
         acc.add(Tier.DEVICE, "grad window", 2 * max(us[i].grads for i in streamed))
         acc.add(Tier.DEVICE, "alignment", (k + 3) * slack)
         nvme_w = [us[i].weights for i in streamed if lay.weights[i] == Tier.NVME]
@@ -177,12 +186,12 @@ def account(w: Workload, lay: Layout, batch: int) -> Accounting:
         nvme_g = [us[i].grads * us[i].state_piece // us[i].state if us[i].state_piece else us[i].grads
                   for i in streamed if lay.grads[i] == Tier.NVME and w.grads_kept]
         kinds = max(us[i].state_kinds for i in streamed)
-        if nvme_w:
+        if nvme_w and w.budgets.device_kind == "cuda":  # disk -> GPU goes through pinned HOST memory
             acc.add(Tier.HOST, "NVMe staging", k * max(nvme_w))
             acc.add(Tier.HOST, "alignment", k * slack)
-        if nvme_s:  # one unit's state being updated, the next one read ahead
-            acc.add(Tier.HOST, "NVMe staging", 2 * max(nvme_s))
-            acc.add(Tier.HOST, "alignment", 2 * kinds * slack)
+        if nvme_s:  # the unit updating and k read ahead
+            acc.add(Tier.HOST, "NVMe staging", _window(nvme_s, k + 1))
+            acc.add(Tier.HOST, "alignment", (k + 2) * kinds * slack)
         if nvme_g:
             acc.add(Tier.HOST, "NVMe staging", 2 * max(nvme_g))
             acc.add(Tier.HOST, "alignment", 2 * slack)
