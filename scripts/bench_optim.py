@@ -22,12 +22,12 @@ the CPU fast path. Threads: ``torch.set_num_threads(os.cpu_count())`` for every 
 
 Reading the AdamW8bit / fused-AdamW ratio on a shared 2-core box (measured 2026-11-22): the
 fused fp32 update streams 28 B/param and is bound by the memory bandwidth the host grants
-(its step took 11-24 ms for the 50M set at different times of the same day, the same code);
-the 8-bit update streams 16 B/param and is bound by the cores (15-17 ms). So the ratio moved
-between ~0.9x (bandwidth to spare) and ~1.45x (contended) from run to run. With another
-process busy on a core, the fused update's one parallel region per tensor also waits on
-OpenMP barriers (0.5 s steps seen); the 8-bit update has one region per step. Report the
-median of several runs and the load (``uptime``).
+(its step took 12-24 ms for the 50M set at different times of the same day, the same code);
+the 8-bit update streams 16 B/param and is bound by the cores (11-13 ms when both are free).
+In a quiet window, ten runs: 1.04-1.15x (one 0.98x, two 1.5x), median 1.07x; with a
+neighbour's job on the machine ~1.4x. With another process busy on a core, the fused
+update's one parallel region per tensor also waits on OpenMP barriers (0.5 s steps seen);
+the 8-bit update has one region per step. Report the median of several runs and the load.
 """
 from __future__ import annotations
 
