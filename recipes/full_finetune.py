@@ -101,7 +101,8 @@ class Recipe:
             from ..activations import apply_activation_policy
             # Offloaded activations go to the run's store: its swap dir (the disk the user
             # chose) and its traffic counters, not a private store in the temp dir.
-            store = self.offloaded.store if self.offloaded is not None and policy == "offload" else None
+            store = (self.offloaded.store if self.offloaded is not None and self.offloaded.store.nvme is not None
+                     and policy == "offload" else None)
             self.activations = apply_activation_policy(_unwrapped(self.model), policy, store=store,
                                                        keep_last=cfg.activations_keep_last)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -153,9 +153,9 @@ def test_ops_are_registered_and_pass_opcheck():
 
 
 def test_default_chunk_size():
-    assert default_chunk_size(8192, 49152) == 256  # ~64 MiB of fp32 logits
+    assert default_chunk_size(8192, 49152) == 128  # ~32 MiB of fp32 logits
     assert default_chunk_size(10, 49152) == 10
-    assert default_chunk_size(100_000, 256) == 65536
+    assert default_chunk_size(100_000, 256) == 32768
 
 
 @pytest.mark.parametrize("kwargs, err, needle", [

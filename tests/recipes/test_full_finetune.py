@@ -93,6 +93,16 @@ def test_resume_errors_name_the_problem(tiny_run_inputs, tmp_path):
         finetune(load_config(overrides={"resume": str(tmp_path / "run"), "max_steps": 3}), sink=_Collect())
 
 
+def test_offload_cpu_with_activations_on_nvme(tiny_run_inputs, tmp_path):
+    """Weights and state in HOST, activations to NVMe: the run's store has no swap dir, so the
+    activations get a private one (and the run still equals the in-memory one)."""
+    kw = dict(max_steps=2, eval_every=0, max_grad_norm=0.0)
+    mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", **kw), sink=_Collect())
+    ooc = finetune(_cfg(tiny_run_inputs, tmp_path / "ooc", offload="cpu", activations="offload", **kw),
+                   sink=_Collect())
+    assert mem.losses == ooc.losses
+
+
 def test_lora_trains_adapters_only(tiny_run_inputs, tmp_path):
     res = finetune(_cfg(tiny_run_inputs, tmp_path / "lora", method="lora", lr=1e-2, max_steps=3,
                         eval_every=0), sink=_Collect())
