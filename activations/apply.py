@@ -117,6 +117,8 @@ class ActivationHandle:
                     out = forward(*args, **kwargs)
             else:
                 out = forward(*args, **kwargs)
+            if index == len(self.layers) - 1 and self.offloader is not None:
+                self.offloader.pool.idle()  # the transfer buffers sit unused through the loss
             t = _first_tensor(out)
             if self.offloader is not None and t is not None and t.requires_grad:
                 # fires when d loss / d output exists: block `index`'s backward is next, so

@@ -71,16 +71,33 @@ class BufferPool:
         keep: free buffers kept for reuse; more are returned to the OS.
     """
 
-    def __init__(self, alloc: Callable[[int], torch.Tensor], keep: int):
+    def __init__(self, alloc: Callable[[int], torch.Tensor], keep: int, can_discard: bool = False):
         self._alloc, self.keep = alloc, int(keep)
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
         self.live_bytes = 0  # bytes of buffers the pool made that still exist (free or in use)
+        self._can_discard = can_discard  # plain RAM buffers (not pinned): pages may go back to the OS
+        self._idle = False
+
+    def idle(self) -> None:
+        """No buffer is wanted for a while (forward over, backward not begun: the loss, the
+        step's memory peak): free buffers give their pages back to the OS, and so do those
+        given back until the next :meth:`take`. They stay in the pool; a later use faults
+        fresh zero pages in."""
+        if not self._can_discard:
+            return
+        from ..offload.directio import discard_pages
+
+        with self._lock:
+            self._idle = True
+            for b in self._free:
+                discard_pages(b)
 
     def take(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least ``nbytes`` (the smallest free one that fits, or a new one)."""
         size = -(-max(nbytes, 1) // _GRANULE) * _GRANULE
         with self._lock:
+            self._idle = False
             fits = [b for b in self._free if b.numel() >= size]
             if fits:
                 buf = min(fits, key=torch.Tensor.numel)
@@ -93,6 +110,10 @@ class BufferPool:
         """Return ``buf`` (kept for reuse, or dropped beyond ``keep``)."""
         with self._lock:
             if len(self._free) < self.keep:
+                if self._idle:
+                    from ..offload.directio import discard_pages
+
+                    discard_pages(buf)
                 self._free.append(buf)
             else:
                 self.live_bytes -= buf.numel()
@@ -151,7 +172,8 @@ class ActivationOffloader:
         self.prefetch_depth = int(prefetch_depth)
         self.max_inflight = int(max_inflight_bytes)
         self.pool = BufferPool(store.device.alloc_host_slab,
-                               prefetch_depth + 1 if pool_keep is None else pool_keep)
+                               prefetch_depth + 1 if pool_keep is None else pool_keep,
+                               can_discard=not store.device.is_cuda)  # pinned pages must stay
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="outcore-act-w")
         self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="outcore-act-r")
         self._cv = threading.Condition()

@@ -268,3 +268,32 @@ def test_in_place_change_of_a_saved_tensor_is_an_error_as_without_offload():
             toy.layers[1](toy.layers[0](x)).sum().backward()  # never the changed values
     finally:
         handle.remove()
+
+
+def test_idle_pool_gives_its_pages_back_and_keeps_its_buffers():
+    """Through the loss the pool's free buffers hold no memory (their pages read back as zeros),
+    nor do buffers given back until the next take; the buffers themselves are reused."""
+    from outcore.activations.offload import BufferPool
+    from outcore.offload.directio import aligned_empty
+
+    pool = BufferPool(aligned_empty, keep=2, can_discard=True)
+    a, b = pool.take(1 << 20), pool.take(1 << 20)
+    a.fill_(5)
+    b.fill_(6)
+    pool.give(a)
+    pool.idle()
+    assert int(a.sum()) == 0  # discarded: fresh zero pages on the next touch
+    pool.give(b)  # given back while idle: discarded too
+    assert int(b.sum()) == 0
+    live = pool.live_bytes
+    c = pool.take(1 << 20)  # reused, not a new buffer
+    assert c.data_ptr() in (a.data_ptr(), b.data_ptr()) and pool.live_bytes == live
+    c.fill_(7)
+    pool.give(c)  # not idle any more: kept as it is
+    assert int(c[:8].sum()) == 56
+    pinned = BufferPool(aligned_empty, keep=1)  # pinned (CUDA) pools never discard
+    d = pinned.take(1 << 20)
+    d.fill_(1)
+    pinned.give(d)
+    pinned.idle()
+    assert int(d[:8].sum()) == 8
