@@ -296,18 +296,48 @@ def prefetch_depth(w: Workload, lay: Layout, batch: int, max_depth: int = 4) -> 
     """Units to keep in flight so a unit's fetch hides behind the previous units' compute.
 
     A unit fetched ``k`` units ahead has ``k`` units' compute to land in, so ``k`` is
-    ``ceil(fetch time / compute time)`` per unit, at least 1 (the next unit loads while
+    ``ceil(fetch time / compute time)`` of a typical streamed unit — a block: the window
+    runs over the blocks, while the embedding is sized and fetched apart (the largest unit,
+    kept resident through the step when tied) — at least 1 (the next unit loads while
     this one computes), at most ``max_depth``: when I/O is slower than compute a deeper
-    queue cannot raise the rate, it only absorbs jitter. Every unit of depth costs
-    DEVICE (and HOST) room for two more units, so no deeper than the I/O needs
-    (measured on SmolLM2-135M from NVMe, fetch ~0.7 x compute: depth 1 and 2 step
-    equally fast, depth 1 peaks ~50 MiB lower).
+    queue cannot raise the rate, it only absorbs jitter. Every unit of depth costs DEVICE
+    (and HOST) room for two more units, so no deeper than the I/O needs (measured on
+    SmolLM2-135M from NVMe: depth 1 and 2 step equally fast, depth 1 peaks ~50 MiB lower).
     """
     streamed = lay.streamed
     if not streamed:
         return 0
-    st = step_time(w, replace(lay, prefetch=2), batch)
-    visits = max(1, len(streamed) * (2 if w.has_backward else 1))
-    per_unit_io = max(st.disk_s, st.io_s["h2d"] + st.io_s["d2h"]) / visits
-    per_unit_compute = max(st.compute_s, 1e-9) / max(1, len(w.units) * (2 if w.has_backward else 1))
-    return int(min(max_depth, max(1, math.ceil(per_unit_io / per_unit_compute))))
+    blocks = [i for i in streamed if w.units[i].kind == "block"] or streamed
+    ratios = sorted(_unit_io_s(w, lay, i) / max(_unit_compute_s(w, lay, i, batch), 1e-12) for i in blocks)
+    return int(min(max_depth, max(1, math.ceil(ratios[len(ratios) // 2]))))
+
+
+def _unit_io_s(w: Workload, lay: Layout, i: int) -> float:
+    """Seconds of transfer per visit of streamed unit ``i`` (as ``step_time`` counts its bytes):
+    the disk, or the copy engine, whichever is longer. A unit's write-backs run on the I/O
+    threads while the next units are read, and an NVMe queue serves both at once, so a unit's
+    disk time is the longer of its reads and its writes (``step_time`` adds them for the
+    whole step: the disk's total work)."""
+    b, u = w.budgets, w.units[i]
+    passes = 2 if w.has_backward else 1
+    fetch = _fetch_bytes(w, lay, i)
+    read = write = 0
+    if lay.weights[i] == Tier.NVME:
+        read += passes * fetch
+        write += u.weights if w.method in ("full", "zo") else 0
+    if lay.state[i] == Tier.NVME and u.state:
+        read, write = read + u.state, write + u.state
+    if w.has_backward and u.grads and w.grads_kept and lay.grads[i] == Tier.NVME:
+        read, write = read + u.grads, write + u.grads
+    disk = max(read / (b.disk_read_gbps * 1e9), write / (b.disk_write_gbps * 1e9))
+    copy = passes * fetch / (b.h2d_gbps * 1e9) + (u.grads if w.has_backward else 0) / (b.d2h_gbps * 1e9)
+    return max(disk, copy) / passes
+
+
+def _unit_compute_s(w: Workload, lay: Layout, i: int, batch: int) -> float:
+    """Seconds of compute per visit of unit ``i`` (forward, or backward at twice the forward)."""
+    u = w.units[i]
+    mult = {"full": 3.0, "lora": 2.0, "qlora": 2.0, "zo": 2.0}[w.method]
+    extra = 1.0 if (lay.activations == "recompute" and u.kind == "block" and w.has_backward) else 0.0
+    flops = batch * w.seq_len * forward_flops_per_token(w.spec, u, w.seq_len) * (mult + extra)
+    return flops / max(w.budgets.flops, 1.0) / (2 if w.has_backward else 1)
