@@ -31,19 +31,23 @@ def _cfg(inputs, out, **kw):
 @pytest.mark.slow(ci=True)
 def test_offloaded_activations_in_out_of_core_run_equal_in_memory(tiny_run_inputs, tmp_path, monkeypatch):
     mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem"), sink=_Sink())
-    applied = []
+    applied, stats = [], []
     real = outcore.activations.apply_activation_policy
 
     @functools.wraps(real)
     def tiny_threshold(*a, **kw):  # the tiny model's activations are all below the default size
-        applied.append(real(*a, **{**kw, "min_bytes": 0}))
-        return applied[-1]
+        handle = real(*a, **{**kw, "min_bytes": 0})
+        remove = handle.remove
+
+        def remove_and_note():  # the recipe removes the policy at the end of the run
+            stats.append(dict(handle.offloader.stats) if handle.offloader is not None else None)
+            remove()
+        handle.remove = remove_and_note
+        applied.append(handle)
+        return handle
     monkeypatch.setattr(outcore.activations, "apply_activation_policy", tiny_threshold)
     ooc = finetune(_cfg(tiny_run_inputs, tmp_path / "ooc", offload="nvme", activations="offload"),
                    sink=_Sink())
-    handle = applied[0]
-    try:
-        assert handle.offloader.stats["blocks"] > 0  # something really went to NVMe
-    finally:
-        handle.remove()
+    assert len(applied) == 1 and applied[0].offloader is None  # stopped by the recipe
+    assert stats[0]["blocks"] > 0  # something really went to NVMe
     assert mem.losses == ooc.losses
