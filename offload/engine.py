@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from .tied_embedding import row_gradient_embedding
-from .unit_memory import GRADS
+from .unit_sizes import GRADS
 from .units import Unit, causal_lm_units
 
 _EMPTY: dict[torch.dtype, torch.Tensor] = {}

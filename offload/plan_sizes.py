@@ -239,7 +239,7 @@ class UnitBytes:
     borrows: tuple[int, ...] = ()
     tensors: int = 0  # parameters the unit owns (each is 64-byte aligned in the unit's flat buffer)
     state_kinds: int = 0  # flat state buffers per unit (exp_avg, exp_avg_sq, ..., fp32 master)
-    state_piece: int = 0  # when its state streams in pieces (unit_memory.state_pieces): a piece's bytes
+    state_piece: int = 0  # when its state streams in pieces (unit_sizes.state_pieces): a piece's bytes
 
 
 def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str,

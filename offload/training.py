@@ -27,7 +27,8 @@ from .engine import OutOfCoreEngine
 from .handle import Tier
 from .nf4 import NF4Layout
 from .store import TieredStore
-from .unit_memory import GRADS, WEIGHTS, StoreUnitMemory, state_pieces, unit_state_bytes
+from .unit_memory import WEIGHTS, StoreUnitMemory
+from .unit_sizes import GRADS, state_pieces, unit_state_bytes
 from .units import Unit
 
 # At the turn of the step the engine wants the unit computing, its borrowed (tied)
@@ -220,7 +221,7 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
             is NVMe), so gradients never all sit in RAM.
         split_state: stream the state of a unit far larger than a block (the embedding)
             in block-sized pieces when the optimizer updates element-wise (see
-            ``unit_memory.state_pieces``), so the HOST window is a few blocks, not the
+            ``unit_sizes.state_pieces``), so the HOST window is a few blocks, not the
             embedding's whole state. Bit-identical either way.
 
     Returns:

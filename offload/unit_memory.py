@@ -27,10 +27,10 @@ from ..errors import BudgetError
 from .handle import TensorHandle, Tier
 from .store import TieredStore
 from .nf4 import NF4Layout
+from .unit_sizes import GRADS, MASTER_DTYPE, _unit_dtype, needs_master, state_pieces
 from .units import ParamSlot, Unit, _pad
 
 WEIGHTS = "w"
-GRADS = "g"  # a unit's spilled gradients (same layout as its weights)
 
 
 @dataclass
@@ -415,103 +415,3 @@ class StoreUnitMemory:
         if tier is not h.home:
             self.store.evict(h, tier).result()
             self._unpinned.pop(key, None)
-
-
-#: piece boundaries fall on multiples of this many elements: whole 8-bit quantization
-#: blocks (256) and whole pages of every dtype
-PIECE_ALIGN = 4096
-
-
-@dataclass
-class StatePieces:
-    """How a unit's optimizer state is split (see :func:`state_pieces`)."""
-
-    ranges: list[tuple[int, int]]  # element ranges [a, b) of the unit's trainable parameter
-    ratios: dict[str, int]  # kind -> parameter elements per state element; 0: kept whole
-    handle_bytes: dict[str, int]  # kind -> bytes of its largest handle (a piece, or the whole)
-
-
-def state_pieces(unit: Unit, optimizer, piece_bytes: int | None, master_weights: bool = True
-                 ) -> StatePieces | None:
-    """How to split ``unit``'s optimizer state into pieces of about ``piece_bytes``, if at all.
-
-    A unit is split when it has one trainable parameter, its state is over 1.5 x
-    ``piece_bytes`` and the optimizer updates element-wise
-    (``OutcoreOptimizer.elementwise_state``): updating elements [a, b) with the state
-    of [a, b) then gives the same bits as updating the whole.
-    """
-    train = [s for s in unit.slots if s.param.requires_grad]
-    ratios_of = getattr(optimizer, "elementwise_state", None)
-    if not piece_bytes or len(train) != 1 or ratios_of is None:
-        return None
-    slot = train[0]
-    state = unit_state_bytes([unit], optimizer, master_weights)[0]
-    total = sum(state.values())
-    if total <= 1.5 * piece_bytes:
-        return None
-    group = optimizer.param_groups[0]
-    target = slot.param
-    if master_weights and needs_master(slot.param):
-        target = torch.empty(slot.shape, dtype=MASTER_DTYPE, device="meta")
-    ratios = ratios_of(target, group)
-    if ratios is None:
-        return None
-    if master_weights and needs_master(slot.param):
-        ratios = {"master": 1, **ratios}
-    if set(ratios) != set(state) or any(r and PIECE_ALIGN % r for r in ratios.values()):
-        return None
-    n = slot.numel
-    count = -(-total // piece_bytes)
-    step = -(-n // count // PIECE_ALIGN) * PIECE_ALIGN
-    bounds = list(range(0, n, step)) + [n]
-    ranges = list(zip(bounds, bounds[1:]))
-    spec = optimizer.state_spec(target, group)
-    itemsize = {"master": MASTER_DTYPE.itemsize, **{k: dtype.itemsize for k, (_, dtype) in spec.items()}}
-    handle_bytes = {k: state[k] if not r else max(-(-b // r) - a // r for a, b in ranges) * itemsize[k]
-                    for k, r in ratios.items()}
-    return StatePieces(ranges, ratios, handle_bytes)
-
-
-def needs_master(param: torch.Tensor) -> bool:
-    """Does this parameter train in 16 bits (so mixed precision keeps an fp32 master)?"""
-    return param.requires_grad and param.dtype in (torch.bfloat16, torch.float16)
-
-
-MASTER_DTYPE = torch.float32
-
-
-def unit_state_bytes(units: list[Unit], optimizer, master_weights: bool = True,
-                     spill_grads: bool = False) -> list[dict[str, int]]:
-    """Bytes of each optimizer-state handle (kind -> bytes) per unit, from ``state_spec``
-    (and the fp32 masters of mixed precision, see ``StoreUnitMemory``; and with
-    ``spill_grads`` the spilled gradient, which streams with the state).
-
-    Nothing is allocated: this sizes the store before anything is registered.
-    """
-    group = optimizer.param_groups[0]
-    out = []
-    for unit in units:
-        kinds: dict[str, int] = {}
-        for slot in unit.slots:
-            if not slot.param.requires_grad:
-                continue
-            target = slot.param
-            spec = {}
-            if master_weights and needs_master(slot.param):
-                target = torch.empty(slot.shape, dtype=MASTER_DTYPE, device="meta")
-                spec["master"] = (slot.shape, MASTER_DTYPE)
-            spec.update(optimizer.state_spec(target, group))
-            for kind, (shape, dtype) in spec.items():
-                n = _pad(max(torch.Size(shape).numel(), 1), dtype.itemsize) * dtype.itemsize
-                kinds[kind] = kinds.get(kind, 0) + n
-        if spill_grads and kinds:
-            kinds[GRADS] = unit.numel * _unit_dtype(unit).itemsize
-        out.append(kinds)
-    return out
-
-
-def _unit_dtype(unit: Unit) -> torch.dtype:
-    dtypes = {s.param.dtype for s in unit.slots}
-    if len(dtypes) > 1:
-        raise ValueError(f"unit {unit.name} mixes parameter dtypes {sorted(map(str, dtypes))}")
-    return dtypes.pop() if dtypes else torch.float32

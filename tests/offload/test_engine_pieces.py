@@ -7,7 +7,7 @@ import torch
 
 from outcore.offload.handle import Tier
 from outcore.offload.training import offload_model
-from outcore.offload.unit_memory import PIECE_ALIGN, state_pieces
+from outcore.offload.unit_sizes import PIECE_ALIGN, state_pieces
 from outcore.optim import AdamW, GaLore
 
 LR, WD, VOCAB = 1e-3, 0.01, 4096
