@@ -120,9 +120,10 @@ class Accounting:
         return None
 
 
-def _window(sizes: list[int], count: int) -> int:
+def window_bytes(sizes: list[int], count: int) -> int:
     """The largest of ``sizes`` plus ``count`` of the second largest (an embedding is far larger
-    than a block, and only one of it is ever in flight)."""
+    than a block, and only one of it is ever in flight): how the engine sizes its DEVICE and
+    HOST arenas (``training.offload_model``) and the plan its windows."""
     top = sorted(sizes, reverse=True) + [0, 0]
     return top[0] + count * top[1]
 
@@ -177,7 +178,7 @@ def account(w: Workload, lay: Layout, batch: int) -> Accounting:
         # As the engine sizes its arenas (offload/training.py: the largest unit once, the rest
         # at the second size): on DEVICE the unit computing, what it borrows, k prefetched and
         # k + 1 kept for the next phase; gradients: one being produced, one being handed off.
-        acc.add(Tier.DEVICE, "prefetch window", _window([us[i].weights for i in streamed], 2 * k + 1))
+        acc.add(Tier.DEVICE, "prefetch window", window_bytes([us[i].weights for i in streamed], 2 * k + 1))
         acc.add(Tier.DEVICE, "grad window", 2 * max(us[i].grads for i in streamed))
         acc.add(Tier.DEVICE, "alignment", (k + 3) * slack)
         nvme_w = [us[i].weights for i in streamed if lay.weights[i] == Tier.NVME]
@@ -190,7 +191,7 @@ def account(w: Workload, lay: Layout, batch: int) -> Accounting:
             acc.add(Tier.HOST, "NVMe staging", k * max(nvme_w))
             acc.add(Tier.HOST, "alignment", k * slack)
         if nvme_s:  # the unit updating and k read ahead
-            acc.add(Tier.HOST, "NVMe staging", _window(nvme_s, k + 1))
+            acc.add(Tier.HOST, "NVMe staging", window_bytes(nvme_s, k + 1))
             acc.add(Tier.HOST, "alignment", (k + 2) * kinds * slack)
         if nvme_g:
             acc.add(Tier.HOST, "NVMe staging", 2 * max(nvme_g))

@@ -26,6 +26,7 @@ from .directio import align_up
 from .engine import OutOfCoreEngine
 from .handle import Tier
 from .nf4 import NF4Layout
+from .plan_layout import window_bytes
 from .store import TieredStore
 from .unit_memory import WEIGHTS, StoreUnitMemory
 from .unit_sizes import GRADS, state_pieces, unit_state_bytes
@@ -41,13 +42,6 @@ def _arena_bytes(handle_bytes: int | dict[str, int]) -> int:
     """What one unit's handle(s) take in an arena: each handle 4 KiB-padded."""
     sizes = handle_bytes.values() if isinstance(handle_bytes, dict) else [handle_bytes]
     return sum(align_up(max(n, 1)) for n in sizes)
-
-
-def _window(sizes: list[int], count: int) -> int:
-    """Arena bytes for the largest unit plus ``count`` units of the second-largest size (an
-    embedding is far larger than a block, and only one of it is ever in flight)."""
-    top = sorted(sizes, reverse=True) + [0, 0]
-    return top[0] + count * top[1]
 
 
 class OffloadedModel:
@@ -262,13 +256,13 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                 elems = max(b - a for a, b in split.ranges)
                 grads = {GRADS: elems * _dtype(unit).itemsize}
             window_sizes[i] = _arena_bytes({**split.handle_bytes, **grads})
-    need_device = _window(w_sizes, 2 * k + 1)
+    need_device = window_bytes(w_sizes, 2 * k + 1)
     host_home = sum(w for w, (hw, _) in zip(w_sizes, homes) if hw is Tier.HOST)
     host_home += sum(s for s, (_, hs) in zip(s_sizes, homes) if hs is Tier.HOST)
     # optimizer state streams through HOST: the unit updating and k prefetched (a copy still
     # writing back is evicted when its write lands; the arena allocates large blocks from the
     # top, so the embedding's state and the blocks' do not fragment each other)
-    need_host = host_home + (_window(window_sizes, k + 1) if any(hs is Tier.NVME for _, hs in homes) else 0)
+    need_host = host_home + (window_bytes(window_sizes, k + 1) if any(hs is Tier.NVME for _, hs in homes) else 0)
     device = min(device_bytes, need_device) if device_bytes else need_device
     host = min(host_bytes, need_host) if host_bytes else need_host
     nvme_bytes = None
