@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import ConfigError, ModelError
+from ..offload.device import free_device_bytes
 from .offload import _MIN_BYTES, ActivationOffloader
 from .pack import BlockPack
 from .policy import ActivationPolicy, BlockProfile, choose_policy, expand_policy
@@ -252,6 +253,6 @@ def _copy_bps(device: torch.device, nbytes: int = 16 << 20) -> float:
 
 def _available_device_bytes(device: torch.device) -> int:
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])  # a sync point, once per apply
+        return free_device_bytes(device)  # a sync point, once per apply
     import psutil
     return int(psutil.virtual_memory().available)

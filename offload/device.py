@@ -40,6 +40,35 @@ def list_devices() -> list[dict]:
     return out
 
 
+def cuda_rng_state() -> list[torch.Tensor] | None:
+    """Every CUDA device's RNG state (for checkpoints); None without CUDA."""
+    return torch.cuda.get_rng_state_all() if cuda_available() else None
+
+
+def set_cuda_rng_state(state: list[torch.Tensor] | None) -> None:
+    """Restore what :func:`cuda_rng_state` captured (nothing without CUDA or state)."""
+    if state is not None and cuda_available():
+        torch.cuda.set_rng_state_all(state)
+
+
+def device_memory() -> dict[str, int]:
+    """``{"device_bytes", "device_total_bytes"}`` of CUDA device 0 (for StepEvent); ``{}`` on CPU."""
+    if not cuda_available():
+        return {}
+    return {"device_bytes": int(torch.cuda.memory_allocated()),
+            "device_total_bytes": int(torch.cuda.get_device_properties(0).total_memory)}
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Free bytes on a CUDA ``device`` (a host sync point: call it rarely)."""
+    return int(torch.cuda.mem_get_info(device)[0])
+
+
+def distributed_backend() -> str:
+    """The torch.distributed backend for this machine: nccl with CUDA, else gloo."""
+    return "nccl" if cuda_available() else "gloo"
+
+
 class Device:
     """The compute device as the tiered store sees it.
 

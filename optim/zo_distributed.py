@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from ..offload.device import distributed_backend
 from .zo_core import ZOHyper
 from .zo_stream import Exchange, ZOBlockTrainer
 
@@ -41,7 +42,7 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        backend = backend or distributed_backend()
         dist.init_process_group(backend)
     return dist.get_rank(), dist.get_world_size()
 

@@ -29,6 +29,7 @@ import xxhash
 from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError
+from ..offload.device import cuda_rng_state, set_cuda_rng_state
 
 _DIR = "checkpoints"
 _LATEST = "latest"
@@ -39,8 +40,9 @@ def rng_state() -> dict[str, Any]:
     """Every RNG a training step may draw from (Python, NumPy, torch CPU, CUDA)."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    cuda = cuda_rng_state()
+    if cuda is not None:
+        state["cuda"] = cuda
     return state
 
 
@@ -49,8 +51,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    set_cuda_rng_state(state.get("cuda"))
 
 
 def _digest(path: Path) -> str:

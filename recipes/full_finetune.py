@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 
 from ..events import EvalEvent, EventSink, RunFinished, RunStarted, StepEvent
+from ..offload.device import device_memory
 from . import _checkpoint as ckpt
 from ._common import (evaluate, export_hf, lr_lambda, peak_rss_bytes, prepare_output_dir,
                       ram_total_bytes, rss_bytes, set_threads, torch_dtype)
@@ -216,7 +217,7 @@ class Recipe:
                     elapsed_s=time.perf_counter() - t_start, rss_bytes=rss_bytes(),
                     ram_bytes=ram_total_bytes(),
                     grad_norm=None if grad_norm is None else float(grad_norm),
-                    eval_loss=eval_loss, **self._tier_fields(stall0), **_device_memory()))
+                    eval_loss=eval_loss, **self._tier_fields(stall0), **device_memory()))
             if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
                 self.save()
 
@@ -372,13 +373,6 @@ def _with_lora(model: torch.nn.Module, cfg: FinetuneConfig) -> torch.nn.Module:
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     """The plain causal LM under a peft wrapper (or ``model`` itself)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def _device_memory() -> dict[str, Any]:
-    if not torch.cuda.is_available():
-        return {}
-    return {"device_bytes": torch.cuda.memory_allocated(),
-            "device_total_bytes": torch.cuda.get_device_properties(0).total_memory}
 
 
 def finetune(config: FinetuneConfig | None = None, sink: EventSink | None = None, **overrides: Any
