@@ -95,3 +95,13 @@ class EventSink(Protocol):
     def emit(self, event: Event) -> None: ...
 
     def close(self) -> None: ...
+
+
+class NullSink:
+    """A sink that drops every event (a recipe run from Python without a UI)."""
+
+    def emit(self, event: Event) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
