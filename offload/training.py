@@ -28,9 +28,9 @@ from .handle import Tier
 from .nf4 import NF4Layout
 from .plan_layout import window_bytes
 from .store import TieredStore
-from .unit_memory import WEIGHTS, StoreUnitMemory
-from .unit_sizes import GRADS, state_pieces, unit_state_bytes
-from .units import Unit
+from .unit_memory import StoreUnitMemory
+from .unit_sizes import state_pieces, unit_state_bytes
+from .units import GRADS, WEIGHTS, Unit
 
 # At the turn of the step the engine wants the unit computing, its borrowed (tied)
 # weights, k prefetched and k+1 kept for the next phase: 2k + 3 units. Kept units
@@ -54,11 +54,12 @@ class OffloadedModel:
         self.engine, self.store, self.swap_dir = engine, store, swap_dir
         self.mem: StoreUnitMemory = engine.mem  # type: ignore[assignment]
         # optimizer state passes through the HOST window rather than living there
-        self._state_streams = any(h.home is Tier.NVME for (_, kind), h in self.mem.handles.items() if kind != WEIGHTS)
+        self._state_streams = any(h.home is Tier.NVME for u in engine.units
+                                  for part, h in u.handles.items() if part.kind != WEIGHTS)
 
     @property
     def last_grad_norm(self) -> torch.Tensor | None:
-        return getattr(self.engine, "last_grad_norm", None)
+        return self.engine.last_grad_norm
 
     def train_step(self, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], micro_batches: list[Any],
                    lr: float) -> torch.Tensor:
@@ -91,7 +92,7 @@ class OffloadedModel:
         d.mkdir(parents=True, exist_ok=True)
         for unit in self.engine.units:
             # a pieced state is saved joined: the checkpoint does not depend on the split
-            tensors = {WEIGHTS: self.store.load(self.mem.handles[(unit.index, WEIGHTS)]),
+            tensors = {WEIGHTS: self.mem.state(unit.index, WEIGHTS),
                        **{kind: self.mem.state(unit.index, kind) for kind in self.mem.kinds(unit.index)}}
             save_file({k: t.contiguous() for k, t in tensors.items()}, str(d / f"{unit.name}.safetensors"))
         (d / "units.json").write_text(json.dumps([u.name for u in self.engine.units]))

@@ -8,9 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .units import Unit, _pad
-
-GRADS = "g"  # a unit's spilled gradients (same layout as its weights)
+from .units import GRADS, Unit, _pad
 
 
 #: piece boundaries fall on multiples of this many elements: whole 8-bit quantization
@@ -82,8 +80,11 @@ def unit_state_bytes(units: list[Unit], optimizer, master_weights: bool = True,
     (and the fp32 masters of mixed precision, see ``StoreUnitMemory``; and with
     ``spill_grads`` the spilled gradient, which streams with the state).
 
-    Nothing is allocated: this sizes the store before anything is registered.
+    Nothing is allocated: this sizes the store before anything is registered. Without an
+    optimizer (zeroth-order) there is no state.
     """
+    if optimizer is None:
+        return [{} for _ in units]
     group = optimizer.param_groups[0]
     out = []
     for unit in units:
