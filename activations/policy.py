@@ -126,26 +126,12 @@ def choose_policy(profiles: Sequence[BlockProfile], device_budget: int, *,
                                             else (float("inf") if nvme_budget is None else nvme_budget))}
     bw = {ActivationPolicy.OFFLOAD_HOST: (host_bps, host_bps),
           ActivationPolicy.OFFLOAD_NVME: (nvme_read_bps, nvme_write_bps)}
-
-    def options(i: int):
-        p = profiles[i]
-        out = []
-        if p.input_bytes < held[i]:
-            out.append((p.forward_s, held[i] - p.input_bytes, ActivationPolicy.RECOMPUTE))
-        for tier, (rd, wr) in bw.items():
-            if room[tier] >= p.saved_bytes and rd > 0 and wr > 0:
-                stall = (max(0.0, p.saved_bytes / wr - p.forward_s)
-                         + max(0.0, p.saved_bytes / rd - backward_factor * p.forward_s)
-                         + (p.saved_bytes / copy_bps if copy_bps > 0 else 0.0))
-                out.append((stall, held[i], tier))
-        return out
-
     while sum(held) > device_budget:
         best = None
         for i in range(max(0, n - keep_last)):
             if policy[i] is not ActivationPolicy.KEEP:
                 continue
-            for cost, freed, choice in options(i):
+            for cost, freed, choice in _changes(profiles[i], held[i], room, bw, backward_factor, copy_bps):
                 key = (cost / max(freed, 1), i)
                 if freed > 0 and (best is None or key < best[0]):
                     best = (key, i, choice)
@@ -162,6 +148,28 @@ def choose_policy(profiles: Sequence[BlockProfile], device_budget: int, *,
             room[choice] -= profiles[i].saved_bytes
             held[i] = 0
     return policy
+
+
+def _changes(p: BlockProfile, held: int, room: dict[ActivationPolicy, float],
+             bw: dict[ActivationPolicy, tuple[float, float]], backward_factor: float,
+             copy_bps: float) -> list[tuple[float, int, ActivationPolicy]]:
+    """What one KEEP block (profile ``p``, holding ``held`` bytes) could change to, as
+    ``(seconds it costs, bytes it frees, policy)`` (the costs of :func:`choose_policy`).
+
+    Args:
+        room: per offload tier, the bytes it can still take.
+        bw: per offload tier, its (read, write) bandwidth in bytes/s.
+    """
+    out = []
+    if p.input_bytes < held:
+        out.append((p.forward_s, held - p.input_bytes, ActivationPolicy.RECOMPUTE))
+    for tier, (rd, wr) in bw.items():
+        if room[tier] >= p.saved_bytes and rd > 0 and wr > 0:
+            stall = (max(0.0, p.saved_bytes / wr - p.forward_s)
+                     + max(0.0, p.saved_bytes / rd - backward_factor * p.forward_s)
+                     + (p.saved_bytes / copy_bps if copy_bps > 0 else 0.0))
+            out.append((stall, held, tier))
+    return out
 
 
 def expand_policy(policy: "ActivationPolicy | str | Sequence[ActivationPolicy | str]",
