@@ -53,6 +53,16 @@ class ActivationPolicy(enum.Enum):
         return self in (ActivationPolicy.OFFLOAD_HOST, ActivationPolicy.OFFLOAD_NVME)
 
 
+#: ``auto``: measure the first training forward, then :func:`choose_policy` per block
+#: (the planner: keep when it fits, else recompute).
+AUTO = "auto"
+#: ``offload``: OFFLOAD_NVME for every block but the last ``keep_last`` (:func:`expand_policy`).
+OFFLOAD = "offload"
+#: The run-level names (``--activations``, ``FinetuneConfig.activations``, the planner):
+#: one policy for every block, ``offload``, or ``auto``.
+ACTIVATION_POLICIES = (AUTO, ActivationPolicy.KEEP.value, ActivationPolicy.RECOMPUTE.value, OFFLOAD)
+
+
 @dataclass(frozen=True)
 class BlockProfile:
     """What one block's activations cost (measured in a forward pass)."""
@@ -184,7 +194,7 @@ def expand_policy(policy: "ActivationPolicy | str | Sequence[ActivationPolicy | 
     """
     if keep_last < 0:
         raise ConfigError(f"keep_last={keep_last} must be >= 0")
-    if isinstance(policy, str) and policy.lower() == "offload":
+    if isinstance(policy, str) and policy.lower() == OFFLOAD:
         kept = min(keep_last, n_blocks)
         return [ActivationPolicy.OFFLOAD_NVME] * (n_blocks - kept) + [ActivationPolicy.KEEP] * kept
     if isinstance(policy, (str, ActivationPolicy)):
