@@ -32,8 +32,9 @@ class MethodTraits:
     trains_weights: bool  # every weight is updated and written back (else a frozen base + adapters)
     backward: bool  # a backward pass runs (zeroth-order: forward passes only)
     quantized_base: bool  # the frozen base's block matrices are NF4
-    compute_passes: float  # a step's compute in forwards: backward = 2 forwards (LoRA's: 1, no
-    # weight gradients); zeroth-order: two forwards
+    #: a step's compute in forward passes: full 3 (a backward costs 2 forwards), LoRA 2 (its
+    #: backward skips the weight gradients), zeroth-order 2 (two forwards)
+    compute_passes: float
 
 
 #: the methods the planner sizes (``recipes.config.METHODS``, which it may not import: a test
