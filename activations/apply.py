@@ -29,7 +29,7 @@ from ..errors import ConfigError, ModelError
 from ..offload.device import free_device_bytes
 from .offload import _MIN_BYTES, ActivationOffloader
 from .pack import BlockPack
-from .policy import ActivationPolicy, BlockProfile, choose_policy, expand_policy
+from .policy import AUTO, ActivationPolicy, BlockProfile, choose_policy, expand_policy
 
 _LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers",
                 "model.language_model.layers", "layers")
@@ -231,7 +231,7 @@ def apply_activation_policy(model: nn.Module,
         if int(v) < 0:
             raise ConfigError(f"{name}={v} must be >= 0")
     opts = dict(prefetch_depth=int(prefetch_depth), min_bytes=int(min_bytes), keep_last=int(keep_last))
-    if isinstance(policy, str) and policy.lower() == "auto":
+    if isinstance(policy, str) and policy.lower() == AUTO:
         if device_budget is None:
             device_budget = _available_device_bytes(next(model.parameters()).device) // 2
         auto = dict(bandwidth, device_budget=int(device_budget))
