@@ -280,11 +280,12 @@ class Recipe:
         self._t0 = time.perf_counter()
         try:
             self.setup()
+        except BaseException:
+            self._abort()  # e.g. a bad model after the store was made: remove its swap dir
+            raise
+        try:
             self.train()
         except KeyboardInterrupt:
-            if not hasattr(self, "step"):  # Ctrl-C during setup: no run to report
-                self._abort()
-                raise
             # The last complete checkpoint stays as it is (checkpoints are
             # written atomically); report and re-raise so the CLI exits 130.
             self.cleanup(interrupted=True)
@@ -295,6 +296,7 @@ class Recipe:
         return self.cleanup()
 
     def _abort(self) -> None:
+        """Release what setup built and close the sink, reporting nothing more (a failed run)."""
         self._release_memory()
         self.sink.close()
 
