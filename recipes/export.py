@@ -93,6 +93,9 @@ def export_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | Path) -> Pa
     """
     from ..models import is_adapter, merge_lora, plain_name, unwrap_peft
 
+    base = unwrap_peft(model)
+    # a QLoRA base is written in the model's compute dtype (its quantization state may name another)
+    compute_dtype = base.config.dtype if isinstance(base.config.dtype, torch.dtype) else torch.float32
     tensors = {}
     with torch.no_grad():
         for name, p in model.named_parameters():  # tied weights come once (named_parameters dedups)
@@ -101,8 +104,7 @@ def export_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | Path) -> Pa
             quantized = hasattr(p, "quant_state")
             # NF4: merge into the fp32 dequantized weight, else the update is rounded away
             t = merge_lora(model, name, _dequantized(p) if quantized else p.detach())
-            tensors[plain_name(name)] = t.to(p.quant_state.dtype) if quantized else t
-    base = unwrap_peft(model)
+            tensors[plain_name(name)] = t.to(compute_dtype) if quantized else t
     return write_hf_dir(out_dir, [("model.safetensors", tensors)], base.config, tokenizer,
                         getattr(base, "generation_config", None))
 
