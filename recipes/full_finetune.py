@@ -63,6 +63,11 @@ class Recipe:
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
+        """Build the run: output dir, model (in memory or streamed), data, loss, optimizer, resume.
+
+        Raises:
+            OutcoreError: bad config, model, data, output directory or checkpoint.
+        """
         from ..data import BatchLoader, build_datasets, check_seq_len
         from ..models import load_model, load_model_lazily
 
@@ -185,6 +190,11 @@ class Recipe:
         return self.head_loss(hidden, batch["labels"])
 
     def train(self) -> None:
+        """Run the optimizer steps up to ``max_steps``, evaluating, logging and checkpointing.
+
+        Raises:
+            FloatingPointError: the loss became NaN or infinite.
+        """
         cfg = self.cfg
         self._emit_started()
         if self.base_eval_loss is None:
@@ -254,6 +264,11 @@ class Recipe:
 
     # ---------------------------------------------------------------- cleanup
     def cleanup(self, interrupted: bool = False) -> FinetuneResult:
+        """Evaluate, checkpoint and export (unless ``interrupted``), release memory, report the end.
+
+        Returns:
+            The run's FinetuneResult.
+        """
         final_eval = final_dir = None
         if not interrupted:
             final_eval = self._eval(self.step)
@@ -277,6 +292,11 @@ class Recipe:
         return export_hf(self.model, self.tokenizer, out_dir)
 
     def run(self) -> FinetuneResult:
+        """setup → train → cleanup; on Ctrl-C the run is reported as interrupted and re-raised.
+
+        Returns:
+            The run's FinetuneResult.
+        """
         self._t0 = time.perf_counter()
         try:
             self.setup()
