@@ -16,6 +16,7 @@ from .handle import Tier
 from .plan_budget import Budgets
 from .plan_sizes import (DTYPE_BYTES, ModelSpec, UnitBytes, block_activation_bytes, checkpoint_bytes,
                          forward_flops_per_token, head_activation_bytes)
+from .unit_sizes import window_bytes
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
 ALIGN = 4096  # the store aligns every arena block and NVMe extent to 4 KiB (offload/directio.py)
@@ -118,14 +119,6 @@ class Accounting:
         if b.shared_ram and self.total(Tier.DEVICE) + self.total(Tier.HOST) > b.ram_bytes:
             return "RAM (DEVICE + HOST)", b.ram_bytes, self.total(Tier.DEVICE) + self.total(Tier.HOST)
         return None
-
-
-def window_bytes(sizes: list[int], count: int) -> int:
-    """The largest of ``sizes`` plus ``count`` of the second largest (an embedding is far larger
-    than a block, and only one of it is ever in flight): how the engine sizes its DEVICE and
-    HOST arenas (``training.offload_model``) and the plan its windows."""
-    top = sorted(sizes, reverse=True) + [0, 0]
-    return top[0] + count * top[1]
 
 
 def _fetch_bytes(w: Workload, lay: Layout, i: int) -> int:

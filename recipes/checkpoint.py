@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError
 from ..offload.device import cuda_rng_state, set_cuda_rng_state
-from ..offload.unit_memory import WEIGHTS
+from ..offload.units import WEIGHTS
 
 _DIR = "checkpoints"
 _LATEST = "latest"

@@ -195,8 +195,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     named = dict(model.named_parameters())
     with torch.no_grad():
         if (last / "units").is_dir():  # out of core: each unit's flat weights, laid out as in training
-            from ..offload.unit_memory import WEIGHTS
-            from ..offload.units import causal_lm_units
+            from ..offload.units import WEIGHTS, causal_lm_units
             for unit in causal_lm_units(model):
                 flat = load_file(str(last / "units" / f"{unit.name}.safetensors"))[WEIGHTS]
                 for slot in unit.slots:

@@ -91,7 +91,7 @@ def test_tensor_larger_than_tier_raises_budget_error(store):
 
 def _slow_copies(store, monkeypatch, delay):
     """Every transfer lands `delay` seconds late (a slow disk, deterministically)."""
-    real = store._copy
+    real = store.moves.copy
 
     def slow(h, src, dst):
         f = real(h, src, dst)
@@ -102,7 +102,7 @@ def _slow_copies(store, monkeypatch, delay):
             threading.Timer(delay, g.set_result, args=(None,)).start()
             return g
         return then(f, later)
-    monkeypatch.setattr(store, "_copy", slow)
+    monkeypatch.setattr(store.moves, "copy", slow)
 
 
 def test_stall_is_measured_and_prefetch_hides_it(store, monkeypatch):
