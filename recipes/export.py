@@ -33,22 +33,26 @@ from .config import load_config
 Shard = tuple[str, dict[str, torch.Tensor]]  # (file name, tensors by plain model name)
 
 
-def write_hf_dir(out_dir: str | Path, shards: Iterable[Shard], config: Any, tokenizer: Any = None,
-                 generation_config: Any = None) -> Path:
+def write_hf_dir(out_dir: str | Path, shards: Iterable[Shard], model: torch.nn.Module, tokenizer: Any = None
+                 ) -> Path:
     """Write a Hugging Face model directory atomically, one shard at a time.
 
     Args:
         out_dir: the directory to write; replaced if it exists, only once complete.
         shards: ``(file name, {name: tensor})`` pairs, each written as it arrives (a
             generator keeps one shard in memory at a time).
-        config: the model's ``PretrainedConfig``; saved as a copy, without a
+        model: the model the weights are of (a peft wrapper is looked through; it may
+            be on the meta device): its config is saved as a copy, without a
             ``quantization_config`` (the weights written are plain) and with ``dtype``
-            set to the weights' (as ``save_pretrained`` does).
-        tokenizer, generation_config: saved too when given.
+            set to the weights' (as ``save_pretrained`` does), and its generation config.
+        tokenizer: saved too when given.
 
     Returns:
         ``out_dir``.
     """
+    from ..models import unwrap_peft
+
+    base = unwrap_peft(model)
     out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -63,12 +67,12 @@ def write_hf_dir(out_dir: str | Path, shards: Iterable[Shard], config: Any, toke
             dtype = dtype or (t.dtype if t.is_floating_point() else None)
     (tmp / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    config = copy.deepcopy(config)
+    config = copy.deepcopy(base.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = dtype or config.dtype
     config.save_pretrained(tmp)
-    for part in (generation_config, tokenizer):
+    for part in (getattr(base, "generation_config", None), tokenizer):
         if part is not None:
             part.save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
@@ -93,9 +97,9 @@ def export_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | Path) -> Pa
     """
     from ..models import is_adapter, merge_lora, plain_name, unwrap_peft
 
-    base = unwrap_peft(model)
+    config = unwrap_peft(model).config
     # a QLoRA base is written in the model's compute dtype (its quantization state may name another)
-    compute_dtype = base.config.dtype if isinstance(base.config.dtype, torch.dtype) else torch.float32
+    compute_dtype = config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32
     tensors = {}
     with torch.no_grad():
         for name, p in model.named_parameters():  # tied weights come once (named_parameters dedups)
@@ -105,8 +109,7 @@ def export_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | Path) -> Pa
             # NF4: merge into the fp32 dequantized weight, else the update is rounded away
             t = merge_lora(model, name, _dequantized(p) if quantized else p.detach())
             tensors[plain_name(name)] = t.to(compute_dtype) if quantized else t
-    return write_hf_dir(out_dir, [("model.safetensors", tensors)], base.config, tokenizer,
-                        getattr(base, "generation_config", None))
+    return write_hf_dir(out_dir, [("model.safetensors", tensors)], model, tokenizer)
 
 
 def unit_weights(om: Any, unit: Any) -> dict[str, torch.Tensor]:
@@ -119,7 +122,12 @@ def unit_weights(om: Any, unit: Any) -> dict[str, torch.Tensor]:
     Returns:
         ``{qualified name: tensor}`` (NF4 weights dequantized into the compute dtype).
     """
-    flat = om.mem.weights(unit.index)
+    return _by_name(unit, om.mem.weights(unit.index))
+
+
+def _by_name(unit: Any, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The parameters of ``unit`` out of its ``flat`` weights, by qualified name (copies:
+    safetensors writes no views of one buffer)."""
     return {s.name: unit.view(flat, s).clone() for s in unit.slots}
 
 
@@ -138,21 +146,22 @@ def export_offloaded(om: Any, model: torch.nn.Module, out_dir: str | Path, token
     Returns:
         ``out_dir``.
     """
-    from ..models import unwrap_peft
-
     om.mem.flush()
-    base = unwrap_peft(model)
-    return write_hf_dir(out_dir, _unit_shards(om, model), base.config, tokenizer,
-                        getattr(base, "generation_config", None))
+    return write_hf_dir(out_dir, _unit_shards(om, model), model, tokenizer)
 
 
 def _unit_shards(om: Any, model: torch.nn.Module) -> Iterator[Shard]:
+    for unit in om.engine.units:
+        if unit.slots:
+            yield _unit_shard(model, unit, unit_weights(om, unit))
+
+
+def _unit_shard(model: torch.nn.Module, unit: Any, weights: dict[str, torch.Tensor]) -> Shard:
+    """One unit's shard: its weights under their plain names, LoRA adapters merged."""
     from ..models import merge_lora, plain_name
 
-    for unit in om.engine.units:
-        tensors = {plain_name(n): merge_lora(model, n, t) for n, t in unit_weights(om, unit).items()}
-        if tensors:
-            yield f"model-{unit.index:05d}-{unit.name}.safetensors", tensors
+    tensors = {plain_name(n): merge_lora(model, n, t) for n, t in weights.items()}
+    return f"model-{unit.index:05d}-{unit.name}.safetensors", tensors
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
@@ -185,6 +194,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     if last is None:
         raise CheckpointError(f"run {str(run)!r} has no complete checkpoint to export")
     model_state, _, _ = ckpt.load_checkpoint(last)  # verifies every file's checksum
+    if (last / "units").is_dir():
+        return _export_units(cfg, last / "units", out)
 
     from ..models import load_model
     from ._common import torch_dtype, with_lora
@@ -194,16 +205,23 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
         model = with_lora(model, cfg)
     named = dict(model.named_parameters())
     with torch.no_grad():
-        if (last / "units").is_dir():  # out of core: each unit's flat weights, laid out as in training
-            from ..offload.units import WEIGHTS, causal_lm_units
-            for unit in causal_lm_units(model):
-                flat = load_file(str(last / "units" / f"{unit.name}.safetensors"))[WEIGHTS]
-                for slot in unit.slots:
-                    slot.param.copy_(unit.view(flat, slot))
-        else:
-            for name, t in model_state.items():
-                named[name].copy_(t)
+        for name, t in model_state.items():
+            named[name].copy_(t)
     return export_hf(model, tokenizer, out)
+
+
+def _export_units(cfg: Any, directory: Path, out: Path) -> Path:
+    """Export an out-of-core full fine-tune's checkpoint (one file per unit) with bounded
+    memory: the model is built on the meta device and each unit's weights go from its
+    checkpoint file to its shard, one unit at a time."""
+    from ..models import load_model_lazily
+    from ..offload.units import WEIGHTS, causal_lm_units
+    from ._common import torch_dtype
+
+    model, tokenizer, _ = load_model_lazily(cfg.model, dtype=torch_dtype(cfg.dtype))
+    shards = (_unit_shard(model, unit, _by_name(unit, load_file(str(directory / f"{unit.name}.safetensors"))[WEIGHTS]))
+              for unit in causal_lm_units(model) if unit.slots)
+    return write_hf_dir(out, shards, model, tokenizer)
 
 
 def _dequantized(p: torch.Tensor) -> torch.Tensor:
