@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "FinetuneConfig": ".recipes.config",
     "load_config": ".recipes.config",
-    "finetune": ".recipes.full_finetune",
+    "finetune": ".api",
     "OutcoreError": ".errors",
 }
 
@@ -23,7 +23,7 @@ __all__ = sorted(_LAZY) + ["__version__"]
 if TYPE_CHECKING:  # pragma: no cover
     from .errors import OutcoreError
     from .recipes.config import FinetuneConfig, load_config
-    from .recipes.full_finetune import finetune
+    from .api import finetune
 
 
 def __getattr__(name: str) -> Any:

@@ -12,7 +12,7 @@ Public API::
 """
 from ._gguf_cache import build_gguf_cache, default_cache_dir, gguf_cache_path
 from ._lazy import load_model_lazily
-from ._lora import add_lora, lora_deltas, plain_name
+from ._lora import add_lora, is_adapter, merge_lora, plain_name, unwrap_peft
 from ._loader import (ModelSource, default_model_path, hub_offline, load_model, load_tokenizer,
                       resolve_model_spec)
 from ._structure import (SUPPORTED_MODEL_TYPES, ModelParts, check_seq_len, count_parameters,
@@ -21,6 +21,7 @@ from ._structure import (SUPPORTED_MODEL_TYPES, ModelParts, check_seq_len, count
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "ModelParts", "ModelSource", "add_lora", "build_gguf_cache", "check_seq_len",
     "count_parameters", "decoder_layers", "default_cache_dir", "default_model_path",
-    "gguf_cache_path", "hub_offline", "load_model", "load_model_lazily", "load_tokenizer", "lora_deltas",
-    "max_positions", "model_parts", "parameter_bytes", "plain_name", "resolve_model_spec",
+    "gguf_cache_path", "hub_offline", "is_adapter", "load_model", "load_model_lazily", "load_tokenizer",
+    "max_positions", "merge_lora", "model_parts", "parameter_bytes", "plain_name", "resolve_model_spec",
+    "unwrap_peft",
 ]

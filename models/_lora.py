@@ -40,26 +40,45 @@ def add_lora(model: torch.nn.Module, *, r: int, alpha: float, dropout: float, ta
     return model
 
 
-def lora_deltas(module: torch.nn.Module) -> dict[int, torch.Tensor]:
-    """The merged LoRA update of every adapted weight under ``module``, in fp32.
+def merge_lora(model: torch.nn.Module, name: str, weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` with the active LoRA adapters of ``model``'s parameter ``name`` merged in.
+
+    The one LoRA merge of every export (in memory, out of core, QLoRA): the adapters'
+    ``get_delta_weight`` summed in fp32 and added in fp32, rounded once to ``weight``'s
+    dtype (a QLoRA base comes dequantized to fp32, so its update is never rounded to NF4).
+    Computed per weight on demand, so an out-of-core export holds one unit's deltas at a time.
+
+    Args:
+        model: the peft model whose ``named_parameters`` gave ``name``.
+        name: the parameter's qualified name, e.g. ``base_model.model.….q_proj.base_layer.weight``.
+        weight: that parameter's value (a copy out of a store, or dequantized from NF4).
 
     Returns:
-        ``id(base weight)`` -> the sum of its active adapters' ``get_delta_weight``
-        (the weight's shape, scaling included); empty for a module without adapters.
+        The merged weight, or ``weight`` itself when ``name`` has no adapter.
     """
-    deltas: dict[int, torch.Tensor] = {}
-    for layer in module.modules():
-        if not (hasattr(layer, "get_delta_weight") and hasattr(layer, "get_base_layer")):
-            continue
-        key = id(layer.get_base_layer().weight)
-        for adapter in layer.active_adapters:
-            if adapter in getattr(layer, "lora_A", {}):
-                with torch.no_grad():
-                    d = layer.get_delta_weight(adapter).float()
-                deltas[key] = deltas[key] + d if key in deltas else d
-    return deltas
+    layer_name, sep, rest = name.rpartition(".base_layer.")
+    if not sep or rest != "weight":  # not an adapted weight (biases of adapted layers included)
+        return weight
+    layer = model.get_submodule(layer_name)
+    delta = None
+    for adapter in layer.active_adapters:
+        if adapter in getattr(layer, "lora_A", {}):
+            with torch.no_grad():
+                d = layer.get_delta_weight(adapter).float()
+            delta = d if delta is None else delta + d
+    return weight if delta is None else (weight.float() + delta).to(weight.dtype)
+
+
+def is_adapter(name: str) -> bool:
+    """Is the parameter ``name`` a LoRA adapter's own (``lora_A`` / ``lora_B`` …), not a base weight?"""
+    return ".lora_" in name
 
 
 def plain_name(name: str) -> str:
     """A parameter's name in the plain model, from its name under a peft wrapper."""
     return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def unwrap_peft(model: torch.nn.Module) -> torch.nn.Module:
+    """The plain causal LM under a peft wrapper (or ``model`` itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -11,23 +11,19 @@ budget larger than the need would only waste RAM.
 """
 from __future__ import annotations
 
-import json
-import os
-import shutil
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from safetensors.torch import load_file, save_file
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import ConfigError
 from ..events import TierStats
 from .engine import OutOfCoreEngine
 from .handle import Tier
 from .store import TieredStore
 from .unit_memory import StoreUnitMemory
 from .unit_sizes import working_set
-from .units import WEIGHTS, Unit, causal_lm_units
+from .units import WEIGHTS, causal_lm_units
 
 class OffloadedModel:
     """A model in training whose weights and optimizer state live in a TieredStore.
@@ -64,96 +60,6 @@ class OffloadedModel:
     def stall_s(self) -> float:
         """Seconds compute waited for a transfer, since the start."""
         return self.mem.stall_s
-
-    # -- checkpoints: one safetensors file per unit, streamed (bounded memory) ----------
-    def save(self, directory: str | Path) -> None:
-        """Write every unit's newest weights and optimizer state into ``directory``.
-
-        One file per unit, read from the store one handle at a time, so the
-        memory needed is one unit's, whatever the size of the model.
-        """
-        self.mem.flush()
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        for unit in self.engine.units:
-            # a pieced state is saved joined: the checkpoint does not depend on the split
-            tensors = {WEIGHTS: self.mem.state(unit.index, WEIGHTS),
-                       **{kind: self.mem.state(unit.index, kind) for kind in self.mem.kinds(unit.index)}}
-            save_file({k: t.contiguous() for k, t in tensors.items()}, str(d / f"{unit.name}.safetensors"))
-        (d / "units.json").write_text(json.dumps([u.name for u in self.engine.units]))
-
-    def load(self, directory: str | Path) -> None:
-        """Replace every unit's weights and state with those saved by :meth:`save`.
-
-        Raises:
-            CheckpointError: files missing, or not of this model / optimizer.
-        """
-        d = Path(directory)
-        names = [u.name for u in self.engine.units]
-        try:
-            saved = json.loads((d / "units.json").read_text())
-        except (OSError, ValueError):
-            raise CheckpointError(f"{str(d)!r} holds no out-of-core checkpoint (units.json missing or damaged)") from None
-        if saved != names:
-            raise CheckpointError(f"{str(d)!r} was saved from another model ({len(saved)} units, "
-                                  f"this one has {len(names)}); resume with the same --model")
-        for unit in self.engine.units:
-            tensors = load_file(str(d / f"{unit.name}.safetensors"))
-            for kind in [WEIGHTS, *self.mem.kinds(unit.index)]:
-                shape, dtype = self.mem.kind_layout(unit.index, kind)
-                t = tensors.get(kind)
-                if t is None or tuple(t.shape) != shape or t.dtype != dtype:
-                    raise CheckpointError(f"{unit.name}.{kind} in {str(d)!r} does not match this run's "
-                                          "optimizer state; resume with the same --optim and --model")
-                self.mem.overwrite(unit.index, kind, t)
-
-    def named_weights(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """The unit's parameters by model name, copied out of the store (blocks)."""
-        flat = self.mem.weights(unit.index)
-        return {s.name: unit.view(flat, s).clone() for s in unit.slots}
-
-    def merged_weights(self, unit: Unit) -> dict[str, torch.Tensor]:
-        """The unit's weights as a plain model has them: LoRA deltas merged in, peft's
-        name prefixes dropped (``base_model.model.``, ``.base_layer``)."""
-        from ..models import lora_deltas, plain_name
-
-        tensors = self.named_weights(unit)
-        deltas: dict[int, torch.Tensor] = {}
-        for module in unit.modules:
-            deltas.update(lora_deltas(module))
-        for s in unit.slots:
-            if id(s.param) in deltas:
-                tensors[s.name] += deltas[id(s.param)].to(tensors[s.name].dtype)
-        return {plain_name(n): t for n, t in tensors.items()}
-
-    def export_hf(self, out_dir: str | Path, hf_config: Any, tokenizer: Any = None) -> Path:
-        """Write a Hugging Face directory, one safetensors shard per unit (bounded memory).
-
-        ``AutoModelForCausalLM.from_pretrained(out_dir)`` loads it; tied weights are
-        stored once, as transformers expects; LoRA adapters are merged into the base.
-        """
-        out = Path(out_dir)
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        weight_map, total = {}, 0
-        for unit in self.engine.units:
-            tensors = self.merged_weights(unit)
-            if not tensors:
-                continue
-            shard = f"model-{unit.index:05d}-{unit.name}.safetensors"
-            save_file(tensors, str(tmp / shard), metadata={"format": "pt"})
-            for name, t in tensors.items():
-                weight_map[name] = shard
-                total += t.numel() * t.element_size()
-        (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-        hf_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        shutil.rmtree(out, ignore_errors=True)
-        os.replace(tmp, out)
-        return out
 
     def close(self) -> None:
         """Finish every write, take the hooks off, free the arenas and remove the swap directory."""

@@ -1,4 +1,4 @@
-"""Pieces every recipe shares: the output directory, memory readings, eval, export.
+"""Pieces every recipe shares: the output directory, memory readings, the schedule, eval, LoRA.
 
 Kept out of the recipe scripts so that each script reads top to bottom as
 setup → train → cleanup without bookkeeping in the way.
@@ -18,6 +18,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from .config import FinetuneConfig, load_config, save_config
+from .export import export_hf  # noqa: F401  (the ZO replay, optim/zo_replay.py, imports it from here)
 
 _RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 # Fields a resumed run must share with the run it continues (others, such as
@@ -120,73 +121,9 @@ def evaluate(loss_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], dataset
     return total / max(tokens, 1)
 
 
-def export_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | Path) -> Path:
-    """Write a Hugging Face directory that ``AutoModelForCausalLM.from_pretrained`` loads.
+def with_lora(model: torch.nn.Module, cfg: FinetuneConfig) -> torch.nn.Module:
+    """Wrap ``model`` with peft LoRA adapters on ``cfg.lora_targets`` (seeded; see ``models.add_lora``)."""
+    from ..models import add_lora
 
-    LoRA adapters (peft) are merged into the base weights first; a QLoRA base is
-    dequantized first and the merged model saved in its compute dtype.
-    """
-    out = Path(out_dir)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    if _is_4bit(model):  # QLoRA: merging into NF4 would round the update away
-        _save_dequantized_merged(model, tmp)
-    else:
-        if hasattr(model, "merge_and_unload"):
-            model = model.merge_and_unload()
-        model.save_pretrained(tmp, safe_serialization=True)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return out
-
-
-def _is_4bit(model: torch.nn.Module) -> bool:
-    return any(type(p).__name__ == "Params4bit" for p in model.parameters())
-
-
-def _save_dequantized_merged(model: torch.nn.Module, directory: Path) -> None:
-    """Save ``model`` (a peft model over bitsandbytes NF4 layers) as a plain HF model:
-    each NF4 weight dequantized, the LoRA delta added in full precision."""
-    import copy
-
-    from safetensors.torch import save_file
-
-    from ..models import lora_deltas, plain_name
-
-    deltas = lora_deltas(model)
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    dtype = base.config.dtype if isinstance(base.config.dtype, torch.dtype) else torch.float32
-    state = {}
-    for name, p in model.named_parameters():
-        if p.requires_grad:  # the adapters: merged into their base weight below
-            continue
-        with torch.no_grad():
-            t = _dequantized(p) if hasattr(p, "quant_state") else p.detach().float()
-            if id(p) in deltas:
-                t = t + deltas[id(p)]
-        state[plain_name(name)] = t.to(dtype).contiguous()
-    config = copy.deepcopy(base.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    directory.mkdir(parents=True)
-    config.save_pretrained(directory)
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _dequantized(p: torch.Tensor) -> torch.Tensor:
-    """A bitsandbytes NF4 weight in fp32. On the CPU, bitsandbytes repacks a layer's codes for
-    its AVX512 kernel after the first forward; undo that first (bitsandbytes' own inverse,
-    which ``Params4bit.cuda()`` uses too)."""
-    import copy
-
-    import bitsandbytes.functional as F
-
-    data, state = p.data, p.quant_state
-    if getattr(state, "packing_format_for_cpu", False):
-        # the inverse rewrites the state's fields: give it a copy (the layer keeps working)
-        data, state = F._convert_weight_packed_for_cpu_inverse(data, copy.copy(state))
-        if state.absmax.dim() == 2:  # the repacking stored absmax as [blocks per row, rows]
-            state.absmax = state.absmax.T.reshape(-1).float()
-    return F.dequantize_4bit(data, state).float()
+    return add_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                    targets=cfg.lora_targets, seed=cfg.seed)

@@ -1,28 +1,179 @@
-"""Export a run's latest checkpoint as a Hugging Face directory (``outcore export``).
+"""Hugging Face export: every recipe's trained model as a directory ``from_pretrained`` loads.
 
-A full or LoRA run's checkpoint holds its trainable tensors (in memory) or one
-file per unit (out of core); a zeroth-order run holds its base weights and the
-(seed, projected gradient) log, replayed here into the trained weights.
+One writer, :func:`write_hf_dir`, takes the weights as an iterator of shards and
+writes the directory atomically (``OUT.tmp``, then one rename): the shards, the
+index json, the config, the generation config and the tokenizer. Its sources:
+
+* :func:`export_hf` — a model in memory (full, LoRA, or QLoRA with its NF4 base
+  dequantized), one shard;
+* :func:`export_offloaded` — an out-of-core run, streamed out of the store one unit
+  per shard, so the memory needed is one unit's, whatever the size of the model;
+* :func:`export_run` — ``outcore export``: a run's latest checkpoint (the ZO recipe
+  replays its log instead).
+
+LoRA adapters are merged into their base weights by ``models.merge_lora`` in every
+case; peft's name prefixes are dropped (``models.plain_name``).
 """
 from __future__ import annotations
 
+import copy
+import json
+import os
+import shutil
 from pathlib import Path
+from typing import Any, Iterable, Iterator
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError
-from . import _checkpoint as ckpt
-from ._common import export_hf, torch_dtype
+from . import checkpoint as ckpt
 from .config import load_config
+
+Shard = tuple[str, dict[str, torch.Tensor]]  # (file name, tensors by plain model name)
+
+
+def write_hf_dir(out_dir: str | Path, shards: Iterable[Shard], model: torch.nn.Module, tokenizer: Any = None
+                 ) -> Path:
+    """Write a Hugging Face model directory atomically, one shard at a time.
+
+    Args:
+        out_dir: the directory to write; replaced if it exists, only once complete.
+        shards: ``(file name, {name: tensor})`` pairs, each written as it arrives (a
+            generator keeps one shard in memory at a time).
+        model: the model the weights are of (a peft wrapper is looked through; it may
+            be on the meta device): its config is saved as a copy, without a
+            ``quantization_config`` (the weights written are plain) and with ``dtype``
+            set to the weights' (as ``save_pretrained`` does), and its generation config.
+        tokenizer: saved too when given.
+
+    Returns:
+        ``out_dir``.
+    """
+    from ..models import unwrap_peft
+
+    base = unwrap_peft(model)
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    weight_map: dict[str, str] = {}
+    total, dtype = 0, None
+    for file_name, tensors in shards:
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / file_name), metadata={"format": "pt"})
+        for name, t in tensors.items():
+            weight_map[name] = file_name
+            total += t.numel() * t.element_size()
+            dtype = dtype or (t.dtype if t.is_floating_point() else None)
+    (tmp / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    config = copy.deepcopy(base.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.dtype = dtype or config.dtype
+    config.save_pretrained(tmp)
+    for part in (getattr(base, "generation_config", None), tokenizer):
+        if part is not None:
+            part.save_pretrained(tmp)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def export_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | Path) -> Path:
+    """Write a model held in memory as a Hugging Face directory (one ``model.safetensors``).
+
+    LoRA adapters (peft) are merged into their base weights; a QLoRA base is
+    dequantized first and written in its compute dtype. Tied weights are written
+    once, under their first name, as ``save_pretrained`` does.
+
+    Args:
+        model: a causal LM, or a peft model over one.
+        tokenizer: saved beside the weights (None: none).
+        out_dir: the directory to write (replaced).
+
+    Returns:
+        ``out_dir``.
+    """
+    from ..models import is_adapter, merge_lora, plain_name, unwrap_peft
+
+    config = unwrap_peft(model).config
+    # a QLoRA base is written in the model's compute dtype (its quantization state may name another)
+    compute_dtype = config.dtype if isinstance(config.dtype, torch.dtype) else torch.float32
+    tensors = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # tied weights come once (named_parameters dedups)
+            if is_adapter(name):  # merged into its base weight below
+                continue
+            quantized = hasattr(p, "quant_state")
+            # NF4: merge into the fp32 dequantized weight, else the update is rounded away
+            t = merge_lora(model, name, _dequantized(p) if quantized else p.detach())
+            tensors[plain_name(name)] = t.to(compute_dtype) if quantized else t
+    return write_hf_dir(out_dir, [("model.safetensors", tensors)], model, tokenizer)
+
+
+def unit_weights(om: Any, unit: Any) -> dict[str, torch.Tensor]:
+    """One unit's parameters of an out-of-core run by model name, copied out of the store.
+
+    Args:
+        om: the run's ``OffloadedModel``.
+        unit: one of ``om.engine.units``.
+
+    Returns:
+        ``{qualified name: tensor}`` (NF4 weights dequantized into the compute dtype).
+    """
+    return _by_name(unit, om.mem.weights(unit.index))
+
+
+def _by_name(unit: Any, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The parameters of ``unit`` out of its ``flat`` weights, by qualified name (copies:
+    safetensors writes no views of one buffer)."""
+    return {s.name: unit.view(flat, s).clone() for s in unit.slots}
+
+
+def export_offloaded(om: Any, model: torch.nn.Module, out_dir: str | Path, tokenizer: Any = None) -> Path:
+    """Write an out-of-core run's model as a Hugging Face directory, one shard per unit.
+
+    Bounded memory: one unit's weights (and its LoRA deltas) at a time. A tied weight
+    belongs to one unit only, so it is written once, as transformers expects.
+
+    Args:
+        om: the run's ``OffloadedModel``.
+        model: the model it trains (a peft model for LoRA: its adapters are merged).
+        out_dir: the directory to write (replaced).
+        tokenizer: saved beside the weights (None: none).
+
+    Returns:
+        ``out_dir``.
+    """
+    om.mem.flush()
+    return write_hf_dir(out_dir, _unit_shards(om, model), model, tokenizer)
+
+
+def _unit_shards(om: Any, model: torch.nn.Module) -> Iterator[Shard]:
+    for unit in om.engine.units:
+        if unit.slots:
+            yield _unit_shard(model, unit, unit_weights(om, unit))
+
+
+def _unit_shard(model: torch.nn.Module, unit: Any, weights: dict[str, torch.Tensor]) -> Shard:
+    """One unit's shard: its weights under their plain names, LoRA adapters merged."""
+    from ..models import merge_lora, plain_name
+
+    tensors = {plain_name(n): merge_lora(model, n, t) for n, t in weights.items()}
+    return f"model-{unit.index:05d}-{unit.name}.safetensors", tensors
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
-    """Write the trained model of ``run_dir`` to ``out_dir`` (default ``RUN/export``).
+    """Write the trained model of ``run_dir``'s latest checkpoint to ``out_dir`` (``outcore export``).
+
+    A full or LoRA run's checkpoint holds its trainable tensors (in memory) or one
+    file per unit (out of core); a zeroth-order run holds its base weights and the
+    (seed, projected gradient) log, replayed into the trained weights.
 
     Args:
         run_dir: an output directory of ``outcore finetune``.
-        out_dir: where to write; replaced if it exists.
+        out_dir: where to write (default ``RUN/export``); replaced if it exists.
 
     Returns:
         The directory written.
@@ -43,22 +194,46 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     if last is None:
         raise CheckpointError(f"run {str(run)!r} has no complete checkpoint to export")
     model_state, _, _ = ckpt.load_checkpoint(last)  # verifies every file's checksum
+    if (last / "units").is_dir():
+        return _export_units(cfg, last / "units", out)
 
     from ..models import load_model
+    from ._common import torch_dtype, with_lora
 
     model, tokenizer = load_model(cfg.model, dtype=torch_dtype(cfg.dtype), quantize_4bit=cfg.method == "qlora")
     if cfg.method in ("lora", "qlora"):
-        from .full_finetune import _with_lora
-        model = _with_lora(model, cfg)
+        model = with_lora(model, cfg)
     named = dict(model.named_parameters())
     with torch.no_grad():
-        if (last / "units").is_dir():  # out of core: each unit's flat weights, laid out as in training
-            from ..offload.units import causal_lm_units
-            for unit in causal_lm_units(model):
-                flat = load_file(str(last / "units" / f"{unit.name}.safetensors"))["w"]
-                for slot in unit.slots:
-                    slot.param.copy_(unit.view(flat, slot))
-        else:
-            for name, t in model_state.items():
-                named[name].copy_(t)
+        for name, t in model_state.items():
+            named[name].copy_(t)
     return export_hf(model, tokenizer, out)
+
+
+def _export_units(cfg: Any, directory: Path, out: Path) -> Path:
+    """Export an out-of-core full fine-tune's checkpoint (one file per unit) with bounded
+    memory: the model is built on the meta device and each unit's weights go from its
+    checkpoint file to its shard, one unit at a time."""
+    from ..models import load_model_lazily
+    from ..offload.units import WEIGHTS, causal_lm_units
+    from ._common import torch_dtype
+
+    model, tokenizer, _ = load_model_lazily(cfg.model, dtype=torch_dtype(cfg.dtype))
+    shards = (_unit_shard(model, unit, _by_name(unit, load_file(str(directory / f"{unit.name}.safetensors"))[WEIGHTS]))
+              for unit in causal_lm_units(model) if unit.slots)
+    return write_hf_dir(out, shards, model, tokenizer)
+
+
+def _dequantized(p: torch.Tensor) -> torch.Tensor:
+    """A bitsandbytes NF4 weight in fp32. On the CPU, bitsandbytes repacks a layer's codes for
+    its AVX512 kernel after the first forward; undo that first (bitsandbytes' own inverse,
+    which ``Params4bit.cuda()`` uses too)."""
+    import bitsandbytes.functional as F
+
+    data, state = p.data, p.quant_state
+    if getattr(state, "packing_format_for_cpu", False):
+        # the inverse rewrites the state's fields: give it a copy (the layer keeps working)
+        data, state = F._convert_weight_packed_for_cpu_inverse(data, copy.copy(state))
+        if state.absmax.dim() == 2:  # the repacking stored absmax as [blocks per row, rows]
+            state.absmax = state.absmax.T.reshape(-1).float()
+    return F.dequantize_4bit(data, state).float()

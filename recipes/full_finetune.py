@@ -2,15 +2,17 @@
 
 Read it top to bottom: ``setup`` builds everything from a ``FinetuneConfig``,
 ``train`` runs the optimizer steps, ``cleanup`` evaluates, exports and closes.
-This in-memory loop is the numerical reference every out-of-core mode is
-checked against (same seed + fp32 ⇒ same weights, bit for bit).
+The model trains behind one interface, ``train_step(loss_fn, micro_batches, lr)``:
+an ``InMemoryModel`` (the numerical reference every out-of-core mode is checked
+against: same seed + fp32 ⇒ same weights, bit for bit) or an ``OffloadedModel``
+whose weights and optimizer state stream through the tiers.
 
-Run it:  ``outcore finetune``  (or ``python -m outcore.recipes.full_finetune key=value ...``)
+The recipe receives its event sink; with none it reports nothing (``outcore.finetune``
+and ``outcore finetune`` give it the dashboard or plain log and ``metrics.jsonl``).
 """
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,12 +20,15 @@ from typing import Any, Callable
 
 import torch
 
-from ..events import EvalEvent, EventSink, RunFinished, RunStarted, StepEvent
+from ..errors import CheckpointError, ConfigError
+from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent
 from ..offload.device import device_memory
-from . import _checkpoint as ckpt
-from ._common import (evaluate, export_hf, lr_lambda, peak_rss_bytes, prepare_output_dir,
-                      ram_total_bytes, rss_bytes, set_threads, torch_dtype)
-from .config import FinetuneConfig, load_config
+from . import checkpoint as ckpt
+from ._common import (evaluate, lr_lambda, peak_rss_bytes, prepare_output_dir, ram_total_bytes, rss_bytes,
+                      set_threads, torch_dtype, with_lora)
+from .config import FinetuneConfig
+from .export import export_hf, export_offloaded
+from .in_memory import InMemoryModel
 
 
 @dataclass
@@ -40,23 +45,36 @@ class FinetuneResult:
 
 
 class Recipe:
-    """One fine-tuning run. ``run()`` = setup → train → cleanup."""
+    """One fine-tuning run. ``run()`` = setup → train → cleanup.
+
+    Args:
+        config: the run's config (``method`` full, lora or qlora).
+        sink: where events go (default: ``NullSink``, nothing reported).
+
+    Raises:
+        ConfigError: ``method="zo"`` (the ZO recipe runs it).
+    """
 
     def __init__(self, config: FinetuneConfig, sink: EventSink | None = None):
+        if config.method == "zo":
+            raise ConfigError("method='zo' runs in recipes.zo_finetune; call outcore.finetune, which picks the recipe")
         self.cfg = config
-        self._sink = sink
+        self.sink = sink if sink is not None else NullSink()
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
+        """Build the run: output dir, model (in memory or streamed), data, loss, optimizer, resume.
+
+        Raises:
+            OutcoreError: bad config, model, data, output directory or checkpoint.
+        """
         from ..data import BatchLoader, build_datasets, check_seq_len
         from ..models import load_model, load_model_lazily
-        from ..tui import make_sink
 
         cfg = self.cfg
         set_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         self.out = prepare_output_dir(cfg)
-        self.sink = self._sink or make_sink(cfg.ui, self.out)
 
         self.plan, fill = None, None
         self.lora = cfg.method in ("lora", "qlora")
@@ -74,7 +92,7 @@ class Recipe:
                                                     quantize_4bit=cfg.method == "qlora")
         check_seq_len(self.model, cfg.seq_len)
         if self.lora:
-            self.model = _with_lora(self.model, cfg)
+            self.model = with_lora(self.model, cfg)
         self.model.train()
         # The KV cache is for generation; in training it only costs memory.
         self.model.config.use_cache = False
@@ -85,30 +103,9 @@ class Recipe:
         self.loader = BatchLoader(self.train_set, cfg.batch_size, seed=cfg.seed)
 
         self._setup_loss()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.offloaded = None
-        if fill is not None:
-            # Full fine-tune: the optimizer streams its state with the units. LoRA: the
-            # adapters and their state stay resident; only the frozen base streams.
-            self.optimizer = build_optimizer(cfg, self.params, streaming=not self.lora)
-            self.offloaded = offload_from_plan(cfg, self.model, self.optimizer, self.plan, self.out,
-                                               self.head_loss, fill)
-        else:
-            self.optimizer = build_optimizer(cfg, self.params)
-        # What each block keeps for its backward: the plan resolves `auto` when there is one.
-        policy = self.plan.activations if self.plan is not None else cfg.activations
-        self.activations = None
-        if policy != "keep":
-            from ..activations import apply_activation_policy
-            # Offloaded activations go to the run's store: its swap dir (the disk the user
-            # chose) and its traffic counters, not a private store in the temp dir.
-            store = (self.offloaded.store if self.offloaded is not None and self.offloaded.store.nvme is not None
-                     and policy == "offload" else None)
-            self.activations = apply_activation_policy(_unwrapped(self.model), policy, store=store,
-                                                       keep_last=cfg.activations_keep_last)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
-
+        self._setup_trainer(fill)
+        self._setup_activations()
+        self.lr_at = lr_lambda(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
         self.step = 0
         self.base_eval_loss: float | None = None
         if cfg.resume:
@@ -116,89 +113,101 @@ class Recipe:
 
     def _setup_loss(self) -> None:
         from ..kernels.linear_cross_entropy import CausalLMHeadLoss
-        from ..models import model_parts
+        from ..models import model_parts, unwrap_peft
 
-        base = _unwrapped(self.model)
+        base = unwrap_peft(self.model)
         self.decoder, self.head_loss = base.model, None
         if getattr(base.config, "final_logit_softcapping", None) is None:
             self.head_loss = CausalLMHeadLoss(model_parts(base).lm_head)
 
+    def _setup_trainer(self, fill: Callable[[str, torch.Tensor], None] | None) -> None:
+        """The optimizer, and the model behind ``train_step``: in memory, or streamed when
+        the model was built on the meta device (``fill`` reads its weights)."""
+        cfg = self.cfg
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if fill is None:
+            self.optimizer = build_optimizer(cfg, self.params)
+            self.trainer = InMemoryModel(self.model, self.optimizer, self.params, cfg.max_grad_norm)
+        else:
+            # Full fine-tune: the optimizer streams its state with the units. LoRA: the
+            # adapters and their state stay resident; only the frozen base streams.
+            self.optimizer = build_optimizer(cfg, self.params, streaming=not self.lora)
+            self.trainer = offload_from_plan(cfg, self.model, self.optimizer, self.plan, self.out,
+                                             self.head_loss, fill)
+        self.streamed = fill is not None
+        # Out of core, a full fine-tune's weights and optimizer state live in the store and
+        # are checkpointed unit by unit from there; otherwise the model and optimizer hold them.
+        self.units_in_store = self.streamed and not self.lora
+
+    def _setup_activations(self) -> None:
+        """What each block keeps for its backward: the plan resolves `auto` when there is one."""
+        policy = self.plan.activations if self.plan is not None else self.cfg.activations
+        self.activations = None
+        if policy != "keep":
+            from ..activations import apply_activation_policy
+            from ..models import unwrap_peft
+
+            # Offloaded activations go to the run's store: its swap dir (the disk the user
+            # chose) and its traffic counters, not a private store in the temp dir.
+            store = self.trainer.store
+            on_disk = policy == "offload" and store is not None and store.nvme is not None
+            self.activations = apply_activation_policy(unwrap_peft(self.model), policy,
+                                                       store=store if on_disk else None,
+                                                       keep_last=self.cfg.activations_keep_last)
+
     def _restore(self) -> None:
         last = ckpt.latest_checkpoint(self.out)
         if last is None:
-            from ..errors import CheckpointError
             raise CheckpointError(f"--resume {self.cfg.resume!r}: the run has no complete checkpoint; "
                                   "start over with --overwrite")
         model_state, optim_state, trainer = ckpt.load_checkpoint(last)
-        if self.offloaded is not None and not self.lora:
-            self.offloaded.load(last / "units")
+        if self.units_in_store:
+            ckpt.load_units(self.trainer, last / "units")
         else:
             named = dict(self.model.named_parameters())
             with torch.no_grad():
                 for name, t in model_state.items():
                     named[name].copy_(t)
             self.optimizer.load_state_dict(optim_state)
-        self.scheduler.load_state_dict(trainer["scheduler"])
+        # (checkpoints before the one training loop also hold a "scheduler" state: the
+        # learning rate is a function of the step, so it is not needed)
         self.loader.load_state_dict(trainer["loader"])
         ckpt.set_rng_state(trainer["rng"])
         self.step = trainer["step"]
         self.base_eval_loss = trainer["base_eval_loss"]
 
     # ------------------------------------------------------------------ train
-    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean next-token loss over the batch's labelled tokens.
+    def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean next-token loss of ``model`` (the run's) over the batch's labelled tokens.
 
         The head goes through ``CausalLMHeadLoss``: the loss without the
         [tokens, vocab] logits (at vocab 49152 they are the largest activation).
         """
         if self.head_loss is None:  # a head the chunked loss does not cover (e.g. logit soft-capping)
-            return self.model(**batch).loss
+            return model(**batch).loss
         hidden = self.decoder(input_ids=batch["input_ids"],
                               attention_mask=batch["attention_mask"]).last_hidden_state
         return self.head_loss(hidden, batch["labels"])
 
     def train(self) -> None:
+        """Run the optimizer steps up to ``max_steps``, evaluating, logging and checkpointing.
+
+        Raises:
+            FloatingPointError: the loss became NaN or infinite.
+        """
         cfg = self.cfg
-        n_params = sum(p.numel() for p in self.model.parameters())
-        if self.offloaded is not None:  # streamed parameters point at empty tensors: count the units
-            n_params = sum(s.numel for u in self.offloaded.engine.units for s in u.slots)
-            n_params += sum(p.numel() for p in self.offloaded.engine.resident)
-        n_trainable = sum(p.numel() for p in self.params) if self.lora or self.offloaded is None else n_params
-        self.sink.emit(RunStarted(run_name=self.out.name, model=cfg.model, n_params=n_params,
-                                  n_trainable=n_trainable,
-                                  total_steps=cfg.max_steps, output_dir=str(self.out),
-                                  method=cfg.method, optim=cfg.optim, config=cfg.to_dict(),
-                                  plan_table=None if self.plan is None else self.plan.table()))
+        self._emit_started()
         if self.base_eval_loss is None:
             self.base_eval_loss = self._eval(step=0)
         self.losses: list[float] = []
         tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
         t_start = time.perf_counter()
         while self.step < cfg.max_steps:
-            t0 = time.perf_counter()
-            stall0 = self.offloaded.stall_s if self.offloaded is not None else 0.0
-            lr = self.scheduler.get_last_lr()[0]
-            if self.offloaded is not None:
-                # forward, backward and every unit's update, streamed through the tiers
-                micro = [self.loader.next_batch() for _ in range(cfg.grad_accum)]
-                loss_sum = self.offloaded.train_step(lambda m, b: self.loss(b), micro, lr)
-                grad_norm = self.offloaded.last_grad_norm
-                # The engine updated every unit itself (optimizer.step() is never
-                # called), so the scheduler's "step before optimizer.step" check
-                # would warn about nothing.
-                self.optimizer._opt_called = True
-            else:
-                loss_sum = torch.zeros(())
-                for _ in range(cfg.grad_accum):
-                    loss = self.loss(self.loader.next_batch()) / cfg.grad_accum
-                    loss.backward()
-                    loss_sum += loss.detach()
-                grad_norm = None
-                if cfg.max_grad_norm > 0:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm)
-                self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            t0, stall0 = time.perf_counter(), self.trainer.stall_s
+            lr = cfg.lr * self.lr_at(self.step)  # linear warmup, then cosine decay
+            # forward, backward and the update (out of core: every unit's, streamed through the tiers)
+            micro = [self.loader.next_batch() for _ in range(cfg.grad_accum)]
+            loss_sum = self.trainer.train_step(self.loss, micro, lr)
             self.step += 1
             step_s = time.perf_counter() - t0  # before any eval: tokens/s is training speed
 
@@ -211,49 +220,61 @@ class Recipe:
                 if not math.isfinite(loss_value):
                     raise FloatingPointError(f"loss became {loss_value} at step {self.step}; "
                                              "lower --lr or use dtype=float32")
+                grad_norm = self.trainer.last_grad_norm
                 self.sink.emit(StepEvent(
                     step=self.step, total_steps=cfg.max_steps, loss=loss_value, lr=lr,
                     tokens_per_s=tokens_per_step / step_s, step_s=step_s,
                     elapsed_s=time.perf_counter() - t_start, rss_bytes=rss_bytes(),
-                    ram_bytes=ram_total_bytes(),
-                    grad_norm=None if grad_norm is None else float(grad_norm),
-                    eval_loss=eval_loss, **self._tier_fields(stall0), **device_memory()))
+                    ram_bytes=ram_total_bytes(), grad_norm=None if grad_norm is None else float(grad_norm),
+                    eval_loss=eval_loss, stall_s=self.trainer.stall_s - stall0,
+                    tiers=self.trainer.tier_stats(), **device_memory()))
             if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
                 self.save()
 
-    def _tier_fields(self, stall0: float) -> dict[str, Any]:
-        if self.offloaded is None:
-            return {}
-        return {"stall_s": self.offloaded.stall_s - stall0, "tiers": self.offloaded.tier_stats()}
+    def _emit_started(self) -> None:
+        cfg = self.cfg
+        n_trainable = sum(p.numel() for p in self.params)
+        n_params = sum(p.numel() for p in self.model.parameters())
+        if self.streamed:  # streamed parameters point at empty tensors: count the units
+            n_params = sum(s.numel for u in self.trainer.engine.units for s in u.slots)
+            n_params += n_trainable if self.lora else 0  # the resident adapters
+            n_trainable = n_trainable if self.lora else n_params
+        self.sink.emit(RunStarted(run_name=self.out.name, model=cfg.model, n_params=n_params,
+                                  n_trainable=n_trainable, total_steps=cfg.max_steps, output_dir=str(self.out),
+                                  method=cfg.method, optim=cfg.optim, config=cfg.to_dict(),
+                                  plan_table=None if self.plan is None else self.plan.table()))
 
     def _eval(self, step: int) -> float:
         self.model.eval()
-        loss = evaluate(self.loss, self.val_set, self.cfg.batch_size, self.cfg.eval_batches)
+        loss = evaluate(lambda batch: self.loss(self.model, batch), self.val_set, self.cfg.batch_size,
+                        self.cfg.eval_batches)
         self.model.train()
         self.sink.emit(EvalEvent(step=step, eval_loss=loss, perplexity=math.exp(min(loss, 50.0))))
         return loss
 
     def save(self) -> Path:
         """Checkpoint everything needed to continue bit-identically."""
-        trainer_state = {"step": self.step, "scheduler": self.scheduler.state_dict(),
-                         "loader": self.loader.state_dict(), "rng": ckpt.rng_state(),
+        trainer_state = {"step": self.step, "loader": self.loader.state_dict(), "rng": ckpt.rng_state(),
                          "base_eval_loss": self.base_eval_loss}
-        if self.offloaded is not None and not self.lora:  # streamed out of the store, unit by unit
+        if self.units_in_store:  # streamed out of the store, unit by unit
             return ckpt.save_checkpoint(self.out, self.step, {}, {}, trainer_state,
-                                        write_extra=lambda d: self.offloaded.save(d / "units"))
+                                        write_extra=lambda d: ckpt.save_units(self.trainer, d / "units"))
         return ckpt.save_checkpoint(self.out, self.step, ckpt.trainable_state(self.model),
                                     self.optimizer.state_dict(), trainer_state)
 
     # ---------------------------------------------------------------- cleanup
     def cleanup(self, interrupted: bool = False) -> FinetuneResult:
+        """Evaluate, checkpoint and export (unless ``interrupted``), release memory, report the end.
+
+        Returns:
+            The run's FinetuneResult.
+        """
         final_eval = final_dir = None
         if not interrupted:
             final_eval = self._eval(self.step)
             self.save()
-            if self.cfg.export and self.offloaded is not None:
-                final_dir = self.offloaded.export_hf(self.out / "final", self.model.config, self.tokenizer)
-            elif self.cfg.export:
-                final_dir = export_hf(self.model, self.tokenizer, self.out / "final")
+            if self.cfg.export:
+                final_dir = self._export(self.out / "final")
         self._release_memory()
         self.sink.emit(RunFinished(steps_done=self.step, wall_s=time.perf_counter() - self._t0,
                                    peak_rss_bytes=peak_rss_bytes(), output_dir=str(self.out),
@@ -264,9 +285,24 @@ class Recipe:
         return FinetuneResult(self.out, self.step, final_dir, self.base_eval_loss, final_eval,
                               getattr(self, "losses", []), interrupted)
 
+    def _export(self, out_dir: Path) -> Path:
+        """The trained model as a Hugging Face directory (streamed out of the store out of core)."""
+        if self.streamed:
+            return export_offloaded(self.trainer, self.model, out_dir, self.tokenizer)
+        return export_hf(self.model, self.tokenizer, out_dir)
+
     def run(self) -> FinetuneResult:
+        """setup → train → cleanup; on Ctrl-C the run is reported as interrupted and re-raised.
+
+        Returns:
+            The run's FinetuneResult.
+        """
         self._t0 = time.perf_counter()
-        self.setup()
+        try:
+            self.setup()
+        except BaseException:
+            self._abort()  # e.g. a bad model after the store was made: remove its swap dir
+            raise
         try:
             self.train()
         except KeyboardInterrupt:
@@ -275,10 +311,14 @@ class Recipe:
             self.cleanup(interrupted=True)
             raise
         except BaseException:
-            self._release_memory()
-            self.sink.close()
+            self._abort()
             raise
         return self.cleanup()
+
+    def _abort(self) -> None:
+        """Release what setup built and close the sink, reporting nothing more (a failed run)."""
+        self._release_memory()
+        self.sink.close()
 
     def _release_memory(self) -> None:
         """Stop the activation offload threads, then finish the store's writes and remove
@@ -286,8 +326,8 @@ class Recipe:
         if getattr(self, "activations", None) is not None:
             self.activations.remove()
             self.activations = None
-        if getattr(self, "offloaded", None) is not None:
-            self.offloaded.close()
+        if getattr(self, "trainer", None) is not None:
+            self.trainer.close()
 
 
 # ---------------------------------------------------------------------- builders
@@ -315,8 +355,6 @@ def check_offload_supported(cfg: FinetuneConfig) -> None:
     (Every dtype runs: out of core, ``bfloat16`` / ``float16`` mean mixed precision,
     16-bit compute with fp32 master weights and optimizer state in the state tier.)
     """
-    from ..errors import ConfigError
-
     if cfg.method not in ("full", "lora", "qlora"):
         raise ConfigError(f"offload={cfg.offload!r} with method={cfg.method!r} is not supported: "
                           "use --method full|lora|qlora")
@@ -362,27 +400,15 @@ def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: An
                          init_weights=None if fill is None else (lambda slot, t: fill(plain_name(slot.name), t)))
 
 
-def _with_lora(model: torch.nn.Module, cfg: FinetuneConfig) -> torch.nn.Module:
-    """Wrap ``model`` with peft LoRA adapters on ``cfg.lora_targets`` (seeded; see ``add_lora``)."""
-    from ..models import add_lora
+def finetune(config: FinetuneConfig, sink: EventSink | None = None) -> FinetuneResult:
+    """Fine-tune as ``config`` says (``method`` full, lora or qlora).
 
-    return add_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                    targets=cfg.lora_targets, seed=cfg.seed)
-
-
-def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The plain causal LM under a peft wrapper (or ``model`` itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def finetune(config: FinetuneConfig | None = None, sink: EventSink | None = None, **overrides: Any
-             ) -> FinetuneResult:
-    """Fine-tune as ``config`` says (defaults: the embedded model on the embedded data).
+    The Python API is ``outcore.finetune`` (config overrides, and a dashboard or plain
+    log by default); this is the recipe it runs.
 
     Args:
-        config: the run's config; None means ``FinetuneConfig()``.
-        sink: where events go (default: the dashboard or plain log, plus OUTPUT/metrics.jsonl).
-        **overrides: config fields to change, e.g. ``finetune(max_steps=10, lr=1e-4)``.
+        config: the run's config.
+        sink: where events go (default: none reported).
 
     Returns:
         A FinetuneResult (output dir, steps, eval losses, final export dir).
@@ -390,12 +416,4 @@ def finetune(config: FinetuneConfig | None = None, sink: EventSink | None = None
     Raises:
         OutcoreError: bad config, model, data or checkpoint (one-line message).
     """
-    config = load_config(overrides={**(config.to_dict() if config else {}), **overrides})
-    if config.method == "zo":
-        from .zo_finetune import finetune as zo_finetune
-        return zo_finetune(config, sink)
     return Recipe(config, sink).run()
-
-
-if __name__ == "__main__":
-    finetune(load_config(overrides=sys.argv[1:]))

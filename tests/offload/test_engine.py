@@ -8,6 +8,8 @@ from outcore.errors import BudgetError
 from outcore.offload.handle import Tier
 from outcore.offload.training import offload_model
 from outcore.optim import AdamW
+from outcore.recipes.checkpoint import load_units, save_units
+from outcore.recipes.export import export_offloaded, unit_weights
 
 LR, WD = 1e-3, 0.01
 
@@ -61,7 +63,7 @@ def test_streamed_training_is_bit_identical(tiny_llama_factory, tmp_path, offloa
         got = om.train_step(_loss, micro, LR)
         assert torch.equal(want, got)
     for unit in om.engine.units:
-        for name, w in om.named_weights(unit).items():
+        for name, w in unit_weights(om, unit).items():
             assert torch.equal(w, dict(ref.named_parameters())[name].detach()), name
     if offload == "nvme":
         stats = om.tier_stats()
@@ -82,12 +84,12 @@ def test_checkpoint_resume_and_export(tiny_llama_factory, tmp_path):
     for ids in batches[:2]:
         _reference_step(ref, opt, [ids], 0.0)
         om.train_step(_loss, [ids], LR)
-    om.save(tmp_path / "ckpt")
+    save_units(om, tmp_path / "ckpt")
     om.train_step(_loss, [batches[3]], LR)  # diverge, then roll back to the checkpoint
-    om.load(tmp_path / "ckpt")
+    load_units(om, tmp_path / "ckpt")
     for ids in batches[2:]:
         assert torch.equal(_reference_step(ref, opt, [ids], 0.0), om.train_step(_loss, [ids], LR))
-    om.export_hf(tmp_path / "hf", ooc.config)
+    export_offloaded(om, ooc, tmp_path / "hf")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     for name, p in reloaded.named_parameters():
         assert torch.equal(p, dict(ref.named_parameters())[name].detach()), name
@@ -118,6 +120,6 @@ def test_streamed_memory_lean_optimizers_equal_their_in_memory_runs(tiny_llama_f
         ids = torch.randint(0, 256, (2, 32), generator=g)
         assert torch.equal(_reference_step(ref, opt, [ids], 0.0), om.train_step(_loss, [ids], LR))
     for unit in om.engine.units:
-        for pname, w in om.named_weights(unit).items():
+        for pname, w in unit_weights(om, unit).items():
             assert torch.equal(w, dict(ref.named_parameters())[pname].detach()), pname
     om.close()

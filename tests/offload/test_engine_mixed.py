@@ -10,6 +10,7 @@ from outcore.offload.handle import Tier
 from outcore.offload.training import offload_model
 from outcore.offload.units import Part
 from outcore.optim import AdamW
+from outcore.recipes.export import unit_weights
 
 LR, WD = 1e-3, 0.01
 
@@ -68,7 +69,7 @@ def test_bf16_with_fp32_masters_equals_the_reference_loop(tiny_llama_factory, tm
             s = unit.layout[k]["master"]
             got = master[s.offset:s.offset + s.shape.numel()].view(s.shape)
             assert torch.equal(got, masters[slot.name].detach()), slot.name
-        for name, w in om.named_weights(unit).items():
+        for name, w in unit_weights(om, unit).items():
             assert w.dtype == torch.bfloat16
             assert torch.equal(w, dict(model.named_parameters())[name].detach()), name
     om.close()
@@ -90,7 +91,7 @@ def test_meta_model_masters_hold_the_full_precision_weights(tiny_llama_factory, 
         for k, slot in enumerate(unit.slots):
             s = unit.layout[k]["master"]
             assert torch.equal(master[s.offset:s.offset + s.shape.numel()].view(s.shape), state[slot.name])
-        for name, w in om.named_weights(unit).items():
+        for name, w in unit_weights(om, unit).items():
             assert torch.equal(w, state[name].to(torch.bfloat16)), name
     om.close()
 

@@ -9,6 +9,8 @@ from outcore.offload.handle import Tier
 from outcore.offload.training import offload_model
 from outcore.offload.unit_sizes import PIECE_ALIGN, state_pieces
 from outcore.optim import AdamW, GaLore
+from outcore.recipes.checkpoint import load_units, save_units
+from outcore.recipes.export import unit_weights
 
 LR, WD, VOCAB = 1e-3, 0.01, 4096
 
@@ -64,7 +66,7 @@ def test_pieced_embedding_is_bit_identical(tiny_llama_factory, tmp_path, offload
         assert torch.equal(_reference_step(ref, opt, ids, clip), om.train_step(_loss, [ids], LR))
     params = dict(ref.named_parameters())
     for unit in om.engine.units:
-        for name, w in om.named_weights(unit).items():
+        for name, w in unit_weights(om, unit).items():
             assert torch.equal(w, params[name].detach()), name
     embed = ref.model.embed_tokens.weight
     state = opt.state[embed]
@@ -116,22 +118,22 @@ def test_checkpoint_of_pieced_state_resumes_whole_and_back(tiny_llama_factory, t
     batches = [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(6)]
     for ids in batches[:3]:
         om.train_step(_loss, [ids], LR)
-    om.save(tmp_path / "ckpt")
+    save_units(om, tmp_path / "ckpt")
     rest = [om.train_step(_loss, [ids], LR) for ids in batches[3:]]
     final = om.mem.state(0, "exp_avg_sq")
     om.close()
 
     whole = _unpieced(_model(tiny_llama_factory), tmp_path / "b")
-    whole.load(tmp_path / "ckpt")
+    load_units(whole, tmp_path / "ckpt")
     assert all(torch.equal(want, whole.train_step(_loss, [ids], LR)) for want, ids in zip(rest, batches[3:]))
     assert torch.equal(whole.mem.state(0, "exp_avg_sq"), final)
-    whole.save(tmp_path / "ckpt_whole")
+    save_units(whole, tmp_path / "ckpt_whole")
     whole.close()
 
     m2 = _model(tiny_llama_factory)
     again = offload_model(m2, AdamW(m2.parameters(), lr=LR, weight_decay=WD), offload="nvme",
                           swap_dir=tmp_path / "c", prefetch=1)
-    again.load(tmp_path / "ckpt_whole")
+    load_units(again, tmp_path / "ckpt_whole")
     assert torch.equal(again.mem.state(0, "exp_avg_sq"), final)
     again.close()
 
@@ -190,7 +192,7 @@ def test_pieced_spill_with_accumulation_is_bit_identical(tiny_llama_factory, tmp
         assert torch.equal(want, om.train_step(_loss, micro, LR))
     params = dict(ref.named_parameters())
     for unit in om.engine.units:
-        for name, w in om.named_weights(unit).items():
+        for name, w in unit_weights(om, unit).items():
             assert torch.equal(w, params[name].detach()), name
     assert not any(part.kind == "g" for u in om.mem.units for part in u.handles)  # spilled pieces dropped
     om.close()

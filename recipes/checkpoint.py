@@ -1,11 +1,14 @@
-"""Atomic, resumable checkpoints of a training run.
+"""Atomic, resumable checkpoints of a training run, in memory or out of core.
 
 Layout of ``OUTPUT/checkpoints``::
 
     step_000040/            one complete checkpoint (never modified once renamed)
-        model.safetensors   trainable state (all weights for full fine-tuning)
-        optimizer.pt        optimizer.state_dict()
-        trainer.pt          step, scheduler, RNG states, data position, run facts
+        model.safetensors   trainable state (all weights for full fine-tuning in memory;
+                            the adapters for LoRA; empty for a full fine-tune out of core)
+        optimizer.pt        optimizer.state_dict() (empty out of core)
+        trainer.pt          step, RNG states, data position, run facts
+        units/              out of core only: one ``<unit>.safetensors`` per unit (its
+                            weights ``w`` and each optimizer-state kind) and ``units.json``
         COMPLETE            written last: xxh64 of every file; a directory without it
                             is never loaded, and a file whose digest differs is an error
     latest                  text file naming the newest complete checkpoint
@@ -30,6 +33,7 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError
 from ..offload.device import cuda_rng_state, set_cuda_rng_state
+from ..offload.units import WEIGHTS
 
 _DIR = "checkpoints"
 _LATEST = "latest"
@@ -176,3 +180,55 @@ def load_checkpoint(ckpt_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict
         raise CheckpointError(f"checkpoint {str(d)!r} is unreadable ({type(e).__name__}: {e}); "
                               "delete it to resume from the previous one") from None
     return model_state, optimizer_state, trainer_state
+
+
+def save_units(om: Any, directory: str | Path) -> None:
+    """Write every unit's newest weights and optimizer state of an out-of-core run.
+
+    One safetensors file per unit, read out of the store one unit at a time, so the
+    memory needed is one unit's whatever the size of the model. A state streamed in
+    pieces is saved joined: the checkpoint does not depend on the split.
+
+    Args:
+        om: the run's ``OffloadedModel``.
+        directory: where the files go (created; ``units/`` inside a checkpoint).
+    """
+    mem = om.mem
+    mem.flush()
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    for unit in om.engine.units:
+        tensors = {kind: mem.state(unit.index, kind) for kind in (WEIGHTS, *mem.kinds(unit.index))}
+        save_file({k: t.contiguous() for k, t in tensors.items()}, str(d / f"{unit.name}.safetensors"))
+    (d / "units.json").write_text(json.dumps([u.name for u in om.engine.units]))
+
+
+def load_units(om: Any, directory: str | Path) -> None:
+    """Replace every unit's weights and optimizer state with those :func:`save_units` wrote.
+
+    Args:
+        om: the run's ``OffloadedModel`` (same model and optimizer as the saved run).
+        directory: the ``units/`` directory of a checkpoint.
+
+    Raises:
+        CheckpointError: files missing, or not of this model / optimizer.
+    """
+    d = Path(directory)
+    names = [u.name for u in om.engine.units]
+    try:
+        saved = json.loads((d / "units.json").read_text())
+    except (OSError, ValueError):
+        raise CheckpointError(f"{str(d)!r} holds no out-of-core checkpoint (units.json missing or damaged)") from None
+    if saved != names:
+        raise CheckpointError(f"{str(d)!r} was saved from another model ({len(saved)} units, "
+                              f"this one has {len(names)}); resume with the same --model")
+    mem = om.mem
+    for unit in om.engine.units:
+        tensors = load_file(str(d / f"{unit.name}.safetensors"))
+        for kind in (WEIGHTS, *mem.kinds(unit.index)):
+            shape, dtype = mem.kind_layout(unit.index, kind)
+            t = tensors.get(kind)
+            if t is None or tuple(t.shape) != shape or t.dtype != dtype:
+                raise CheckpointError(f"{unit.name}.{kind} in {str(d)!r} does not match this run's "
+                                      "optimizer state; resume with the same --optim and --model")
+            mem.overwrite(unit.index, kind, t)

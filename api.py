@@ -1,0 +1,51 @@
+"""The public Python API: ``outcore.finetune``, one call from a config to a trained model.
+
+It sits above the recipes: it resolves the config, builds the run's event sink (the
+dashboard or plain log, and ``OUTPUT/metrics.jsonl``; recipes never import ``tui``)
+and runs the recipe of ``config.method``. ``outcore finetune`` calls it too.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .events import EventSink
+    from .recipes.config import FinetuneConfig
+    from .recipes.full_finetune import FinetuneResult
+
+
+def finetune(config: FinetuneConfig | None = None, sink: EventSink | None = None, **overrides: Any
+             ) -> FinetuneResult:
+    """Fine-tune as ``config`` says (defaults: the embedded model on the embedded data).
+
+    Args:
+        config: the run's config; None means ``FinetuneConfig()``.
+        sink: where events go (default: the dashboard or plain log as ``config.ui`` says,
+            plus OUTPUT/metrics.jsonl and OUTPUT/loss_curve.png).
+        **overrides: config fields to change, e.g. ``finetune(max_steps=10, lr=1e-4)``.
+
+    Returns:
+        A FinetuneResult (output dir, steps, eval losses, final export dir).
+
+    Raises:
+        OutcoreError: bad config, model, data or checkpoint (one-line message).
+    """
+    from .recipes.config import load_config
+
+    config = load_config(overrides={**(config.to_dict() if config else {}), **overrides})
+    own_sink = sink is None
+    if own_sink:
+        from .tui import make_sink
+
+        # The sink writes nothing before the run's first event, and the recipe creates
+        # (or checks, for a resume) the output directory before it sends one.
+        sink = make_sink(config.ui, config.output)
+    try:
+        if config.method == "zo":
+            from .recipes.zo_finetune import finetune as run_recipe
+        else:
+            from .recipes.full_finetune import finetune as run_recipe
+        return run_recipe(config, sink)
+    finally:
+        if own_sink:
+            sink.close()  # also when the recipe failed before it could (idempotent)

@@ -1,0 +1,67 @@
+"""A model trained in memory, behind the ``train_step`` interface of ``offload.training.OffloadedModel``.
+
+So the recipe runs one loop whether the weights stream through the tiers or not.
+This is the numerical reference every out-of-core mode is checked against, bit for
+bit: per micro-batch forward and backward of ``loss / n``, then clip, step, zero.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..events import TierStats
+
+
+class InMemoryModel:
+    """``model`` and ``optimizer`` in memory; :meth:`train_step` = one optimizer step.
+
+    Args:
+        model: the model in training (its trainable parameters are ``optimizer``'s).
+        optimizer: any torch optimizer over ``params``.
+        params: the trainable parameters, in model order (what is clipped).
+        max_grad_norm: global-norm clipping before each step; 0 disables it.
+    """
+
+    store = None  # nothing streams: no tiered store (activations that go to NVMe get their own)
+    stall_s = 0.0  # compute never waits for a transfer
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 params: list[torch.nn.Parameter], max_grad_norm: float) -> None:
+        self.model, self.optimizer, self.params = model, optimizer, params
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: torch.Tensor | None = None
+
+    def train_step(self, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], micro_batches: list[Any],
+                   lr: float) -> torch.Tensor:
+        """One optimizer step over ``micro_batches`` (the gradients are accumulated).
+
+        Args:
+            loss_fn: ``(model, batch) -> mean loss`` (a scalar tensor).
+            micro_batches: the step's batches; each loss is scaled by ``1 / len``.
+            lr: this step's learning rate (set on every parameter group).
+
+        Returns:
+            The summed (accumulation-scaled) loss, still a tensor: no host sync here.
+        """
+        total = torch.zeros(())
+        for batch in micro_batches:
+            loss = loss_fn(self.model, batch) / len(micro_batches)
+            loss.backward()
+            total += loss.detach()
+        norm = None
+        if self.max_grad_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.last_grad_norm = norm
+        return total
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        """Nothing moves between tiers: no statistics."""
+        return {}
+
+    def close(self) -> None:
+        """Nothing to release (the model and optimizer are the caller's)."""
