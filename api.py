@@ -41,7 +41,7 @@ def finetune(config: FinetuneConfig | None = None, sink: EventSink | None = None
         # (or checks, for a resume) the output directory before it sends one.
         sink = make_sink(config.ui, config.output)
     try:
-        if config.method == "zo":
+        if config.zeroth_order:
             from .recipes.zo_finetune import finetune as run_recipe
         else:
             from .recipes.full_finetune import finetune as run_recipe

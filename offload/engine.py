@@ -32,7 +32,7 @@ from torch import nn
 from .tied_embedding import row_gradient_embedding
 from .unit_memory import StoreUnitMemory
 from .units import GRADS, WEIGHTS, Unit, causal_lm_units
-from .update import UnitUpdater
+from .update import UnitUpdater, step_in_memory
 
 _EMPTY: dict[torch.dtype, torch.Tensor] = {}
 
@@ -314,22 +314,11 @@ class OutOfCoreEngine:
                 loss.backward()
             self._release_frozen()  # the first units' backward has no later one to end it
             total += loss.detach()
-        if self.resident:
-            self._step_resident(lr)
+        if self.resident:  # adapters: clipped and stepped the usual way
+            self.last_grad_norm = step_in_memory(self.params, self.optimizer, self.max_grad_norm, lr)
         elif not self.step_in_backward:
             self._update_after_backward()
         return total
-
-    def _step_resident(self, lr: float) -> None:
-        """Clip and step the resident trainable parameters (adapters) the usual way."""
-        norm = None
-        if self.max_grad_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.last_grad_norm = norm
 
     def _update_after_backward(self) -> None:
         """Clip by the global norm, then update every unit, its weights and state prefetched."""

@@ -20,6 +20,7 @@ from ..errors import ConfigError
 from ..events import TierStats
 from .engine import OutOfCoreEngine
 from .handle import Tier
+from .modes import NVME, STREAMED_MODES
 from .store import TieredStore
 from .unit_memory import StoreUnitMemory
 from .unit_sizes import working_set
@@ -118,10 +119,10 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
         BudgetError: a cap smaller than one unit needs.
         SwapDirError: the swap dir cannot be used.
     """
-    if offload not in ("cpu", "nvme"):
+    if offload not in STREAMED_MODES:
         raise ConfigError(f"offload={offload!r}: the out-of-core engine takes 'cpu' or 'nvme'")
     units = causal_lm_units(model, resident_trainable=resident_trainable, head_modules=head_modules)
-    home = Tier.NVME if offload == "nvme" else Tier.HOST
+    home = Tier.NVME if offload == NVME else Tier.HOST
     homes = homes or [(home, home)] * len(units)
     uses_nvme = any(Tier.NVME in h for h in homes)
     if uses_nvme and swap_dir is None:

@@ -34,6 +34,19 @@ def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.linalg.vector_norm(g, 2.0) for g in grads]
 
 
+def step_in_memory(params: list[torch.nn.Parameter], optimizer: Any, max_grad_norm: float,
+                   lr: float) -> torch.Tensor | None:
+    """Clip ``params``' gradients by their global norm (0: no clipping), step ``optimizer`` at
+    ``lr`` and free the gradients: the in-memory update, of a whole model or of resident
+    adapters. Returns the norm (None without clipping)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm) if max_grad_norm > 0 else None
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
 class UnitUpdater:
     """Run the optimizer's update of each unit out of core.
 

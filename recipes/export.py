@@ -186,7 +186,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
         raise CheckpointError(f"{str(run)!r} holds no outcore run (no config.yaml); pass a run's --output directory")
     cfg = load_config(run / "config.yaml", resume=None, overwrite=True)
     out = Path(out_dir) if out_dir is not None else run / "export"
-    if cfg.method == "zo":
+    if cfg.zeroth_order:
         from ..optim.zo_replay import export_zo_run
         return export_zo_run(run, out)
 
@@ -200,8 +200,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     from ..models import load_model
     from ._common import torch_dtype, with_lora
 
-    model, tokenizer = load_model(cfg.model, dtype=torch_dtype(cfg.dtype), quantize_4bit=cfg.method == "qlora")
-    if cfg.method in ("lora", "qlora"):
+    model, tokenizer = load_model(cfg.model, dtype=torch_dtype(cfg.dtype), quantize_4bit=cfg.quantizes_base)
+    if cfg.uses_adapters:
         model = with_lora(model, cfg)
     named = dict(model.named_parameters())
     with torch.no_grad():

@@ -22,6 +22,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent
+from ..activations.policy import OFFLOAD, ActivationPolicy
 from ..offload.device import device_memory
 from . import checkpoint as ckpt
 from ._common import (evaluate, lr_lambda, peak_rss_bytes, prepare_output_dir, ram_total_bytes, rss_bytes,
@@ -56,7 +57,7 @@ class Recipe:
     """
 
     def __init__(self, config: FinetuneConfig, sink: EventSink | None = None):
-        if config.method == "zo":
+        if config.zeroth_order:
             raise ConfigError("method='zo' runs in recipes.zo_finetune; call outcore.finetune, which picks the recipe")
         self.cfg = config
         self.sink = sink if sink is not None else NullSink()
@@ -77,7 +78,7 @@ class Recipe:
         self.out = prepare_output_dir(cfg)
 
         self.plan, fill = None, None
-        self.lora = cfg.method in ("lora", "qlora")
+        self.lora = cfg.uses_adapters
         if cfg.offload != "none":
             # Out of core, the weights go straight from their files into the store,
             # unit by unit: the model is built on the meta device, never whole in RAM.
@@ -89,7 +90,7 @@ class Recipe:
                 self.model, fill = None, None
         if fill is None:
             self.model, self.tokenizer = load_model(cfg.model, dtype=torch_dtype(cfg.dtype),
-                                                    quantize_4bit=cfg.method == "qlora")
+                                                    quantize_4bit=cfg.quantizes_base)
         check_seq_len(self.model, cfg.seq_len)
         if self.lora:
             self.model = with_lora(self.model, cfg)
@@ -143,14 +144,14 @@ class Recipe:
         """What each block keeps for its backward: the plan resolves `auto` when there is one."""
         policy = self.plan.activations if self.plan is not None else self.cfg.activations
         self.activations = None
-        if policy != "keep":
+        if policy != ActivationPolicy.KEEP.value:
             from ..activations import apply_activation_policy
             from ..models import unwrap_peft
 
             # Offloaded activations go to the run's store: its swap dir (the disk the user
             # chose) and its traffic counters, not a private store in the temp dir.
             store = self.trainer.store
-            on_disk = policy == "offload" and store is not None and store.nvme is not None
+            on_disk = policy == OFFLOAD and store is not None and store.nvme is not None
             self.activations = apply_activation_policy(unwrap_peft(self.model), policy,
                                                        store=store if on_disk else None,
                                                        keep_last=self.cfg.activations_keep_last)
@@ -355,7 +356,7 @@ def check_offload_supported(cfg: FinetuneConfig) -> None:
     (Every dtype runs: out of core, ``bfloat16`` / ``float16`` mean mixed precision,
     16-bit compute with fp32 master weights and optimizer state in the state tier.)
     """
-    if cfg.method not in ("full", "lora", "qlora"):
+    if cfg.zeroth_order:
         raise ConfigError(f"offload={cfg.offload!r} with method={cfg.method!r} is not supported: "
                           "use --method full|lora|qlora")
 
@@ -382,18 +383,18 @@ def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: An
     """
     from ..models import plain_name
     from ..offload.handle import Tier
+    from ..offload.modes import CPU, NVME
     from ..offload.plan import parse_bytes
     from ..offload.training import offload_model
 
     home = {Tier.DEVICE: Tier.HOST, Tier.HOST: Tier.HOST, Tier.NVME: Tier.NVME}
     homes = [(home[u.weights], home[u.state or u.weights]) for u in plan.units]
-    mode = "nvme" if any(Tier.NVME in h for h in homes) else "cpu"
+    mode = NVME if any(Tier.NVME in h for h in homes) else CPU
     head_modules = [] if head_loss is None else [head_loss]
     return offload_model(model, optimizer, offload=mode, swap_dir=_swap_dir(cfg, out), head_modules=head_modules,
                          prefetch=max(1, plan.prefetch_depth), max_grad_norm=cfg.max_grad_norm,
                          grad_accum=cfg.grad_accum, homes=homes,
-                         resident_trainable=cfg.method in ("lora", "qlora"),
-                         quantize_frozen=cfg.method == "qlora",
+                         resident_trainable=cfg.uses_adapters, quantize_frozen=cfg.quantizes_base,
                          spill_grads=any(u.grads is Tier.NVME for u in plan.units),
                          device_bytes=parse_bytes(cfg.device_mem) if cfg.device_mem else None,
                          host_bytes=parse_bytes(cfg.host_mem) if cfg.host_mem else None,

@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 
 from ..events import TierStats
+from ..offload.update import step_in_memory
 
 
 class InMemoryModel:
@@ -49,14 +50,7 @@ class InMemoryModel:
             loss = loss_fn(self.model, batch) / len(micro_batches)
             loss.backward()
             total += loss.detach()
-        norm = None
-        if self.max_grad_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.last_grad_norm = norm
+        self.last_grad_norm = step_in_memory(self.params, self.optimizer, self.max_grad_norm, lr)
         return total
 
     def tier_stats(self) -> dict[str, TierStats]:
