@@ -36,7 +36,7 @@ _EXPORTS = {
     "SwapDir": "swapdir", "find_leftover_swap_dirs": "swapdir",
     "MemoryPlan": "plan", "UnitPlacement": "plan", "make_plan": "plan", "plan_for_config": "plan",
     "Budgets": "plan_budget", "budgets_from_probe": "plan_budget", "parse_bytes": "plan_budget",
-    "format_bytes": "plan_budget", "OutOfCoreEngine": "engine", "OffloadedModel": "training",
+    "format_bytes": "plan_budget", "OutOfCoreEngine": "engine",
     "offload_model": "training",
 }
 __all__ = sorted(_EXPORTS)

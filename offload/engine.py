@@ -29,6 +29,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..events import TierStats
+from .handle import Tier
+from .store import TieredStore
 from .tied_embedding import row_gradient_embedding
 from .unit_memory import StoreUnitMemory
 from .units import GRADS, WEIGHTS, Unit, causal_lm_units
@@ -96,6 +99,9 @@ class OutOfCoreEngine:
         spill = spill_grads and not self.step_in_backward and not self.resident
         self._micro, self._n_micro = 0, 1  # which micro-batch of the step is running
         self.mem = memory(self.units, optimizer)
+        # optimizer state passes through the HOST window rather than living there
+        self._state_streams = any(h.home is Tier.NVME for u in self.units
+                                  for part, h in u.handles.items() if part.kind != WEIGHTS)
         self.updater = UnitUpdater(self.mem, optimizer, self.prefetch_depth, max_grad_norm, spill)
         self._frozen_in_backward: list[Unit] = []  # frozen units bound for their backward, newest last
         self._phase = "forward"
@@ -305,6 +311,11 @@ class OutOfCoreEngine:
             The summed (accumulation-scaled) loss, still a tensor: no host sync here.
         """
         self.updater.lr = lr
+        if self._state_streams:
+            # The HOST window holds optimizer state only while units update (the backward);
+            # through the forward and the loss — the step's RSS peak — its pages are idle:
+            # return them (~1% of a step to fault them back on a CPU-only machine).
+            self.store.discard_free(Tier.HOST)
         self._prefetch(range(min(len(self.units), self.prefetch_depth)))
         total = torch.zeros(())
         self._n_micro = len(micro_batches)
@@ -334,6 +345,21 @@ class OutOfCoreEngine:
             self.updater.update(unit)
             self._unbind(unit.index, dirty=True)
 
+    # ------------------------------------------------------------- the run's view
+    @property
+    def store(self) -> TieredStore:
+        """The tiered store the units live in."""
+        return self.mem.store
+
+    def tier_stats(self) -> dict[str, TierStats]:
+        """Per-tier occupancy and traffic, bandwidth over the time since the previous call."""
+        return self.store.tier_stats(window=True)
+
+    @property
+    def stall_s(self) -> float:
+        """Seconds compute waited for a transfer, since the start."""
+        return self.store.stall_s
+
     def remove(self) -> None:
         """Take the hooks off (the model's parameters stay pointed at empty tensors)."""
         for h in self._handles:
@@ -341,3 +367,11 @@ class OutOfCoreEngine:
         self._handles.clear()
         if self._restore_embedding is not None:
             self._restore_embedding()
+
+    def close(self) -> None:
+        """Finish every write, take the hooks off, free the arenas and remove the swap directory."""
+        try:
+            self.mem.flush()
+        finally:
+            self.remove()
+            self.store.close()

@@ -1,9 +1,9 @@
 """Out-of-core training, assembled: store + unit memory + engine, sized from the plan.
 
-:func:`offload_model` is what a recipe calls when ``offload`` is not ``none``;
-it returns an :class:`OffloadedModel` whose ``train_step`` replaces
-``loss.backward(); optimizer.step()``. Everything else (the schedule, the
-hooks, the tiers) stays behind it.
+:func:`offload_model` is what a recipe calls when ``offload`` is not ``none``; it
+returns the :class:`OutOfCoreEngine`, whose ``train_step`` replaces
+``loss.backward(); optimizer.step()``. Everything else (the schedule, the hooks, the
+tiers) stays behind it.
 
 Arena budgets are the *working set* the engine needs, not the machine's size:
 arenas are preallocated and touched (their budget is physically real), so a
@@ -17,59 +17,13 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ConfigError
-from ..events import TierStats
 from .engine import OutOfCoreEngine
 from .handle import Tier
 from .modes import NVME, STREAMED_MODES
 from .store import TieredStore
 from .unit_memory import StoreUnitMemory
 from .unit_sizes import working_set
-from .units import WEIGHTS, causal_lm_units
-
-class OffloadedModel:
-    """A model in training whose weights and optimizer state live in a TieredStore.
-
-    Build with :func:`offload_model`.
-    """
-
-    def __init__(self, engine: OutOfCoreEngine, store: TieredStore, swap_dir: Path | None):
-        self.engine, self.store, self.swap_dir = engine, store, swap_dir
-        self.mem: StoreUnitMemory = engine.mem  # type: ignore[assignment]
-        # optimizer state passes through the HOST window rather than living there
-        self._state_streams = any(h.home is Tier.NVME for u in engine.units
-                                  for part, h in u.handles.items() if part.kind != WEIGHTS)
-
-    @property
-    def last_grad_norm(self) -> torch.Tensor | None:
-        return self.engine.last_grad_norm
-
-    def train_step(self, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], micro_batches: list[Any],
-                   lr: float) -> torch.Tensor:
-        """One optimizer step (forward, backward and every unit's update). See ``OutOfCoreEngine``."""
-        if self._state_streams:
-            # The HOST window holds optimizer state only while units update (the backward);
-            # through the forward and the loss — the step's RSS peak — its pages are idle:
-            # return them (~1% of a step to fault them back on a CPU-only machine).
-            self.store.discard_free(Tier.HOST)
-        return self.engine.train_step(loss_fn, micro_batches, lr)
-
-    def tier_stats(self) -> dict[str, TierStats]:
-        """Per-tier occupancy and traffic, bandwidth over the time since the previous call."""
-        return self.store.tier_stats(window=True)
-
-    @property
-    def stall_s(self) -> float:
-        """Seconds compute waited for a transfer, since the start."""
-        return self.mem.stall_s
-
-    def close(self) -> None:
-        """Finish every write, take the hooks off, free the arenas and remove the swap directory."""
-        try:
-            self.mem.flush()
-        finally:
-            self.engine.remove()
-            self.store.close()
-
+from .units import causal_lm_units
 
 def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_dir: str | Path | None,
                   prefetch: int = 2, max_grad_norm: float = 0.0, grad_accum: int = 1,
@@ -79,7 +33,7 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                   init_weights: Callable[[Any, torch.Tensor], None] | None = None,
                   resident_trainable: bool = False, master_weights: bool = True,
                   quantize_frozen: bool = False, spill_grads: bool | None = None,
-                  split_state: bool = True) -> OffloadedModel:
+                  split_state: bool = True) -> OutOfCoreEngine:
     """Move ``model``'s weights and ``optimizer``'s state into tiers and wrap it for training.
 
     Args:
@@ -112,7 +66,7 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
             embedding's whole state. Bit-identical either way.
 
     Returns:
-        The :class:`OffloadedModel`.
+        The :class:`OutOfCoreEngine`, owning the store (``close()`` it when done).
 
     Raises:
         ConfigError: an unknown ``offload`` or ``nvme`` without a swap dir.
@@ -149,5 +103,5 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
     except BaseException:
         store.close()
         raise
-    return OffloadedModel(engine, store, Path(swap_dir) if uses_nvme else None)
+    return engine
 

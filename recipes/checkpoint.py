@@ -190,31 +190,31 @@ def save_units(om: Any, directory: str | Path) -> None:
     pieces is saved joined: the checkpoint does not depend on the split.
 
     Args:
-        om: the run's ``OffloadedModel``.
+        om: the run's ``OutOfCoreEngine`` (``offload_model``).
         directory: where the files go (created; ``units/`` inside a checkpoint).
     """
     mem = om.mem
     mem.flush()
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    for unit in om.engine.units:
+    for unit in om.units:
         tensors = {kind: mem.state(unit.index, kind) for kind in (WEIGHTS, *mem.kinds(unit.index))}
         save_file({k: t.contiguous() for k, t in tensors.items()}, str(d / f"{unit.name}.safetensors"))
-    (d / "units.json").write_text(json.dumps([u.name for u in om.engine.units]))
+    (d / "units.json").write_text(json.dumps([u.name for u in om.units]))
 
 
 def load_units(om: Any, directory: str | Path) -> None:
     """Replace every unit's weights and optimizer state with those :func:`save_units` wrote.
 
     Args:
-        om: the run's ``OffloadedModel`` (same model and optimizer as the saved run).
+        om: the run's ``OutOfCoreEngine`` (``offload_model``) (same model and optimizer as the saved run).
         directory: the ``units/`` directory of a checkpoint.
 
     Raises:
         CheckpointError: files missing, or not of this model / optimizer.
     """
     d = Path(directory)
-    names = [u.name for u in om.engine.units]
+    names = [u.name for u in om.units]
     try:
         saved = json.loads((d / "units.json").read_text())
     except (OSError, ValueError):
@@ -223,7 +223,7 @@ def load_units(om: Any, directory: str | Path) -> None:
         raise CheckpointError(f"{str(d)!r} was saved from another model ({len(saved)} units, "
                               f"this one has {len(names)}); resume with the same --model")
     mem = om.mem
-    for unit in om.engine.units:
+    for unit in om.units:
         tensors = load_file(str(d / f"{unit.name}.safetensors"))
         for kind in (WEIGHTS, *mem.kinds(unit.index)):
             shape, dtype = mem.kind_layout(unit.index, kind)

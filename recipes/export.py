@@ -116,8 +116,8 @@ def unit_weights(om: Any, unit: Any) -> dict[str, torch.Tensor]:
     """One unit's parameters of an out-of-core run by model name, copied out of the store.
 
     Args:
-        om: the run's ``OffloadedModel``.
-        unit: one of ``om.engine.units``.
+        om: the run's ``OutOfCoreEngine`` (``offload_model``).
+        unit: one of ``om.units``.
 
     Returns:
         ``{qualified name: tensor}`` (NF4 weights dequantized into the compute dtype).
@@ -138,7 +138,7 @@ def export_offloaded(om: Any, model: torch.nn.Module, out_dir: str | Path, token
     belongs to one unit only, so it is written once, as transformers expects.
 
     Args:
-        om: the run's ``OffloadedModel``.
+        om: the run's ``OutOfCoreEngine`` (``offload_model``).
         model: the model it trains (a peft model for LoRA: its adapters are merged).
         out_dir: the directory to write (replaced).
         tokenizer: saved beside the weights (None: none).
@@ -151,7 +151,7 @@ def export_offloaded(om: Any, model: torch.nn.Module, out_dir: str | Path, token
 
 
 def _unit_shards(om: Any, model: torch.nn.Module) -> Iterator[Shard]:
-    for unit in om.engine.units:
+    for unit in om.units:
         if unit.slots:
             yield _unit_shard(model, unit, unit_weights(om, unit))
 

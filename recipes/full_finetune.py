@@ -4,7 +4,7 @@ Read it top to bottom: ``setup`` builds everything from a ``FinetuneConfig``,
 ``train`` runs the optimizer steps, ``cleanup`` evaluates, exports and closes.
 The model trains behind one interface, ``train_step(loss_fn, micro_batches, lr)``:
 an ``InMemoryModel`` (the numerical reference every out-of-core mode is checked
-against: same seed + fp32 ⇒ same weights, bit for bit) or an ``OffloadedModel``
+against: same seed + fp32 ⇒ same weights, bit for bit) or an ``OutOfCoreEngine``
 whose weights and optimizer state stream through the tiers.
 
 The recipe receives its event sink; with none it reports nothing (``outcore.finetune``
@@ -237,7 +237,7 @@ class Recipe:
         n_trainable = sum(p.numel() for p in self.params)
         n_params = sum(p.numel() for p in self.model.parameters())
         if self.streamed:  # streamed parameters point at empty tensors: count the units
-            n_params = sum(s.numel for u in self.trainer.engine.units for s in u.slots)
+            n_params = sum(s.numel for u in self.trainer.units for s in u.slots)
             n_params += n_trainable if self.lora else 0  # the resident adapters
             n_trainable = n_trainable if self.lora else n_params
         self.sink.emit(RunStarted(run_name=self.out.name, model=cfg.model, n_params=n_params,

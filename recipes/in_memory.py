@@ -1,4 +1,4 @@
-"""A model trained in memory, behind the ``train_step`` interface of ``offload.training.OffloadedModel``.
+"""A model trained in memory, behind the ``train_step`` interface of ``offload.engine.OutOfCoreEngine``.
 
 So the recipe runs one loop whether the weights stream through the tiers or not.
 This is the numerical reference every out-of-core mode is checked against, bit for

@@ -54,7 +54,7 @@ def test_streamed_training_is_bit_identical(tiny_llama_factory, tmp_path, offloa
                        swap_dir=tmp_path / "swap", prefetch=1, max_grad_norm=clip, grad_accum=accum,
                        device_bytes=3 * _block_bytes(ref))
     assert om.store.budget(Tier.DEVICE) <= 3 * _block_bytes(ref)
-    assert om.engine.spill == (offload == "nvme" and clip > 0)  # gradients never all in RAM
+    assert om.spill == (offload == "nvme" and clip > 0)  # gradients never all in RAM
     g = torch.Generator().manual_seed(1)
     steps = 20 if offload == "nvme" and not clip else 6
     for _ in range(steps):
@@ -62,7 +62,7 @@ def test_streamed_training_is_bit_identical(tiny_llama_factory, tmp_path, offloa
         want = _reference_step(ref, opt, micro, clip)
         got = om.train_step(_loss, micro, LR)
         assert torch.equal(want, got)
-    for unit in om.engine.units:
+    for unit in om.units:
         for name, w in unit_weights(om, unit).items():
             assert torch.equal(w, dict(ref.named_parameters())[name].detach()), name
     if offload == "nvme":
@@ -119,7 +119,7 @@ def test_streamed_memory_lean_optimizers_equal_their_in_memory_runs(tiny_llama_f
     for _ in range(4):
         ids = torch.randint(0, 256, (2, 32), generator=g)
         assert torch.equal(_reference_step(ref, opt, [ids], 0.0), om.train_step(_loss, [ids], LR))
-    for unit in om.engine.units:
+    for unit in om.units:
         for pname, w in unit_weights(om, unit).items():
             assert torch.equal(w, dict(ref.named_parameters())[pname].detach()), pname
     om.close()

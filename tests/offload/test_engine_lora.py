@@ -49,7 +49,7 @@ def test_lora_streamed_equals_in_memory(tiny_llama_factory, tmp_path, clip, reco
         apply_activation_policy(ooc.get_base_model(), "recompute")
         apply_activation_policy(ref.get_base_model(), "recompute")
     # only frozen base weights live in the store; the adapters are the model's own tensors
-    assert all(not s.param.requires_grad for u in om.engine.units for s in u.slots)
+    assert all(not s.param.requires_grad for u in om.units for s in u.slots)
     assert all(p.numel() > 0 for p in _adapters(ooc).values())
     written0 = om.tier_stats()["NVME"].written_bytes
     g = torch.Generator().manual_seed(1)
@@ -111,7 +111,7 @@ def test_qlora_streams_nf4_and_equals_the_dequantized_reference(tiny_llama_facto
     opt_ref = torch.optim.AdamW(_adapters(ref).values(), lr=LR, fused=True)
     om = offload_model(ooc, torch.optim.AdamW(_adapters(ooc).values(), lr=LR, fused=True), offload="nvme",
                        swap_dir=tmp_path / "swap", prefetch=1, resident_trainable=True, quantize_frozen=True)
-    block = om.engine.units[1]
+    block = om.units[1]
     fp32_bytes = block.numel * 4
     assert om.mem.units[1].handles[Part("w")].dtype == torch.uint8
     assert om.mem.units[1].handles[Part("w")].nbytes < 0.2 * fp32_bytes  # ~0.56 of 4 bytes per weight

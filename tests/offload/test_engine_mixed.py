@@ -63,7 +63,7 @@ def test_bf16_with_fp32_masters_equals_the_reference_loop(tiny_llama_factory, tm
         assert torch.equal(ref.step(ids), om.train_step(_loss, [ids], LR))
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     masters = dict(zip(names, ref.masters))
-    for unit in om.engine.units:
+    for unit in om.units:
         master = om.mem.state(unit.index, "master")
         for k, slot in enumerate(unit.slots):
             s = unit.layout[k]["master"]
@@ -86,7 +86,7 @@ def test_meta_model_masters_hold_the_full_precision_weights(tiny_llama_factory, 
     materialize_buffers(model, source.config)
     om = offload_model(model, AdamW(model.parameters(), lr=LR), offload="cpu", swap_dir=None,
                        init_weights=lambda slot, t: t.copy_(state[slot.name]))
-    for unit in om.engine.units:
+    for unit in om.units:
         master = om.mem.state(unit.index, "master")
         for k, slot in enumerate(unit.slots):
             s = unit.layout[k]["master"]

@@ -86,7 +86,7 @@ def test_streamed_optimizer_equals_in_memory(tiny_llama_factory, tmp_path, name,
         want = _reference_step(ref, opt, ids, clip)
         assert torch.equal(want, om.train_step(_loss, [ids], LR)), f"step {step}"
     named = dict(ref.named_parameters())
-    for unit in om.engine.units:
+    for unit in om.units:
         for pname, w in unit_weights(om, unit).items():
             assert torch.equal(w, named[pname].detach()), pname
     stats = om.tier_stats()

@@ -52,7 +52,7 @@ def test_pieced_embedding_is_bit_identical(tiny_llama_factory, tmp_path, offload
     spill = offload == "nvme-spill"
     om = offload_model(ooc, AdamW(ooc.parameters(), lr=LR, weight_decay=WD), offload="nvme",
                        swap_dir=tmp_path / "swap", prefetch=1, max_grad_norm=clip, spill_grads=spill)
-    assert om.engine.spill == spill
+    assert om.spill == spill
     if tie:
         assert len(om.mem.units[0].pieces) >= 4, "the embedding's state should be split"
         assert all(a % PIECE_ALIGN == 0 for a, _ in om.mem.units[0].pieces)
@@ -65,7 +65,7 @@ def test_pieced_embedding_is_bit_identical(tiny_llama_factory, tmp_path, offload
         ids = torch.randint(0, VOCAB, (2, 24), generator=g)
         assert torch.equal(_reference_step(ref, opt, ids, clip), om.train_step(_loss, [ids], LR))
     params = dict(ref.named_parameters())
-    for unit in om.engine.units:
+    for unit in om.units:
         for name, w in unit_weights(om, unit).items():
             assert torch.equal(w, params[name].detach()), name
     embed = ref.model.embed_tokens.weight
@@ -177,7 +177,7 @@ def test_pieced_spill_with_accumulation_is_bit_identical(tiny_llama_factory, tmp
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
     om = offload_model(ooc, AdamW(ooc.parameters(), lr=LR, weight_decay=WD), offload="nvme",
                        swap_dir=tmp_path / "swap", prefetch=1, max_grad_norm=0.5, grad_accum=2)
-    assert om.engine.spill and any(u.pieces for u in om.mem.units)
+    assert om.spill and any(u.pieces for u in om.mem.units)
     g = torch.Generator().manual_seed(6)
     for _ in range(4):
         micro = [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(2)]
@@ -191,7 +191,7 @@ def test_pieced_spill_with_accumulation_is_bit_identical(tiny_llama_factory, tmp
         opt.zero_grad(set_to_none=True)
         assert torch.equal(want, om.train_step(_loss, micro, LR))
     params = dict(ref.named_parameters())
-    for unit in om.engine.units:
+    for unit in om.units:
         for name, w in unit_weights(om, unit).items():
             assert torch.equal(w, params[name].detach()), name
     assert not any(part.kind == "g" for u in om.mem.units for part in u.handles)  # spilled pieces dropped
