@@ -37,7 +37,7 @@ _EXPORTS = {
     "MemoryPlan": "plan", "UnitPlacement": "plan", "make_plan": "plan", "plan_for_config": "plan",
     "Budgets": "plan_budget", "budgets_from_probe": "plan_budget", "parse_bytes": "plan_budget",
     "format_bytes": "plan_budget", "OutOfCoreEngine": "engine", "OffloadedModel": "training",
-    "offload_model": "training",
+    "offload_model": "training", "ZOBlockTrainer": "zo_engine",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -5,7 +5,8 @@ persistent state as tensors in ``self.state[p]`` and a per-block entry point
 (``state_spec`` / ``init_state`` / ``update``) the out-of-core engine calls with state
 streamed from its tiered store.
 
-``MeZO`` and ``SparseMeZO`` (zeroth-order) are re-exported lazily from their modules.
+``MeZO`` and ``SparseMeZO`` (zeroth-order) are re-exported lazily from their modules; the
+block schedule that streams a ZO run from NVMe is :mod:`outcore.offload.zo_engine`.
 """
 from __future__ import annotations
 
@@ -19,16 +20,15 @@ from .apollo import APOLLO, APOLLOMini
 from .frugal import FRUGAL
 from .galore import GaLore
 
-_LAZY = {"MeZO": ".mezo", "SparseMeZO": ".sparse_mezo", "ZOBlockTrainer": ".zo_stream",
-         "ZOHyper": ".zo_core", "replay": ".zo_replay", "export_zo_run": ".zo_replay"}
+_LAZY = {"MeZO": ".mezo", "SparseMeZO": ".sparse_mezo", "ZOHyper": ".zo_core", "replay": ".zo_replay"}
 
 # CLI / config names (``--optim``) of the gradient-based optimizers.
 OPTIMIZERS = {"adamw": AdamW, "adamw8bit": AdamW8bit, "galore": GaLore, "apollo": APOLLO,
               "apollo-mini": APOLLOMini, "frugal": FRUGAL}
 
 __all__ = ["OutcoreOptimizer", "StateSpec", "AdamW", "AdamW8bit", "GaLore", "APOLLO",
-           "APOLLOMini", "FRUGAL", "MeZO", "SparseMeZO", "ZOBlockTrainer", "ZOHyper", "replay",
-           "export_zo_run", "OPTIMIZERS", "build_optimizer"]
+           "APOLLOMini", "FRUGAL", "MeZO", "SparseMeZO", "ZOHyper", "replay", "OPTIMIZERS",
+           "build_optimizer"]
 
 
 def __getattr__(name: str) -> Any:
