@@ -101,7 +101,7 @@ class ZOBlockTrainer:
         per_block = [self.blocks.trainable(b) for b in range(len(self.blocks))]
         dtypes = {q.param.dtype for ps in per_block for q in ps}
         self._work = {dt: torch.empty(max(sum(q.slot.numel for q in ps if q.param.dtype == dt) for ps in per_block),
-                                      dtype=dt) for dt in dtypes}  # one block of scratch per dtype
+                                      dtype=dt, device=self.blocks.device) for dt in dtypes}  # one block per dtype
         self._delta = {dt: torch.empty_like(t) for dt, t in self._work.items()}  # eps * z of the block
         if swap_dir is None:
             self.weights: HostWeights | StoreWeights = HostWeights(self.blocks)

@@ -76,6 +76,12 @@ class CausalLMBlocks:
     def __len__(self) -> int:
         return len(self.blocks)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the blocks compute: the parameters' device (CPU for a meta-device model)."""
+        device = next(iter(self.model.parameters())).device
+        return torch.device("cpu") if device.type == "meta" else device
+
     def trainable(self, b: int) -> list[ZOParam]:
         """The parameters of block ``b`` that ZO perturbs and updates."""
         return [q for q in self.blocks[b] if q.index is not None]

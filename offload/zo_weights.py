@@ -95,11 +95,10 @@ class StoreWeights:
         self.units, self.blocks = blocks.units, blocks
         self.depth = max(0, int(prefetch))
         sizes = [align_up(max(u.numel * _unit_dtype(u).itemsize, 1)) for u in self.units]
-        # the unit computing, the one it borrows (tied head), `depth` prefetched and one whose
-        # write-back is still landing; the largest (the embedding) counted once
-        window = window_bytes(sizes, self.depth + 2)
-        device = next(iter(blocks.model.parameters())).device
-        kind = "cuda" if device.type == "cuda" else "cpu"
+        # the largest unit (the embedding) once; the unit computing, `depth` prefetched and two
+        # whose write-backs are still landing (a fetch finding no room would wait for them)
+        window = window_bytes(sizes, self.depth + 3)
+        kind = blocks.device.type
         # on CUDA, disk -> GPU is staged in pinned HOST memory: the same window again
         self.store = TieredStore(device_bytes=window, host_bytes=window if kind == "cuda" else 4096,
                                  nvme_bytes=None, swap_dir=swap_dir, device=kind)
@@ -108,12 +107,15 @@ class StoreWeights:
             self.mem = StoreUnitMemory(self.store, self.units, _NoOptimizerState(),
                                        homes=[(Tier.NVME, Tier.NVME)] * len(self.units),
                                        init_weights=init_weights, master_weights=False)
+            # A unit another one borrows (the tied embedding) is used at both ends of every
+            # step: it stays pinned for the whole run, read once, where it was first placed (at
+            # the top of the arena: fetched again later, it could find the top split by a block).
+            self._resident = {o for u in self.units for o in u.borrows}
+            for u in sorted(self._resident):
+                self.mem.acquire(u, WEIGHTS)
         except BaseException:
             self.store.close()
             raise
-        # a unit another one borrows (the tied embedding, needed again by the head) stays
-        # resident while there is room
-        self._borrowed = {o for u in self.units for o in u.borrows}
 
     @property
     def stall_s(self) -> float:
@@ -140,7 +142,11 @@ class StoreWeights:
     def release(self, b: int, dirty: bool) -> None:
         """Done with block ``b``: its update is written home asynchronously when ``dirty``."""
         for u in self._needs(b):
-            self.mem.release(u, WEIGHTS, dirty=dirty and u == b, keep=u in self._borrowed)
+            if u not in self._resident:
+                self.mem.release(u, WEIGHTS, dirty=dirty and u == b)
+            elif dirty and u == b:  # written home, and pinned again at once: it never leaves
+                self.mem.release(u, WEIGHTS, dirty=True, keep=True)
+                self.mem.acquire(u, WEIGHTS)
 
     def tier_stats(self) -> dict:
         """The store's per-tier occupancy and traffic (bandwidth since the previous call)."""

@@ -103,6 +103,17 @@ def test_untied_head_streamed_equals_in_memory(tiny_llama_factory, tmp_path):
     assert all(torch.equal(w, disk[name]) for name, w in mem.items())
 
 
+def test_tied_embedding_is_read_once_and_blocks_once_a_step(tiny_llama_factory, tmp_path):
+    from outcore.offload.directio import align_up
+
+    tr = ZOBlockTrainer(tiny_llama_factory(), ZOHyper(eps=1e-2), swap_dir=str(tmp_path / "s"), prefetch=1)
+    embed, *rest = [align_up(u.numel * 4) for u in tr.blocks.units]
+    for batch in _batches(4):
+        tr.step(batch, lr=1e-3)
+    assert tr.tier_stats()["NVME"].read_bytes == embed + 4 * sum(rest)
+    tr.close()
+
+
 def test_bad_arguments(tiny_llama, tmp_path):
     with pytest.raises(ConfigError, match="world=2 needs an exchange"):
         ZOBlockTrainer(tiny_llama, ZOHyper(), world=2, rank=0)
