@@ -116,6 +116,7 @@ class ZOBlockTrainer:
 
     @property
     def hyper(self) -> Any:
+        """The run's ZO hyper-parameters (those of its rule)."""
         return self.rule.hyper
 
     def header(self) -> dict[str, Any]:
@@ -155,6 +156,7 @@ class ZOBlockTrainer:
         return dirty
 
     def _trainable(self, b: int, clean: list[torch.Tensor]) -> list[tuple[Any, torch.Tensor]]:
+        """``(ZOParam, clean tensor)`` of block ``b``'s trainable parameters."""
         return [(q, w) for q, w in zip(self.blocks.blocks[b], clean) if q.index is not None]
 
     @staticmethod

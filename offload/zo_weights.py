@@ -34,7 +34,8 @@ from .zo_model import CausalLMBlocks
 
 
 class HostWeights:
-    """Blocks whose clean weights are the model's parameters, in RAM (no I/O)."""
+    """Blocks whose clean weights are the model's parameters, in RAM (no I/O): the
+    protocol's calls other than :meth:`acquire` have nothing to do."""
 
     stall_s = 0.0
 
@@ -123,10 +124,13 @@ class StoreWeights:
         return self.mem.stall_s
 
     def _needs(self, b: int) -> list[int]:
+        """The units block ``b`` computes with: its own and those it borrows (the tied head)."""
         return [b, *self.units[b].borrows]
 
     def acquire(self, b: int) -> list[torch.Tensor]:
-        flats = {u: self.mem.acquire(u, WEIGHTS) for u in self._needs(b)}  # waits only if the read is late
+        """Block ``b``'s clean weights, views into its unit's pinned DEVICE copy (and the
+        borrowed unit's). Waits only when the read is late: a stall, counted in ``stall_s``."""
+        flats = {u: self.mem.acquire(u, WEIGHTS) for u in self._needs(b)}
         return [self.units[q.unit].view(flats[q.unit], q.slot) for q in self.blocks.blocks[b]]
 
     def prefetch(self, b: int) -> None:

@@ -119,8 +119,6 @@ def run(args: argparse.Namespace) -> int:
         return 0
     import outcore  # the trainer (and torch) load only now
 
-    from .sinks import make_sink  # the run's view and OUTPUT/metrics.jsonl: recipes take their sink
-
-    result = outcore.finetune(config, make_sink(config.ui, config.output))
+    result = outcore.finetune(config)
     print(f"outcore: output in {_output_dir(result, config.output)}")
     return 0
