@@ -30,7 +30,7 @@ from ..models._structure import decoder_layers
 from ..offload.device import free_device_bytes
 from .offload import _MIN_BYTES, ActivationOffloader
 from .pack import BlockPack
-from .policy import ActivationPolicy, BlockProfile, choose_policy, expand_policy
+from .policy import AUTO, ActivationPolicy, BlockProfile, choose_policy, expand_policy
 
 _DEFAULT_NVME_BPS = (2.0e9, 3.0e9)  # read, write: this hardware class (BENCHMARKING.md), until probed
 
@@ -222,7 +222,7 @@ def apply_activation_policy(model: nn.Module,
         if int(v) < 0:
             raise ConfigError(f"{name}={v} must be >= 0")
     opts = dict(prefetch_depth=int(prefetch_depth), min_bytes=int(min_bytes), keep_last=int(keep_last))
-    if isinstance(policy, str) and policy.lower() == "auto":
+    if isinstance(policy, str) and policy.lower() == AUTO:
         if device_budget is None:
             device_budget = _available_device_bytes(next(model.parameters()).device) // 2
         auto = dict(bandwidth, device_budget=int(device_budget))

@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from ..errors import BudgetError
+from ..offload.device import SideStreams, compute_event, hand_to_compute
 from .pack import BlockPack, PackedRef
 from .policy import ActivationPolicy
 
@@ -183,7 +184,7 @@ class ActivationOffloader:
         # This step's blocks. Weak: the autograd graph owns each _Block, so a graph
         # dropped without a backward frees its stored bytes (_Block.__del__).
         self._blocks: dict[int, weakref.ref] = {}
-        self._side: dict = {}  # CUDA side stream per device, created on first use
+        self._side = SideStreams()  # CUDA copies overlap compute; streams made on first use
         # stall_s: unpacks waiting for reads; backpressure_s: seals waiting for writes
         self.stats = {"offloaded_bytes": 0, "saved_bytes": 0, "kept_bytes": 0, "stall_s": 0.0,
                       "backpressure_s": 0.0, "tensors": 0, "blocks": 0}
@@ -254,11 +255,7 @@ class ActivationOffloader:
                     self._cv.wait()
                 self.stats["backpressure_s"] += time.perf_counter() - t0
             self._inflight += nbytes
-        ready = None
-        if rec.pack.device is not None and rec.pack.device.type == "cuda":
-            ready = torch.cuda.Event()
-            # the writer's side stream must see the block fully computed
-            ready.record(torch.cuda.current_stream(rec.pack.device))
+        ready = compute_event(rec.pack.device)  # the writer's side stream must see the block fully computed
         self.stats["offloaded_bytes"] += nbytes
         self.stats["saved_bytes"] += rec.pack.saved_bytes
         self.stats["blocks"] += 1
@@ -308,11 +305,8 @@ class ActivationOffloader:
         if ready is None:
             pack.copy_into(buf)
             return
-        side = self._side_stream(pack.device)
-        side.wait_event(ready)
-        with torch.cuda.stream(side):
-            pack.copy_into(buf, non_blocking=True)  # D2H into pinned memory
-        side.synchronize()  # blocks this thread, not the compute stream, until the bytes are on the host
+        # D2H into pinned memory; blocks this thread, not the compute stream, until the bytes are on the host
+        self._side.run_after(ready, pack.device, lambda: pack.copy_into(buf, non_blocking=True))
 
     def _raise_failed(self) -> None:
         exc, self._failed = self._failed, None
@@ -353,14 +347,7 @@ class ActivationOffloader:
             host = lend(self.store.view_of(where, Tier.HOST), nbytes, lambda: self._unregister(where))
         if device.type != "cuda":
             return host, None
-        side = self._side_stream(device)
-        with torch.cuda.stream(side):
-            out = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            out.copy_(host, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
-        copied.synchronize()  # the HOST buffer goes back to the pool only after the copy read it
-        return out, copied
+        return self._side.to_device(host, device)  # the HOST buffer goes back to the pool once the copy read it
 
     def _restore(self, rec: _Block, ref: PackedRef) -> torch.Tensor:
         if rec.base is None:
@@ -370,10 +357,8 @@ class ActivationOffloader:
                 rec.read.result()
                 self.stats["stall_s"] += time.perf_counter() - t0
             base, copied = rec.read.result()
-            if copied is not None:
-                stream = torch.cuda.current_stream(base.device)
-                stream.wait_event(copied)  # compute must not read the bytes before they land
-                base.record_stream(stream)  # allocated on the side stream, used on this one
+            if copied is not None:  # compute must not read the bytes before they land
+                hand_to_compute(base, copied)
             rec.base, rec.read = base, None
         return BlockPack.view(rec.base, ref)
 
@@ -406,14 +391,6 @@ class ActivationOffloader:
             self.store.unregister(h)
         except Exception:  # noqa: BLE001 - the store was closed first: it freed everything
             pass
-
-    def _side_stream(self, device: torch.device):
-        """The CUDA side stream for ``device`` (one per device, shared by the I/O threads)."""
-        with self._cv:  # the writer and the readers may ask for it first at the same time
-            side = self._side.get(device)
-            if side is None:
-                side = self._side[device] = torch.cuda.Stream(device=device)
-        return side
 
     def new_step(self) -> None:
         """Forget the previous step's blocks (their bytes live on in their graphs)."""

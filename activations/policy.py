@@ -53,6 +53,16 @@ class ActivationPolicy(enum.Enum):
         return self in (ActivationPolicy.OFFLOAD_HOST, ActivationPolicy.OFFLOAD_NVME)
 
 
+#: ``auto``: measure the first training forward, then :func:`choose_policy` per block
+#: (the planner: keep when it fits, else recompute).
+AUTO = "auto"
+#: ``offload``: OFFLOAD_NVME for every block but the last ``keep_last`` (:func:`expand_policy`).
+OFFLOAD = "offload"
+#: The run-level names (``--activations``, ``FinetuneConfig.activations``, the planner):
+#: one policy for every block, ``offload``, or ``auto``.
+ACTIVATION_POLICIES = (AUTO, ActivationPolicy.KEEP.value, ActivationPolicy.RECOMPUTE.value, OFFLOAD)
+
+
 @dataclass(frozen=True)
 class BlockProfile:
     """What one block's activations cost (measured in a forward pass)."""
@@ -126,26 +136,12 @@ def choose_policy(profiles: Sequence[BlockProfile], device_budget: int, *,
                                             else (float("inf") if nvme_budget is None else nvme_budget))}
     bw = {ActivationPolicy.OFFLOAD_HOST: (host_bps, host_bps),
           ActivationPolicy.OFFLOAD_NVME: (nvme_read_bps, nvme_write_bps)}
-
-    def options(i: int):
-        p = profiles[i]
-        out = []
-        if p.input_bytes < held[i]:
-            out.append((p.forward_s, held[i] - p.input_bytes, ActivationPolicy.RECOMPUTE))
-        for tier, (rd, wr) in bw.items():
-            if room[tier] >= p.saved_bytes and rd > 0 and wr > 0:
-                stall = (max(0.0, p.saved_bytes / wr - p.forward_s)
-                         + max(0.0, p.saved_bytes / rd - backward_factor * p.forward_s)
-                         + (p.saved_bytes / copy_bps if copy_bps > 0 else 0.0))
-                out.append((stall, held[i], tier))
-        return out
-
     while sum(held) > device_budget:
         best = None
         for i in range(max(0, n - keep_last)):
             if policy[i] is not ActivationPolicy.KEEP:
                 continue
-            for cost, freed, choice in options(i):
+            for cost, freed, choice in _changes(profiles[i], held[i], room, bw, backward_factor, copy_bps):
                 key = (cost / max(freed, 1), i)
                 if freed > 0 and (best is None or key < best[0]):
                     best = (key, i, choice)
@@ -164,6 +160,28 @@ def choose_policy(profiles: Sequence[BlockProfile], device_budget: int, *,
     return policy
 
 
+def _changes(p: BlockProfile, held: int, room: dict[ActivationPolicy, float],
+             bw: dict[ActivationPolicy, tuple[float, float]], backward_factor: float,
+             copy_bps: float) -> list[tuple[float, int, ActivationPolicy]]:
+    """What one KEEP block (profile ``p``, holding ``held`` bytes) could change to, as
+    ``(seconds it costs, bytes it frees, policy)`` (the costs of :func:`choose_policy`).
+
+    Args:
+        room: per offload tier, the bytes it can still take.
+        bw: per offload tier, its (read, write) bandwidth in bytes/s.
+    """
+    out = []
+    if p.input_bytes < held:
+        out.append((p.forward_s, held - p.input_bytes, ActivationPolicy.RECOMPUTE))
+    for tier, (rd, wr) in bw.items():
+        if room[tier] >= p.saved_bytes and rd > 0 and wr > 0:
+            stall = (max(0.0, p.saved_bytes / wr - p.forward_s)
+                     + max(0.0, p.saved_bytes / rd - backward_factor * p.forward_s)
+                     + (p.saved_bytes / copy_bps if copy_bps > 0 else 0.0))
+            out.append((stall, held, tier))
+    return out
+
+
 def expand_policy(policy: "ActivationPolicy | str | Sequence[ActivationPolicy | str]",
                   n_blocks: int, keep_last: int = 1) -> list[ActivationPolicy]:
     """One policy per block from a single policy, a name, or a list.
@@ -176,7 +194,7 @@ def expand_policy(policy: "ActivationPolicy | str | Sequence[ActivationPolicy | 
     """
     if keep_last < 0:
         raise ConfigError(f"keep_last={keep_last} must be >= 0")
-    if isinstance(policy, str) and policy.lower() == "offload":
+    if isinstance(policy, str) and policy.lower() == OFFLOAD:
         kept = min(keep_last, n_blocks)
         return [ActivationPolicy.OFFLOAD_NVME] * (n_blocks - kept) + [ActivationPolicy.KEEP] * kept
     if isinstance(policy, (str, ActivationPolicy)):

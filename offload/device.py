@@ -15,8 +15,10 @@ Nothing here does CUDA work at import time.
 """
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
 
 import torch
 
@@ -62,6 +64,79 @@ def device_memory() -> dict[str, int]:
 def free_device_bytes(device: torch.device) -> int:
     """Free bytes on a CUDA ``device`` (a host sync point: call it rarely)."""
     return int(torch.cuda.mem_get_info(device)[0])
+
+
+def synchronize_device(device: torch.device) -> None:
+    """Wait until all work queued on ``device`` is done (a host sync on CUDA: the only way
+    to time device work; nothing to wait for on CPU, where work runs as it is called)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def compute_event(device: torch.device | None) -> Any:
+    """An event recorded on ``device``'s current (compute) stream, which a side stream can
+    wait on to see everything computed so far; None off CUDA (work there is already done)."""
+    if device is None or device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
+def hand_to_compute(tensor: torch.Tensor, event: Any) -> None:
+    """Let the compute stream of ``tensor``'s device use ``tensor``, made on a side stream
+    whose copy ``event`` marks: compute waits for the event (on the device, not the host)
+    and the caching allocator learns the tensor is used there."""
+    stream = torch.cuda.current_stream(tensor.device)
+    stream.wait_event(event)
+    tensor.record_stream(stream)
+
+
+class SideStreams:
+    """One CUDA side stream per device, made on first use and shared by the I/O threads
+    that copy on it, so copies overlap the compute stream. Each call blocks only its
+    calling thread, until its copy is done."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, Any] = {}
+        self._lock = threading.Lock()  # two I/O threads may ask for a stream first at once
+
+    def _stream(self, device: torch.device) -> Any:
+        with self._lock:
+            side = self._streams.get(device)
+            if side is None:
+                side = self._streams[device] = torch.cuda.Stream(device=device)
+        return side
+
+    def run_after(self, event: Any, device: torch.device, copy: Callable[[], Any]) -> None:
+        """Queue ``copy()`` on ``device``'s side stream behind ``event`` (from
+        :func:`compute_event`), then wait for the side stream (this thread only).
+
+        Args:
+            event: what the copy must see computed first.
+            device: the CUDA device.
+            copy: queues the copy (e.g. a ``non_blocking`` device -> pinned HOST copy).
+        """
+        side = self._stream(device)
+        side.wait_event(event)
+        with torch.cuda.stream(side):
+            copy()
+        side.synchronize()
+
+    def to_device(self, host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, Any]:
+        """``host`` copied into a new tensor on ``device`` on its side stream; returns once the
+        copy has read ``host`` (so its buffer may be reused).
+
+        Returns:
+            ``(tensor, event)``: pass both to :func:`hand_to_compute` before computing with it.
+        """
+        with torch.cuda.stream(self._stream(device)):
+            out = torch.empty(host.shape, dtype=host.dtype, device=device)
+            out.copy_(host, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+        copied.synchronize()
+        return out, copied
 
 
 def distributed_backend() -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -77,6 +78,27 @@ class TensorHandle:
     home: Tier  # the tier that holds the authoritative copy
     copies: dict[Tier, TierCopy] = field(default_factory=lambda: {t: TierCopy() for t in Tier})
 
+    @classmethod
+    def new(cls, key: str, shape: Iterable[int] | None, dtype: torch.dtype | None, home: "Tier | str",
+            data: torch.Tensor | None = None) -> "TensorHandle":
+        """A handle for ``register``: shape and dtype from the arguments or ``data``.
+
+        Raises:
+            ValueError: home is DEVICE, ``data`` does not match shape/dtype, or neither is given.
+        """
+        home = Tier.parse(home)
+        if home is Tier.DEVICE:
+            raise ValueError(f"home={home.name} for {key!r}: the authoritative copy lives in HOST or NVME")
+        if data is not None:
+            shape = data.shape if shape is None else shape
+            dtype = data.dtype if dtype is None else dtype
+            if tuple(data.shape) != tuple(shape) or data.dtype != dtype:
+                raise ValueError(f"data for {key!r} is {data.dtype}{tuple(data.shape)}, "
+                                 f"expected {dtype}{tuple(shape)}")
+        if shape is None or dtype is None:
+            raise ValueError(f"register({key!r}) needs shape and dtype, or data")
+        return cls(key, tuple(int(d) for d in shape), dtype, home)
+
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
@@ -95,6 +117,29 @@ class TensorHandle:
         """The tier whose copy is newer than the authoritative one, if any."""
         for t, c in self.copies.items():
             if c.residency is Residency.DIRTY:
+                return t
+        return None
+
+    def newest(self) -> Tier | None:
+        """The tier holding the newest settled copy (dirty, else resident, else home); None = zeros."""
+        d = self.dirty_tier
+        if d is not None:
+            return d
+        for t in Tier:
+            if self.copies[t].residency is Residency.RESIDENT:
+                return t
+        return self.home if self.copies[self.home].valid else None
+
+    def source_for(self, target: Tier) -> Tier | None:
+        """The settled copy to copy into ``target`` from: the dirty one, else the fastest resident
+        one; None = zeros. Copies still in flight are never sources (the home copy is always
+        settled), so a transfer never waits on another one — no cycles."""
+        d = self.dirty_tier
+        if d is not None:
+            return d
+        order = [Tier.HOST, Tier.DEVICE, Tier.NVME] if target is Tier.DEVICE else [Tier.DEVICE, Tier.HOST, Tier.NVME]
+        for t in order:
+            if t is not target and self.copies[t].residency is Residency.RESIDENT:
                 return t
         return None
 

@@ -26,19 +26,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
+from ..activations.policy import ACTIVATION_POLICIES, AUTO, ActivationPolicy
 from ..errors import BudgetError, ConfigError
+from ..optim import ZO_OPTIMIZERS, optimizer_names
 from .handle import Tier
+from .modes import CPU, NONE, NVME, OFFLOAD_MODES
+from .modes import AUTO as AUTO_OFFLOAD
 from .plan_budget import (RUNTIME_OVERHEAD_BYTES, Budgets, budgets_from_probe, format_bytes, parse_bytes)
 from .plan_layout import Layout, StepTime, Workload, account, prefetch_depth, step_time
-from .plan_sizes import OPTIMIZERS, ModelSpec, model_spec, unit_bytes
+from .plan_sizes import ModelSpec, method_traits, model_spec, unit_bytes
 
 __all__ = ["MemoryPlan", "UnitPlacement", "make_plan", "plan_for_config", "parse_bytes", "format_bytes",
            "Budgets", "budgets_from_probe"]
 
-OFFLOAD_MODES = ("none", "auto", "cpu", "nvme")
-ACTIVATION_POLICIES = ("auto", "keep", "recompute", "offload")
 MAX_MICRO_BATCH = 1 << 16  # search bound for the largest micro-batch that fits
-_ESTIMATED_OPTIMIZERS = ("galore", "apollo", "apollo-mini", "frugal")
+#: what activation policy ``auto`` tries, in order: keep when it fits, else recompute
+_AUTO_ACTIVATIONS = (ActivationPolicy.KEEP.value, ActivationPolicy.RECOMPUTE.value)
 
 
 @dataclass(frozen=True)
@@ -143,14 +146,14 @@ def _check_inputs(method: str, optim: str, dtype: str, seq_len: int, batch_size:
         raise ConfigError(f"offload={offload!r} is not one of: {', '.join(OFFLOAD_MODES)}")
     if activations not in ACTIVATION_POLICIES:
         raise ConfigError(f"activations={activations!r} is not one of: {', '.join(ACTIVATION_POLICIES)}")
-    if optim not in OPTIMIZERS:
-        raise ConfigError(f"optim={optim!r} is not one of: {', '.join(OPTIMIZERS)}")
+    if optim not in optimizer_names():
+        raise ConfigError(f"optim={optim!r} is not one of: {', '.join(optimizer_names())}")
     for name, v in (("seq_len", seq_len), ("batch_size", batch_size), ("grad_accum", grad_accum)):
         if not isinstance(v, int) or v < 1:
             raise ConfigError(f"{name}={v!r} must be an integer >= 1")
-    if (method == "zo") != (optim in ("mezo", "sparse-mezo")):
+    if method_traits(method).backward == (optim in ZO_OPTIMIZERS):
         raise ConfigError(f"method={method!r} does not go with optim={optim!r}: zeroth-order "
-                          "needs method 'zo' with optim mezo or sparse-mezo")
+                          f"needs method 'zo' with optim {' or '.join(ZO_OPTIMIZERS)}")
 
 
 def _fits(w: Workload, lay: Layout, batch: int) -> bool:
@@ -215,17 +218,17 @@ def _budget_error(w: Workload, lay: Layout, batch: int, offload: str) -> BudgetE
         parts = {f"{p} ({t.name})": v for t in (Tier.DEVICE, Tier.HOST) for p, v in acc.parts[t].items()}
     detail = ", ".join(f"{p} {format_bytes(v)}" for p, v in sorted(parts.items(), key=lambda x: -x[1]))
     hints = []
-    if offload == "none":
-        hints.append("--offload auto (or cpu / nvme)")
-    elif tier not in ("DEVICE", "NVME") and lay.name(w.grads_kept) != "nvme":
-        hints.append("--offload nvme")
+    if offload == NONE:
+        hints.append(f"--offload {AUTO_OFFLOAD} (or {CPU} / {NVME})")
+    elif tier not in ("DEVICE", "NVME") and lay.name(w.grads_kept) != NVME:
+        hints.append(f"--offload {NVME}")
     best = _max_batch(w, lay)
     if batch > 1 and best >= 1:
         hints.append(f"--batch-size {best}")
     elif batch > 1:
         hints.append("a smaller --batch-size")
-    if lay.activations == "keep" and w.has_backward and tier != "NVME":
-        hints.append("--activations recompute")
+    if lay.activations == ActivationPolicy.KEEP.value and w.has_backward and tier != "NVME":
+        hints.append(f"--activations {ActivationPolicy.RECOMPUTE.value}")
     flag = {"DEVICE": "a larger --device-mem", "HOST": "a larger --host-mem",
             "NVME": "a --swap-dir with more free space"}.get(tier, "more free RAM (or a smaller --host-mem / "
                                                                    "--device-mem so NVMe takes the rest)")
@@ -274,33 +277,35 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
     spec: ModelSpec = model_spec(model)
     ub = tuple(unit_bytes(spec, method=method, optim=optim, dtype=dtype, optim_args=optim_args,
                           lora_r=lora_r, lora_targets=tuple(lora_targets)))
-    grads_kept = method == "full" and (max_grad_norm > 0 or grad_accum > 1)
-    w = Workload(spec, ub, method, dtype, seq_len, grads_kept, budgets.with_flops())
+    traits = method_traits(method)
+    grads_kept = traits.trains_weights and traits.backward and (max_grad_norm > 0 or grad_accum > 1)
+    w = Workload(spec, ub, traits, dtype, seq_len, grads_kept, budgets.with_flops())
     n = len(ub)
-    policies = ["keep", "recompute"] if activations == "auto" else [activations]
-    if method == "zo":
-        policies = ["keep"]  # nothing is saved for a backward
+    policies = list(_AUTO_ACTIVATIONS) if activations == AUTO else [activations]
+    if not traits.backward:
+        policies = [ActivationPolicy.KEEP.value]  # nothing is saved for a backward
 
     candidates: list[Layout] = []
     for policy in policies:
-        if offload in ("none", "auto"):
+        if offload in (NONE, AUTO_OFFLOAD):
             candidates.append(Layout.uniform(n, Tier.DEVICE, policy))
-        if offload == "cpu":
+        if offload == CPU:
             candidates.append(_with_depth(w, Layout.uniform(n, Tier.HOST, policy), batch_size))
-        if offload == "nvme":
+        if offload == NVME:
             candidates.append(_with_depth(w, Layout.uniform(n, Tier.NVME, policy), batch_size))
-        if offload == "auto":
+        if offload == AUTO_OFFLOAD:
             candidates.append(_greedy(w, policy, batch_size))
     fitting = [lay for lay in candidates if _fits(w, lay, batch_size)]
     if not fitting:
-        raise _budget_error(w, candidates[0] if offload == "none" else candidates[-1], batch_size, offload)
+        raise _budget_error(w, candidates[0] if offload == NONE else candidates[-1], batch_size, offload)
     times = [step_time(w, lay, batch_size) for lay in fitting]
-    best = min(range(len(fitting)), key=lambda i: (times[i].step_s, i)) if offload == "auto" else 0
+    best = min(range(len(fitting)), key=lambda i: (times[i].step_s, i)) if offload == AUTO_OFFLOAD else 0
     lay, st = fitting[best], times[best]
-    return _build(w, lay, st, batch_size, offload, optim)
+    return _build(w, lay, st, batch_size, offload, method, optim)
 
 
-def _build(w: Workload, lay: Layout, st: StepTime, batch: int, offload: str, optim: str) -> MemoryPlan:
+def _build(w: Workload, lay: Layout, st: StepTime, batch: int, offload: str, method: str,
+           optim: str) -> MemoryPlan:
     acc = account(w, lay, batch)
     units = []
     for i, u in enumerate(w.units):
@@ -310,9 +315,6 @@ def _build(w: Workload, lay: Layout, st: StepTime, batch: int, offload: str, opt
         units.append(UnitPlacement(u.name, u.weights, u.grads, u.state, lay.weights[i], grads,
                                    (lay.state[i] if u.state else None)))
     notes = []
-    if optim in _ESTIMATED_OPTIMIZERS:
-        notes.append(f"{optim} state sizes follow the paper's layout (an estimate until outcore's "
-                     "optimizer is measured)")
     if not w.budgets.measured:
         notes.append("disk and copy speeds are fallbacks, not measured (run `outcore doctor`)")
     if lay.streamed and lay.prefetch < prefetch_depth(w, lay, batch):
@@ -325,7 +327,7 @@ def _build(w: Workload, lay: Layout, st: StepTime, batch: int, offload: str, opt
         notes.append("CPU-only: DEVICE is a RAM arena; copy and I/O threads share the cores with compute")
     trainable = sum(u.trainable for u in w.units)
     return MemoryPlan(
-        model_type=w.spec.model_type, params=w.spec.numel, trainable=trainable, method=w.method,
+        model_type=w.spec.model_type, params=w.spec.numel, trainable=trainable, method=method,
         optim=optim, dtype=w.dtype, seq_len=w.seq_len, batch_size=batch, offload=offload,
         layout=lay.name(w.grads_kept), activations=lay.activations, prefetch_depth=lay.prefetch,
         max_micro_batch=_max_batch(w, lay), grads_kept=w.grads_kept, units=units,

@@ -192,11 +192,13 @@ def measure_matmul_flops(device_kind: str = "cpu", n: int = 1024, seconds: float
     """
     import torch
 
-    if device_kind == "cuda":
-        dev, dtype = torch.device("cuda"), torch.bfloat16
-        sync = torch.cuda.synchronize  # a host sync: the only way to time device work
-    else:
-        dev, dtype, sync = torch.device("cpu"), torch.float32, (lambda: None)
+    from .device import synchronize_device
+
+    dev = torch.device(device_kind)
+    dtype = torch.bfloat16 if device_kind == "cuda" else torch.float32
+
+    def sync() -> None:
+        synchronize_device(dev)
     a = torch.randn(n, n, device=dev, dtype=dtype)
     b = torch.randn(n, n, device=dev, dtype=dtype)
     torch.mm(a, b)

@@ -12,12 +12,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from ..activations.policy import OFFLOAD, ActivationPolicy
 from .handle import Tier
+from .modes import CPU, NONE, NVME
 from .plan_budget import Budgets
-from .plan_sizes import (DTYPE_BYTES, ModelSpec, UnitBytes, block_activation_bytes, checkpoint_bytes,
-                         forward_flops_per_token, head_activation_bytes)
+from .plan_sizes import (DTYPE_BYTES, MethodTraits, ModelSpec, UnitBytes, block_activation_bytes,
+                         checkpoint_bytes, forward_flops_per_token, head_activation_bytes)
+from .unit_sizes import window_bytes
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
+KEEP, RECOMPUTE = ActivationPolicy.KEEP.value, ActivationPolicy.RECOMPUTE.value
 ALIGN = 4096  # the store aligns every arena block and NVMe extent to 4 KiB (offload/directio.py)
 PARAM_ALIGN = 64  # each parameter's offset in a unit's flat buffer is 64-byte aligned (offload/units.py)
 
@@ -33,7 +37,7 @@ class Workload:
 
     spec: ModelSpec
     units: tuple[UnitBytes, ...]
-    method: str  # full | lora | qlora | zo
+    method: MethodTraits
     dtype: str
     seq_len: int
     grads_kept: bool  # clipping / accumulation: gradients are stored until every unit has one
@@ -41,7 +45,13 @@ class Workload:
 
     @property
     def has_backward(self) -> bool:
-        return self.method != "zo"
+        return self.method.backward
+
+    def compute_passes(self, unit: UnitBytes, activations: str) -> float:
+        """Forward-equivalents of compute ``unit`` costs per step: the method's passes, plus
+        one more forward of a block whose activations are recomputed for its backward."""
+        recomputed = activations == RECOMPUTE and unit.kind == "block" and self.has_backward
+        return self.method.compute_passes + (1.0 if recomputed else 0.0)
 
 
 @dataclass(frozen=True)
@@ -57,7 +67,7 @@ class Layout:
     weights: tuple[Tier, ...]
     grads: tuple[Tier, ...]
     state: tuple[Tier, ...]
-    activations: str  # keep | recompute | offload
+    activations: str  # a name of activations.policy.ACTIVATION_POLICIES but auto
     prefetch: int = 2  # k: units in flight ahead of the one computing (0 when nothing streams)
 
     @classmethod
@@ -86,13 +96,13 @@ class Layout:
             grads_kept: whether gradients are stored (else their tier does not count).
         """
         if all(self.resident):
-            return "none"
+            return NONE
         classes = (self.weights, self.grads, self.state) if grads_kept else (self.weights, self.state)
         tiers = {c[i] for i in self.streamed for c in classes}
         if not any(self.resident) and tiers == {Tier.HOST}:
-            return "cpu"
+            return CPU
         if not any(self.resident) and tiers == {Tier.NVME}:
-            return "nvme"
+            return NVME
         return "mixed"
 
 
@@ -120,14 +130,6 @@ class Accounting:
         return None
 
 
-def window_bytes(sizes: list[int], count: int) -> int:
-    """The largest of ``sizes`` plus ``count`` of the second largest (an embedding is far larger
-    than a block, and only one of it is ever in flight): how the engine sizes its DEVICE and
-    HOST arenas (``training.offload_model``) and the plan its windows."""
-    top = sorted(sizes, reverse=True) + [0, 0]
-    return top[0] + count * top[1]
-
-
 def _fetch_bytes(w: Workload, lay: Layout, i: int) -> int:
     """Bytes brought to DEVICE to compute unit ``i``: its weights and borrowed streamed ones (tied head)."""
     u = w.units[i]
@@ -143,11 +145,11 @@ def activation_bytes(w: Workload, policy: str, batch: int, window: int) -> tuple
         return batch * 2 * (s * c * (2 * spec.hidden + 2 * spec.intermediate) + s * 4 * spec.vocab), 0
     block = block_activation_bytes(spec, w.dtype, s)
     L = spec.layers
-    if policy == "keep":
+    if policy == KEEP:
         return batch * (L * block + head), 0
-    if policy == "recompute":
+    if policy == RECOMPUTE:
         return batch * (L * checkpoint_bytes(spec, w.dtype, s) + block + head), 0
-    if policy == "offload":
+    if policy == OFFLOAD:
         return batch * (min(L, max(window, 1) + 1) * block + head), batch * L * block
     raise ValueError(f"unknown activation policy {policy!r}")
 
@@ -231,7 +233,7 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
     b, us, n = w.budgets, w.units, len(w.units)
     io = dict.fromkeys(LINKS, 0)
     passes = 2 if w.has_backward else 1
-    trains_weights = w.method in ("full", "zo")
+    trains_weights = w.method.trains_weights
     streamed = lay.streamed
     still_there = set(streamed[-max(lay.prefetch, 1):]) if w.has_backward else set()
     for i in streamed:
@@ -256,15 +258,11 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
             "h2d": io["h2d"] / (b.h2d_gbps * gb), "d2h": io["d2h"] / (b.d2h_gbps * gb)}
 
     tokens = batch * w.seq_len
-    mult = {"full": 3.0, "lora": 2.0, "qlora": 2.0, "zo": 2.0}[w.method]
-    flops = 0.0
-    for u in us:
-        per_tok = forward_flops_per_token(w.spec, u, w.seq_len)
-        extra = 1.0 if (lay.activations == "recompute" and u.kind == "block" and w.has_backward) else 0.0
-        flops += tokens * per_tok * (mult + extra)
+    flops = sum(tokens * forward_flops_per_token(w.spec, u, w.seq_len) * w.compute_passes(u, lay.activations)
+                for u in us)
     compute_s = flops / b.flops if b.flops > 0 else 0.0
     # Optimizer update: memory-bound; read w, g, state and write w, state (ZO: 4 in-place passes over w).
-    if w.method == "zo":
+    if not w.has_backward:
         upd_bytes = sum(8 * u.weights for u in us)
     else:
         upd_bytes = sum(2 * u.weights + u.grads + 2 * u.state for u in us if u.grads) + \
@@ -325,7 +323,7 @@ def _unit_io_s(w: Workload, lay: Layout, i: int) -> float:
     read = write = 0
     if lay.weights[i] == Tier.NVME:
         read += passes * fetch
-        write += u.weights if w.method in ("full", "zo") else 0
+        write += u.weights if w.method.trains_weights else 0
     if lay.state[i] == Tier.NVME and u.state:
         read, write = read + u.state, write + u.state
     if w.has_backward and u.grads and w.grads_kept and lay.grads[i] == Tier.NVME:
@@ -338,7 +336,5 @@ def _unit_io_s(w: Workload, lay: Layout, i: int) -> float:
 def _unit_compute_s(w: Workload, lay: Layout, i: int, batch: int) -> float:
     """Seconds of compute per visit of unit ``i`` (forward, or backward at twice the forward)."""
     u = w.units[i]
-    mult = {"full": 3.0, "lora": 2.0, "qlora": 2.0, "zo": 2.0}[w.method]
-    extra = 1.0 if (lay.activations == "recompute" and u.kind == "block" and w.has_backward) else 0.0
-    flops = batch * w.seq_len * forward_flops_per_token(w.spec, u, w.seq_len) * (mult + extra)
+    flops = batch * w.seq_len * forward_flops_per_token(w.spec, u, w.seq_len) * w.compute_passes(u, lay.activations)
     return flops / max(w.budgets.flops, 1.0) / (2 if w.has_backward else 1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from .modes import NONE
 from .plan_budget import RUNTIME_OVERHEAD_BYTES, format_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,7 +59,7 @@ def _unit_rows(plan: "MemoryPlan") -> list[tuple[str, "UnitPlacement"]]:
 def _grad_mode(plan: "MemoryPlan") -> str:
     if not any(u.grads_bytes for u in plan.units):
         return "none"
-    if plan.layout == "none":
+    if plan.layout == NONE:
         return "held in memory"
     return "kept until all exist" if plan.grads_kept else "freed per unit (step-in-backward)"
 

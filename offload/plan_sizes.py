@@ -8,9 +8,9 @@ activations. A spec is built from a live model or from its Hugging Face config
 alone: the config is instantiated on the ``meta`` device, so a 70B plan
 allocates no weights and takes well under a second.
 
-Byte counts per parameter (``state_bytes``) follow each optimizer's design;
-for those still being built in ``optim/`` they are the papers' layouts and
-are marked as estimates in the plan's notes.
+Optimizer state is asked of the optimizer itself (:class:`OptimizerState`): the planner
+builds it over ``meta`` parameters and sizes its ``state_spec``, so an optimizer added to
+``outcore.optim.OPTIMIZERS`` is planned without a change here.
 """
 from __future__ import annotations
 
@@ -22,15 +22,40 @@ from typing import Any, Mapping
 from ..errors import ConfigError, ModelError
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-Q8_BLOCK = 256  # outcore's 8-bit AdamW: one fp32 absmax per 256 elements per moment
 NF4_BLOCK = 64  # QLoRA NF4: 4-bit codes, one fp32 absmax per 64 weights (no double quantization)
-DEFAULT_RANK = {"galore": 128, "apollo": 256, "apollo-mini": 1}
-DEFAULT_FRUGAL_DENSITY = 0.25  # share of each matrix with full Adam state (FRUGAL's rho)
-ZO_OPTIMIZERS = ("mezo", "sparse-mezo")
-#: Flat state buffers per unit for each optimizer (each one a separately aligned allocation).
-STATE_KINDS = {"adamw": 2, "adamw8bit": 4, "galore": 3, "apollo": 2, "apollo-mini": 2, "frugal": 2,
-               "mezo": 0, "sparse-mezo": 0}
-OPTIMIZERS = ("adamw", "adamw8bit", "galore", "apollo", "apollo-mini", "frugal") + ZO_OPTIMIZERS
+
+
+@dataclass(frozen=True)
+class MethodTraits:
+    """What sizing a layout needs to know of a fine-tuning method (``FinetuneConfig.method``)."""
+
+    trains_weights: bool  # every weight is updated and written back (else a frozen base + adapters)
+    backward: bool  # a backward pass runs (zeroth-order: forward passes only)
+    quantized_base: bool  # the frozen base's block matrices are NF4
+    #: a step's compute in forward passes: full 3 (a backward costs 2 forwards), LoRA 2 (its
+    #: backward skips the weight gradients), zeroth-order 2 (two forwards)
+    compute_passes: float
+
+
+#: the methods the planner sizes (``recipes.config.METHODS``, which it may not import: a test
+#: keeps the two equal)
+METHOD_TRAITS = {
+    "full": MethodTraits(trains_weights=True, backward=True, quantized_base=False, compute_passes=3.0),
+    "lora": MethodTraits(trains_weights=False, backward=True, quantized_base=False, compute_passes=2.0),
+    "qlora": MethodTraits(trains_weights=False, backward=True, quantized_base=True, compute_passes=2.0),
+    "zo": MethodTraits(trains_weights=True, backward=False, quantized_base=False, compute_passes=2.0),
+}
+
+
+def method_traits(method: str) -> MethodTraits:
+    """The :class:`MethodTraits` of ``method``.
+
+    Raises:
+        ConfigError: a method the planner does not know.
+    """
+    if method not in METHOD_TRAITS:
+        raise ConfigError(f"method={method!r} is not one of: {', '.join(METHOD_TRAITS)}")
+    return METHOD_TRAITS[method]
 
 
 @dataclass(frozen=True)
@@ -166,51 +191,48 @@ def model_spec(model_or_config: Any) -> ModelSpec:
 # ---------------------------------------------------------------------------------
 # Bytes per parameter
 # ---------------------------------------------------------------------------------
-def _matrix(p: ParamInfo, unit: UnitSpec) -> tuple[int, int] | None:
-    """(rows, cols) when ``p`` is a block's 2-D weight (what low-rank optimizers project)."""
-    return (p.shape[0], p.shape[1]) if unit.kind == "block" and len(p.shape) == 2 else None
+class OptimizerState:
+    """An optimizer's state per parameter, as its own ``state_spec`` declares it.
 
-
-def state_bytes(optim: str, p: ParamInfo, unit: UnitSpec, optim_args: Mapping[str, Any] | None = None) -> int:
-    """Optimizer-state bytes of one trainable parameter (fp32 master weights not included).
+    The optimizer is built (from ``outcore.optim``'s registry, with ``optim_args``) over
+    one parameter on the ``meta`` device, so nothing is allocated. State is sized for
+    fp32 parameters: what trains always is — the model in float32, the fp32 masters of
+    mixed precision, LoRA adapters (peft's default).
 
     Args:
-        optim: an optimizer name (``OPTIMIZERS``).
-        p: the parameter.
-        unit: the unit that owns it (low-rank optimizers project only block matrices;
-            embeddings, norms and the head keep full AdamW state, as in the papers).
-        optim_args: ``rank`` (galore / apollo), ``density`` (frugal).
-
-    Returns:
-        Bytes of state.
+        optim: a gradient-based optimizer name (``outcore.optim.OPTIMIZERS``).
+        optim_args: its hyper-parameters (``rank``, ``density``, ...).
 
     Raises:
-        ConfigError: an unknown optimizer or a bad rank / density.
+        ConfigError: an unknown optimizer or hyper-parameter, or a value out of range.
     """
-    args = dict(optim_args or {})
-    n = p.numel
-    if optim in ZO_OPTIMIZERS:
-        return 0  # MeZO regenerates z from a seed: no state at all
-    if optim == "adamw":
-        return 8 * n  # exp_avg + exp_avg_sq, fp32
-    if optim == "adamw8bit":
-        return 2 * n + 2 * 4 * math.ceil(n / Q8_BLOCK)  # two uint8 moments + fp32 absmax per block
-    mat = _matrix(p, unit)
-    if optim in ("galore", "apollo", "apollo-mini"):
-        rank = 1 if optim == "apollo-mini" else int(args.get("rank", DEFAULT_RANK[optim]))
-        if rank < 1:
-            raise ConfigError(f"optim_args.rank={rank!r} must be >= 1")
-        if mat is None or rank >= min(mat):
-            return 8 * n
-        big, small = max(mat), min(mat)
-        projector = 4 * rank * small if optim == "galore" else 0  # APOLLO keeps a seed, not P
-        return 8 * rank * big + projector
-    if optim == "frugal":
-        rho = float(args.get("density", DEFAULT_FRUGAL_DENSITY))
-        if not 0.0 < rho <= 1.0:
-            raise ConfigError(f"optim_args.density={rho!r} must be in (0, 1]")
-        return 8 * n if mat is None else int(math.ceil(8 * rho * n))
-    raise ConfigError(f"optim={optim!r} is not one of: {', '.join(OPTIMIZERS)}")
+
+    def __init__(self, optim: str, optim_args: Mapping[str, Any] | None = None):
+        import torch
+
+        from ..optim import build_optimizer
+
+        probe = torch.nn.Parameter(torch.empty(0, device="meta"))
+        self.optimizer = build_optimizer(optim, [probe], **dict(optim_args or {}))
+        self._group = self.optimizer.param_groups[0]
+
+    def _param(self, shape: tuple[int, ...]) -> Any:
+        import torch
+
+        return torch.empty(shape, dtype=torch.float32, device="meta")
+
+    def spec(self, shape: tuple[int, ...]) -> dict[str, tuple[int, int]]:
+        """State kind -> (elements, bytes per element) of a parameter of ``shape``."""
+        return {kind: (math.prod(s), dtype.itemsize)
+                for kind, (s, dtype) in self.optimizer.state_spec(self._param(shape), self._group).items()}
+
+    def nbytes(self, shape: tuple[int, ...]) -> int:
+        """Bytes of state of a parameter of ``shape`` (no padding: the plan counts that apart)."""
+        return sum(n * size for n, size in self.spec(shape).values())
+
+    def elementwise(self, shape: tuple[int, ...]) -> bool:
+        """Whether the update is element-wise, so the engine may stream the state in pieces."""
+        return self.optimizer.elementwise_state(self._param(shape), self._group) is not None
 
 
 def _lora_shapes(unit: UnitSpec, targets: tuple[str, ...], r: int) -> list[tuple[int, int]]:
@@ -250,7 +272,8 @@ def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str,
     Args:
         spec: the model.
         method: ``full``, ``lora``, ``qlora`` or ``zo``.
-        optim: the optimizer name.
+        optim: the optimizer name; its state is sized by :class:`OptimizerState`
+            (zeroth-order optimizers keep none).
         dtype: compute dtype; ``bfloat16`` / ``float16`` add 4 bytes of fp32 master
             weight per trainable element (counted with the optimizer state).
         optim_args, lora_r, lora_targets: as in ``FinetuneConfig``.
@@ -259,60 +282,73 @@ def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str,
         One :class:`UnitBytes` per unit, in forward order.
 
     Raises:
-        ConfigError: an unknown method / dtype / optimizer.
+        ConfigError: an unknown method / dtype / optimizer, or a bad hyper-parameter.
     """
     if dtype not in DTYPE_BYTES:
         raise ConfigError(f"dtype={dtype!r} is not one of: {', '.join(DTYPE_BYTES)}")
-    if method not in ("full", "lora", "qlora", "zo"):
-        raise ConfigError(f"method={method!r} is not one of: full, lora, qlora, zo")
+    traits = method_traits(method)
     c = DTYPE_BYTES[dtype]
-    master = 4 if (c != 4 and method != "zo") else 0  # ZO updates in place in the compute dtype
-    kinds = STATE_KINDS.get(optim, 2) + (1 if master else 0)
+    state = OptimizerState(optim, optim_args) if traits.backward else None  # ZO keeps no state
+    master = 4 if (c != 4 and state is not None) else 0  # ZO updates in place in the compute dtype
     out = []
     for u in spec.units:
         matmul = sum(p.numel for p in u.params if len(p.shape) == 2 and u.kind != "embed")
         if u.kind == "head" and spec.tied:
             matmul += spec.vocab * spec.hidden  # the tied head multiplies by the embedding matrix
-        if method in ("full", "zo"):
-            n = u.numel
-            st = sum(state_bytes(optim, p, u, optim_args) for p in u.params) + master * n
-            out.append(UnitBytes(u.name, u.kind, weights=c * n, grads=0 if method == "zo" else c * n,
-                                 state=st, trainable=n, frozen_weights=0, adapter_bytes=0,
-                                 matmul_params=matmul, borrows=u.borrows, tensors=len(u.params),
-                                 state_kinds=kinds if st else 0))
-            continue
-        # LoRA / QLoRA: a frozen base that streams read-only, plus small resident adapters.
-        shapes = _lora_shapes(u, tuple(lora_targets), lora_r)
-        adapter_n = sum(lora_r * (i + o) for i, o in shapes)
-        adapter_params = [ParamInfo("lora", (lora_r, i + o)) for i, o in shapes]
-        # Adapters are fp32 (peft's default) and get full AdamW-family state on their matrices.
-        adapter_state = sum(state_bytes(optim, p, UnitSpec(u.index, u.name, "adapter", ()), optim_args)
-                            for p in adapter_params)
-        adapter = 4 * adapter_n * 2 + adapter_state  # weights + grads + state
-        if method == "qlora":
-            quant = {p.name for p in u.params if u.kind == "block" and len(p.shape) == 2}
-            base = sum(p.numel // 2 + 4 * math.ceil(p.numel / NF4_BLOCK) if p.name in quant else c * p.numel
-                       for p in u.params)
+        if traits.trains_weights:
+            out.append(_trained_unit(u, c, state, master, matmul))
         else:
-            base = c * u.numel
-        out.append(UnitBytes(u.name, u.kind, weights=base, grads=0, state=0, trainable=adapter_n,
-                             frozen_weights=base, adapter_bytes=adapter,
-                             matmul_params=matmul + adapter_n, borrows=u.borrows, tensors=len(u.params)))
-    return _with_state_pieces(out) if method == "full" and optim in ELEMENTWISE_OPTIMIZERS else out
+            out.append(_adapter_unit(u, c, traits, state, matmul, lora_r, tuple(lora_targets)))
+    if not traits.trains_weights or state is None:
+        return out
+    piecable = [len(u.params) == 1 and state.elementwise(u.params[0].shape) for u in spec.units]
+    return _with_state_pieces(out, piecable)
 
 
-#: optimizers whose update is element-wise (``OutcoreOptimizer.elementwise_state``)
-ELEMENTWISE_OPTIMIZERS = ("adamw", "adamw8bit")
+def _trained_unit(u: UnitSpec, c: int, state: OptimizerState | None, master: int, matmul: int) -> UnitBytes:
+    """A unit whose every weight trains (``full``, ``zo``): its state per ``state_spec``,
+    plus ``master`` bytes of fp32 master weight per element."""
+    n = u.numel
+    kinds: set[str] = {"master"} if master and u.params else set()
+    st = master * n
+    for p in u.params if state is not None else ():
+        per_kind = state.spec(p.shape)
+        kinds |= per_kind.keys()
+        st += sum(count * size for count, size in per_kind.values())
+    return UnitBytes(u.name, u.kind, weights=c * n, grads=0 if state is None else c * n, state=st,
+                     trainable=n, frozen_weights=0, adapter_bytes=0, matmul_params=matmul,
+                     borrows=u.borrows, tensors=len(u.params), state_kinds=len(kinds) if st else 0)
 
 
-def _with_state_pieces(units: list[UnitBytes]) -> list[UnitBytes]:
+def _adapter_unit(u: UnitSpec, c: int, traits: MethodTraits, state: OptimizerState, matmul: int,
+                  r: int, targets: tuple[str, ...]) -> UnitBytes:
+    """A LoRA / QLoRA unit: a frozen base that streams read-only, plus small resident adapters."""
+    shapes = _lora_shapes(u, targets, r)
+    adapter_n = sum(r * (i + o) for i, o in shapes)
+    # Per targeted linear, A [r, in] and B [out, r]: fp32 (peft's default), each with its state.
+    adapter_state = sum(state.nbytes((r, i)) + state.nbytes((o, r)) for i, o in shapes)
+    adapter = 4 * adapter_n * 2 + adapter_state  # weights + grads + state
+    if traits.quantized_base:
+        quant = {p.name for p in u.params if u.kind == "block" and len(p.shape) == 2}
+        base = sum(p.numel // 2 + 4 * math.ceil(p.numel / NF4_BLOCK) if p.name in quant else c * p.numel
+                   for p in u.params)
+    else:
+        base = c * u.numel
+    return UnitBytes(u.name, u.kind, weights=base, grads=0, state=0, trainable=adapter_n,
+                     frozen_weights=base, adapter_bytes=adapter, matmul_params=matmul + adapter_n,
+                     borrows=u.borrows, tensors=len(u.params))
+
+
+def _with_state_pieces(units: list[UnitBytes], piecable: list[bool]) -> list[UnitBytes]:
     """Mark the units whose state the engine streams in block-sized pieces: a single tensor
-    (the embedding) whose state is over 1.5 x the second-largest unit's (``state_pieces``)."""
+    (the embedding) updated element-wise (``OutcoreOptimizer.elementwise_state``) whose
+    state is over 1.5 x the second-largest unit's (``unit_sizes.state_pieces``)."""
     sizes = sorted(u.state for u in units)
     if len(sizes) < 2:
         return units
     piece = sizes[-2]
-    return [replace(u, state_piece=piece) if u.tensors == 1 and u.state > 1.5 * piece else u for u in units]
+    return [replace(u, state_piece=piece) if ok and u.state > 1.5 * piece else u
+            for u, ok in zip(units, piecable)]
 
 
 # ---------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ One :class:`TieredStore` owns every swappable tensor of a run as a
 Budgets are enforced at allocation: a tier's arena (or the NVMe file) cannot
 hand out more than its budget, and a request that does not fit raises
 :class:`BudgetError` naming the tier, budget, bytes held and the request. The
-store never evicts on its own: the caller (the prefetch queue) knows the future
+store never evicts on its own: the caller (the unit memory) knows the future
 access order and chooses what to evict.
 
 Thread model: public methods run on the caller's thread and never block on
@@ -22,7 +22,8 @@ I/O (except ``register`` with data, ``load`` and ``close``). Transfers
 complete on I/O / copy threads, which update handle state under one lock.
 
 The bytes themselves (arenas, swap file, budgets) are a :class:`TierSpace` (``tiers.py``);
-the per-tier traffic counters are a :class:`TierTraffic` (``traffic.py``).
+the copies between tiers are :class:`Transfers` (``transfers.py``); the per-tier traffic
+counters are a :class:`TierTraffic` (``traffic.py``).
 """
 from __future__ import annotations
 
@@ -31,20 +32,21 @@ import time
 from collections.abc import Iterable
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from ..events import TierStats
 from ._futures import completed, then
 from .device import Device
-from .directio import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH, align_up
+from .directio import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH
 from .handle import Residency, TensorHandle, Tier
 from .nvme import NvmeBackend
 from .swapdir import SwapDir
 from .tiers import TierSpace
 from .traffic import TierTraffic
+from .transfers import HELD, Transfers
 
-_HELD = (Residency.RESIDENT, Residency.DIRTY)
 
 
 class TieredStore:
@@ -82,6 +84,7 @@ class TieredStore:
         self._lock = threading.RLock()  # guards every handle's state
         self._handles: dict[str, TensorHandle] = {}
         self.traffic = TierTraffic()
+        self.moves = Transfers(self.space, self.device, self.traffic, self._lock)
         self.stall_s = 0.0  # time consumers waited in wait() for transfers not yet done
         self.nvme: NvmeBackend | None = self.space.nvme  # None without a swap dir
         self.swap: SwapDir | None = self.space.swap
@@ -94,16 +97,6 @@ class TieredStore:
     def held(self, tier: Tier) -> int:
         """Bytes the tier has handed out now (block sizes, 4 KiB padding included)."""
         return self.space.held(tier)
-
-    def _free_slot(self, tier: Tier, h: TensorHandle) -> None:
-        c = h.copies[tier]
-        assert all(f.done() for f in c.outgoing), f"freeing {h.key!r} in {tier.name} while a transfer reads it"
-        if c.slot is not None:
-            self.space.free(tier, c.slot)
-        c.slot, c.residency, c.future, c.writing = None, Residency.ABSENT, None, None
-
-    def _bytes(self, tier: Tier, h: TensorHandle) -> torch.Tensor:
-        return self.space.bytes_of(tier, h.copies[tier].slot)
 
     # -- registration ----------------------------------------------------------
     def register(self, key: str, shape: Iterable[int] | None = None, dtype: torch.dtype | None = None,
@@ -124,18 +117,8 @@ class TieredStore:
             BudgetError: ``home`` cannot hold the tensor.
             ValueError: duplicate key, bad home, or ``data`` not matching shape/dtype.
         """
-        home = Tier.parse(home)
-        if home is Tier.DEVICE:
-            raise ValueError(f"home={home.name} for {key!r}: the authoritative copy lives in HOST or NVME")
-        if data is not None:
-            shape = data.shape if shape is None else shape
-            dtype = data.dtype if dtype is None else dtype
-            if tuple(data.shape) != tuple(shape) or data.dtype != dtype:
-                raise ValueError(f"data for {key!r} is {data.dtype}{tuple(data.shape)}, "
-                                 f"expected {dtype}{tuple(shape)}")
-        if shape is None or dtype is None:
-            raise ValueError(f"register({key!r}) needs shape and dtype, or data")
-        h = TensorHandle(key, tuple(int(d) for d in shape), dtype, home)
+        h = TensorHandle.new(key, shape, dtype, home, data)
+        home = h.home
         with self._lock:
             if key in self._handles:
                 raise ValueError(f"a tensor named {key!r} is already registered")
@@ -152,7 +135,7 @@ class TieredStore:
             if t is not h.home:
                 self.evict(h, t, write_back=False).result()
         with self._lock:
-            self._free_slot(h.home, h)
+            self.moves.free_slot(h.home, h)
             del self._handles[h.key]
 
     @property
@@ -179,140 +162,48 @@ class TieredStore:
         if tier is Tier.NVME:
             raise ValueError(f"fetch({h.key!r}, NVME): data reaches NVME through write_back")
         with self._lock:
-            f = self._ensure(h, tier)
+            f = self.moves.ensure(h, tier)
             h.copies[tier].pins += 1
         return then(f, lambda _: self.view(h, tier))
 
-    def _ensure(self, h: TensorHandle, tier: Tier) -> Future:
-        """Start (or find) the transfer that makes ``tier``'s copy valid. Lock held."""
-        c = h.copies[tier]
-        if c.residency in _HELD:
-            return completed(None)
-        if c.residency is Residency.IN_FLIGHT:
-            return c.future
-        c.slot = self.space.alloc(tier, h.key, h.nbytes)
-        fut = c.future = Future()
-        c.residency = Residency.IN_FLIGHT
-        fut.set_running_or_notify_cancel()
-        self._pull(h, tier)  # a transfer failing at once aborts (and clears c.future) inside
-        return fut
-
-    def _pull(self, h: TensorHandle, tier: Tier) -> None:
-        """Copy into ``tier``'s allocated slot from the best settled source. Completes its Future.
-
-        On CUDA a disk -> GPU fetch first stages the HOST copy and runs again when
-        that landed, re-choosing the source under the lock at that moment.
-        """
-        with self._lock:
-            c = h.copies[tier]
-            if c.residency is not Residency.IN_FLIGHT:
-                return  # aborted meanwhile
-            try:
-                src = self._source(h, tier)
-                if src is None:  # never written: the value is zeros, and this copy is the newest
-                    self._bytes(tier, h).zero_()
-                    c.residency = Residency.DIRTY
-                    c.future.set_result(None)
-                    return
-                if src is Tier.NVME and tier is Tier.DEVICE and self.device.is_cuda:
-                    # Disk -> GPU goes through pinned HOST memory (a HOST copy stays resident).
-                    self._ensure(h, Tier.HOST).add_done_callback(lambda f: self._pull(h, tier))
-                    return
-                f = self._copy(h, src, tier)
-            except BaseException as e:  # noqa: BLE001 - the fetch's waiter gets it
-                self._abort(h, tier, e)
-                return
-        f.add_done_callback(lambda f: self._landed(h, tier, f.exception()))
-
-    def _copy(self, h: TensorHandle, src: Tier, dst: Tier, durable: bool = False) -> Future:
-        """Move the bytes of ``h`` from ``src`` to ``dst`` (both slots allocated). Lock held.
-
-        The transfer is listed in the source copy's ``outgoing`` until it is
-        done: an eviction waits for it before the source's bytes are reused.
-        """
-        sc = h.copies[src]
-        if src is Tier.NVME:
-            f = self.nvme.read(sc.slot, self._bytes(dst, h))
-        elif dst is Tier.NVME:
-            f = self.nvme.write(h.copies[dst].slot, self._bytes(src, h), durable=durable)
-        else:
-            f = self.device.copy_async(self._bytes(dst, h), self._bytes(src, h))
-        sc.outgoing.append(f)
-        n = align_up(max(h.nbytes, 1))
-
-        def count(done: Future) -> None:
-            with self._lock:
-                sc.outgoing.remove(done)
-            if done.exception() is None:
-                self.traffic.moved(src, dst, n)
-        f.add_done_callback(count)
-        return f
-
-    def _landed(self, h: TensorHandle, tier: Tier, exc: BaseException | None) -> None:
-        with self._lock:
-            c = h.copies[tier]
-            if exc is not None:
-                self._abort(h, tier, exc)
-            elif c.residency is Residency.IN_FLIGHT:
-                c.residency = Residency.RESIDENT
-                c.future.set_result(None)
-
-    def _abort(self, h: TensorHandle, tier: Tier, exc: BaseException) -> None:
-        """A transfer into ``tier`` failed: free the slot, drop its pins, fail its Future. Lock held."""
-        c = h.copies[tier]
-        fut = c.future
-        c.pins = 0
-        self._free_slot(tier, h)
-        if fut is not None and not fut.done():
-            fut.set_exception(exc)
-
-    def _newest(self, h: TensorHandle) -> Tier | None:
-        """The tier holding the newest settled copy (dirty, else resident, else home); None = zeros."""
-        d = h.dirty_tier
-        if d is not None:
-            return d
-        for t in Tier:
-            if h.copies[t].residency is Residency.RESIDENT:
-                return t
-        return h.home if h.copies[h.home].valid else None
-
-    def _source(self, h: TensorHandle, target: Tier) -> Tier | None:
-        """The settled copy to copy from: the dirty one, else the fastest resident one; None = zeros.
-
-        Copies still in flight are never sources (the home copy is always
-        settled), so a transfer never waits on another one — no cycles.
-        """
-        d = h.dirty_tier
-        if d is not None:
-            return d
-        order = [Tier.HOST, Tier.DEVICE, Tier.NVME] if target is Tier.DEVICE else [Tier.DEVICE, Tier.HOST, Tier.NVME]
-        for t in order:
-            if t is not target and h.copies[t].residency is Residency.RESIDENT:
-                return t
-        return None
-
     def wait(self, h: TensorHandle, tier: Tier | str) -> torch.Tensor:
-        """Block until ``h`` is valid in ``tier`` (it must have been fetched) and return its view.
-
-        Time spent blocked is added to :attr:`stall_s` (the consumer stalled on I/O).
-        """
+        """Block until ``h`` is valid in ``tier`` (it must have been fetched) and return its view."""
         tier = Tier.parse(tier)
         with self._lock:
             f = h.copies[tier].future if h.copies[tier].residency is Residency.IN_FLIGHT else None
-        if f is not None and not f.done():
-            t0 = time.perf_counter()
-            f.result()
-            with self._lock:
-                self.stall_s += time.perf_counter() - t0
-        elif f is not None:
-            f.result()  # raises the transfer's error
+        if f is not None:
+            self.result(f)
         return self.view(h, tier)
+
+    def result(self, f: Future) -> Any:
+        """``f.result()`` for a transfer of this store; the time blocked is added to
+        :attr:`stall_s` — the one count of how long compute waited on I/O."""
+        if not f.done():
+            t0 = time.perf_counter()
+            try:
+                f.result()
+            finally:
+                with self._lock:
+                    self.stall_s += time.perf_counter() - t0
+        return f.result()  # raises the transfer's error
+
+    def wait_unread(self, h: TensorHandle, tier: Tier | str) -> None:
+        """Block until no transfer reads ``tier``'s copy of ``h`` (its write-back included),
+        so it may change in place; the time blocked counts as stall."""
+        tier = Tier.parse(tier)
+        while True:
+            with self._lock:
+                c = h.copies[tier]
+                busy = [f for f in (c.writing, *c.outgoing) if f is not None and not f.done()]
+            if not busy:
+                return
+            self.result(busy[0])
 
     def view(self, h: TensorHandle, tier: Tier | str) -> torch.Tensor:
         """The tensor ``[h.shape]`` in ``tier``'s arena (no copy). The copy must be resident."""
         tier = Tier.parse(tier)
         c = h.copies[tier]
-        if tier is Tier.NVME or c.residency not in _HELD:
+        if tier is Tier.NVME or c.residency not in HELD:
             raise ValueError(f"{h.key!r} is {c.residency.value} in {tier.name}; fetch and wait first")
         return self.view_of(h, tier)
 
@@ -341,7 +232,7 @@ class TieredStore:
         tier = Tier.parse(tier)
         with self._lock:
             c = h.copies[tier]
-            if c.residency not in _HELD:
+            if c.residency not in HELD:
                 raise ValueError(f"mark_dirty({h.key!r}, {tier.name}): the copy is {c.residency.value}")
             stale = [t for t, o in h.copies.items() if t not in (tier, h.home) and o.valid]
             for t in stale:
@@ -350,7 +241,7 @@ class TieredStore:
                     raise ValueError(f"mark_dirty({h.key!r}, {tier.name}): its {t.name} copy would go "
                                      "stale while pinned or in use by a transfer; release/wait for it first")
             for t in stale:
-                self._free_slot(t, h)
+                self.moves.free_slot(t, h)
             if tier is not h.home:
                 c.residency = Residency.DIRTY
             c.generation += 1
@@ -377,14 +268,14 @@ class TieredStore:
             gen = c.generation
             if h.home is Tier.NVME and d is Tier.DEVICE and self.device.is_cuda:
                 # GPU -> disk is staged in pinned HOST memory; the HOST copy stays (clean).
-                staged = self._ensure(h, Tier.HOST)  # source: the dirty DEVICE copy
+                staged = self.moves.ensure(h, Tier.HOST)  # source: the dirty DEVICE copy
 
                 def to_disk(_):
                     with self._lock:
-                        return self._copy(h, Tier.HOST, h.home, durable)
+                        return self.moves.copy(h, Tier.HOST, h.home, durable)
                 f = then(staged, to_disk)
             else:
-                f = self._copy(h, d, h.home, durable)
+                f = self.moves.copy(h, d, h.home, durable)
 
             def clean(_):
                 with self._lock:
@@ -438,7 +329,7 @@ class TieredStore:
                         elif c.residency is Residency.IN_FLIGHT:
                             nxt = c.future
                         else:
-                            self._free_slot(tier, h)
+                            self.moves.free_slot(tier, h)
                             nxt = None
                     if nxt is None:
                         done.set_result(None)
@@ -453,7 +344,7 @@ class TieredStore:
     def load(self, h: TensorHandle) -> torch.Tensor:
         """A fresh CPU tensor with the newest value of ``h`` (blocks; for checkpoints and tests)."""
         with self._lock:
-            src = self._newest(h)
+            src = h.newest()
             f = h.copies[src].future if src is not None else None
         if f is not None:
             f.result()

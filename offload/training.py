@@ -22,27 +22,12 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import CheckpointError, ConfigError
 from ..events import TierStats
-from .directio import align_up
 from .engine import OutOfCoreEngine
 from .handle import Tier
-from .nf4 import NF4Layout
-from .plan_layout import window_bytes
 from .store import TieredStore
-from .unit_memory import WEIGHTS, StoreUnitMemory
-from .unit_sizes import GRADS, state_pieces, unit_state_bytes
-from .units import Unit
-
-# At the turn of the step the engine wants the unit computing, its borrowed (tied)
-# weights, k prefetched and k+1 kept for the next phase: 2k + 3 units. Kept units
-# are only a wish (they are evicted, oldest first, when a fetch needs the room), so
-# the DEVICE window is 2k + 2 units: the largest once, the rest at the second size.
-
-
-def _arena_bytes(handle_bytes: int | dict[str, int]) -> int:
-    """What one unit's handle(s) take in an arena: each handle 4 KiB-padded."""
-    sizes = handle_bytes.values() if isinstance(handle_bytes, dict) else [handle_bytes]
-    return sum(align_up(max(n, 1)) for n in sizes)
-
+from .unit_memory import StoreUnitMemory
+from .unit_sizes import working_set
+from .units import WEIGHTS, Unit, causal_lm_units
 
 class OffloadedModel:
     """A model in training whose weights and optimizer state live in a TieredStore.
@@ -54,11 +39,12 @@ class OffloadedModel:
         self.engine, self.store, self.swap_dir = engine, store, swap_dir
         self.mem: StoreUnitMemory = engine.mem  # type: ignore[assignment]
         # optimizer state passes through the HOST window rather than living there
-        self._state_streams = any(h.home is Tier.NVME for (_, kind), h in self.mem.handles.items() if kind != WEIGHTS)
+        self._state_streams = any(h.home is Tier.NVME for u in engine.units
+                                  for part, h in u.handles.items() if part.kind != WEIGHTS)
 
     @property
     def last_grad_norm(self) -> torch.Tensor | None:
-        return getattr(self.engine, "last_grad_norm", None)
+        return self.engine.last_grad_norm
 
     def train_step(self, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], micro_batches: list[Any],
                    lr: float) -> torch.Tensor:
@@ -91,7 +77,7 @@ class OffloadedModel:
         d.mkdir(parents=True, exist_ok=True)
         for unit in self.engine.units:
             # a pieced state is saved joined: the checkpoint does not depend on the split
-            tensors = {WEIGHTS: self.store.load(self.mem.handles[(unit.index, WEIGHTS)]),
+            tensors = {WEIGHTS: self.mem.state(unit.index, WEIGHTS),
                        **{kind: self.mem.state(unit.index, kind) for kind in self.mem.kinds(unit.index)}}
             save_file({k: t.contiguous() for k, t in tensors.items()}, str(d / f"{unit.name}.safetensors"))
         (d / "units.json").write_text(json.dumps([u.name for u in self.engine.units]))
@@ -228,8 +214,6 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
     """
     if offload not in ("cpu", "nvme"):
         raise ConfigError(f"offload={offload!r}: the out-of-core engine takes 'cpu' or 'nvme'")
-    from .units import causal_lm_units
-
     units = causal_lm_units(model, resident_trainable=resident_trainable, head_modules=head_modules)
     home = Tier.NVME if offload == "nvme" else Tier.HOST
     homes = homes or [(home, home)] * len(units)
@@ -241,40 +225,18 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
     if spill_grads is None:
         spill_grads = any(s is Tier.NVME for _, s in homes)
     spill_grads = spill_grads and (max_grad_norm > 0 or grad_accum > 1) and not resident_trainable
-    w_sizes = [_arena_bytes(NF4Layout(u, _dtype(u)).nbytes if quantize_frozen and NF4Layout.any_quantized(u)
-                            else u.numel * _itemsize(u)) for u in units]
-    s_sizes = [_arena_bytes(kinds) for kinds in unit_state_bytes(units, optimizer, master_weights, spill_grads)]
-    # A unit whose streamed state dwarfs a block's (the embedding) streams it in block-sized
-    # pieces when the optimizer is element-wise (its spilled gradient too).
-    piece_bytes = None if not split_state or len(s_sizes) < 2 else sorted(s_sizes)[-2]
-    window_sizes = list(s_sizes)
-    for i, unit in enumerate(units):
-        split = state_pieces(unit, optimizer, piece_bytes, master_weights) if homes[i][1] is Tier.NVME else None
-        if split is not None:
-            grads = {}
-            if spill_grads:
-                elems = max(b - a for a, b in split.ranges)
-                grads = {GRADS: elems * _dtype(unit).itemsize}
-            window_sizes[i] = _arena_bytes({**split.handle_bytes, **grads})
-    need_device = window_bytes(w_sizes, 2 * k + 1)
-    host_home = sum(w for w, (hw, _) in zip(w_sizes, homes) if hw is Tier.HOST)
-    host_home += sum(s for s, (_, hs) in zip(s_sizes, homes) if hs is Tier.HOST)
-    # optimizer state streams through HOST: the unit updating and k prefetched (a copy still
-    # writing back is evicted when its write lands; the arena allocates large blocks from the
-    # top, so the embedding's state and the blocks' do not fragment each other)
-    need_host = host_home + (window_bytes(window_sizes, k + 1) if any(hs is Tier.NVME for _, hs in homes) else 0)
-    device = min(device_bytes, need_device) if device_bytes else need_device
-    host = min(host_bytes, need_host) if host_bytes else need_host
-    nvme_bytes = None
-    store = TieredStore(device_bytes=device, host_bytes=max(host, 4096), nvme_bytes=nvme_bytes,
-                        swap_dir=swap_dir if uses_nvme else None)
+    need = working_set(units, optimizer, homes, k, master_weights=master_weights, spill_grads=spill_grads,
+                       quantize_frozen=quantize_frozen, split_state=split_state)
+    device = min(device_bytes, need.device) if device_bytes else need.device
+    host = min(host_bytes, need.host) if host_bytes else need.host
+    store = TieredStore(device_bytes=device, host_bytes=max(host, 4096), swap_dir=swap_dir if uses_nvme else None)
     try:
         engine = OutOfCoreEngine(model, optimizer,
                                  lambda us, opt: StoreUnitMemory(store, us, opt, homes=homes,
                                                                  init_weights=init_weights,
                                                                  master_weights=master_weights,
                                                                  quantize_frozen=quantize_frozen,
-                                                                 state_piece_bytes=piece_bytes),
+                                                                 state_piece_bytes=need.piece_bytes),
                                  prefetch=k, max_grad_norm=max_grad_norm, grad_accum=grad_accum, units=units,
                                  spill_grads=spill_grads)
     except BaseException:
@@ -282,10 +244,3 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
         raise
     return OffloadedModel(engine, store, Path(swap_dir) if uses_nvme else None)
 
-
-def _itemsize(unit: Unit) -> int:
-    return _dtype(unit).itemsize
-
-
-def _dtype(unit: Unit) -> torch.dtype:
-    return unit.slots[0].param.dtype if unit.slots else torch.float32

@@ -25,10 +25,9 @@ import torch
 
 from .directio import align_up
 from .handle import Tier
-from .plan_layout import window_bytes
 from .store import TieredStore
 from .unit_memory import WEIGHTS, StoreUnitMemory
-from .unit_sizes import _unit_dtype
+from .unit_sizes import _unit_dtype, window_bytes
 from .units import ParamSlot
 from .zo_model import CausalLMBlocks
 
@@ -109,7 +108,7 @@ class StoreWeights:
                                        homes=[(Tier.NVME, Tier.NVME)] * len(self.units),
                                        init_weights=init_weights, master_weights=False)
             # A unit another one borrows (the tied embedding) is used at both ends of every
-            # step: it stays pinned for the whole run, read once, where it was first placed (at
+            # step: this pin holds it for the whole run, read once, where it was first placed (at
             # the top of the arena: fetched again later, it could find the top split by a block).
             self._resident = {o for u in self.units for o in u.borrows}
             for u in sorted(self._resident):
@@ -144,13 +143,10 @@ class StoreWeights:
         self.mem.before_update(b, WEIGHTS)
 
     def release(self, b: int, dirty: bool) -> None:
-        """Done with block ``b``: its update is written home asynchronously when ``dirty``."""
+        """Done with block ``b``: its update is written home asynchronously when ``dirty``
+        (a pinned-for-the-run unit stays resident: the run's own pin outlives this one)."""
         for u in self._needs(b):
-            if u not in self._resident:
-                self.mem.release(u, WEIGHTS, dirty=dirty and u == b)
-            elif dirty and u == b:  # written home, and pinned again at once: it never leaves
-                self.mem.release(u, WEIGHTS, dirty=True, keep=True)
-                self.mem.acquire(u, WEIGHTS)
+            self.mem.release(u, WEIGHTS, dirty=dirty and u == b, keep=u in self._resident)
 
     def tier_stats(self) -> dict:
         """The store's per-tier occupancy and traffic (bandwidth since the previous call)."""

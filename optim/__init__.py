@@ -5,41 +5,68 @@ persistent state as tensors in ``self.state[p]`` and a per-block entry point
 (``state_spec`` / ``init_state`` / ``update``) the out-of-core engine calls with state
 streamed from its tiered store.
 
-``MeZO`` and ``SparseMeZO`` (zeroth-order) are re-exported lazily from their modules; the
-block schedule that streams a ZO run from NVMe is :mod:`outcore.offload.zo_engine`.
+:data:`OPTIMIZERS` is the one list of optimizer names: the config, the command line and
+the planner take theirs from it (the planner sizes each one's state from its own
+``state_spec``). To add an optimizer, subclass :class:`OutcoreOptimizer` and name it there.
+Every class is imported on first use, so naming an optimizer does not import torch.
+The block schedule that streams a zeroth-order run (MeZO / Sparse MeZO) from NVMe is
+:mod:`outcore.offload.zo_engine`; it gets the ZO math from ``ZOHyper.rule``.
 """
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._base import OutcoreOptimizer, StateSpec
-from .adamw import AdamW
-from .adamw8bit import AdamW8bit
-from .apollo import APOLLO, APOLLOMini
-from .frugal import FRUGAL
-from .galore import GaLore
+if TYPE_CHECKING:
+    from ._base import OutcoreOptimizer
 
-_LAZY = {"MeZO": ".mezo", "SparseMeZO": ".sparse_mezo", "ZOHyper": ".zo_core", "replay": ".zo_replay"}
+#: ``--optim`` name -> ``"module:Class"`` (a module relative to this package, or absolute)
+#: of the gradient-based optimizers, built by :func:`build_optimizer`.
+OPTIMIZERS: dict[str, str] = {
+    "adamw": ".adamw:AdamW", "adamw8bit": ".adamw8bit:AdamW8bit", "galore": ".galore:GaLore",
+    "apollo": ".apollo:APOLLO", "apollo-mini": ".apollo:APOLLOMini", "frugal": ".frugal:FRUGAL",
+}
+#: ``--optim`` name -> ``"module:Class"`` of the zeroth-order optimizers (method ``zo``; built
+#: by the zeroth-order recipe, they keep no state).
+ZO_OPTIMIZERS: dict[str, str] = {"mezo": ".mezo:MeZO", "sparse-mezo": ".sparse_mezo:SparseMeZO"}
 
-# CLI / config names (``--optim``) of the gradient-based optimizers.
-OPTIMIZERS = {"adamw": AdamW, "adamw8bit": AdamW8bit, "galore": GaLore, "apollo": APOLLO,
-              "apollo-mini": APOLLOMini, "frugal": FRUGAL}
+_LAZY = {"OutcoreOptimizer": "._base", "StateSpec": "._base",
+         **{ref.split(":")[1]: ref.split(":")[0] for ref in (*OPTIMIZERS.values(), *ZO_OPTIMIZERS.values())},
+         "ZOHyper": ".zo_core", "replay": ".zo_replay"}
 
 __all__ = ["OutcoreOptimizer", "StateSpec", "AdamW", "AdamW8bit", "GaLore", "APOLLO",
            "APOLLOMini", "FRUGAL", "MeZO", "SparseMeZO", "ZOHyper", "replay", "OPTIMIZERS",
-           "build_optimizer"]
+           "ZO_OPTIMIZERS", "optimizer_names", "optimizer_class", "build_optimizer"]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:  # written by another module owner; imported on first use only
+    if name in _LAZY:  # imported on first use only (torch, and modules of other owners)
         return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def optimizer_names() -> tuple[str, ...]:
+    """Every ``--optim`` name: the gradient-based ones, then the zeroth-order ones."""
+    return (*OPTIMIZERS, *ZO_OPTIMIZERS)
+
+
+def optimizer_class(name: str) -> type:
+    """The class registered as ``name`` in :data:`OPTIMIZERS` (imported now).
+
+    Raises:
+        ConfigError: ``name`` is not a gradient-based optimizer.
+    """
+    from ..errors import ConfigError
+
+    if name not in OPTIMIZERS:
+        raise ConfigError(f"optim={name!r} is not one of: {', '.join(OPTIMIZERS)} "
+                          f"({' / '.join(ZO_OPTIMIZERS)} are built by the zeroth-order recipe)")
+    module, cls = OPTIMIZERS[name].split(":")
+    return getattr(importlib.import_module(module, __name__), cls)
+
+
 def build_optimizer(name: str, params: Any, **kwargs: Any) -> OutcoreOptimizer:
-    """An optimizer by its CLI name (``adamw``, ``adamw8bit``, ``galore``, ``apollo``,
-    ``apollo-mini``, ``frugal``).
+    """An optimizer by its ``--optim`` name (a key of :data:`OPTIMIZERS`).
 
     Args:
         name: the ``--optim`` name.
@@ -58,10 +85,7 @@ def build_optimizer(name: str, params: Any, **kwargs: Any) -> OutcoreOptimizer:
 
     from ..errors import ConfigError
 
-    if name not in OPTIMIZERS:
-        raise ConfigError(f"optim={name!r} is not one of: {', '.join(OPTIMIZERS)} "
-                          "(mezo / sparse-mezo are built by the zeroth-order recipe)")
-    cls = OPTIMIZERS[name]
+    cls = optimizer_class(name)
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
     unknown = sorted(set(kwargs) - accepted)
     if unknown:

@@ -13,16 +13,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from ..activations.policy import ACTIVATION_POLICIES
 from ..errors import ConfigError
+from ..offload.modes import NVME, OFFLOAD_MODES
+from ..optim import ZO_OPTIMIZERS as _ZO_REGISTRY
+from ..optim import optimizer_names
 
-METHODS = ("full", "lora", "qlora", "zo")
-OPTIMIZERS = ("adamw", "adamw8bit", "galore", "apollo", "apollo-mini", "frugal",
-              "mezo", "sparse-mezo")
-ZO_OPTIMIZERS = ("mezo", "sparse-mezo")
+# The one list of methods (the other lists named here are defined by the package that
+# owns the concept and only re-exported, for the command line's help).
+FULL, LORA, QLORA, ZO = "full", "lora", "qlora", "zo"
+METHODS = (FULL, LORA, QLORA, ZO)
+ADAPTER_METHODS = (LORA, QLORA)  # train low-rank adapters beside a frozen base
+OPTIMIZERS = optimizer_names()  # outcore.optim's registry: gradient-based, then zeroth-order
+ZO_OPTIMIZERS = tuple(_ZO_REGISTRY)  # the only optimizers of method "zo" (and only of it)
 DTYPES = ("float32", "bfloat16", "float16")
-OFFLOAD_MODES = ("none", "auto", "cpu", "nvme")
-ACTIVATION_POLICIES = ("auto", "keep", "recompute", "offload")
 UI_MODES = ("auto", "rich", "plain", "none")
+__all__ = ["METHODS", "ADAPTER_METHODS", "OPTIMIZERS", "ZO_OPTIMIZERS", "DTYPES", "OFFLOAD_MODES",
+           "ACTIVATION_POLICIES", "UI_MODES", "FinetuneConfig", "load_config", "save_config"]
 
 
 @dataclass
@@ -36,7 +43,7 @@ class FinetuneConfig:
     val_fraction: float = 0.02  # share of sequences held out for validation
     seq_len: int = 256  # tokens per training sequence
     # --- how -----------------------------------------------------------------
-    method: str = "full"  # full | lora | qlora | zo
+    method: str = FULL  # one of METHODS
     optim: str = "adamw"  # one of OPTIMIZERS
     optim_args: dict[str, Any] = field(default_factory=dict)  # optimizer-specific hyper-parameters
     lr: float = 5e-5  # peak learning rate
@@ -57,11 +64,11 @@ class FinetuneConfig:
     lora_dropout: float = 0.0
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     # --- memory ----------------------------------------------------------------
-    offload: str = "nvme"  # none | auto | cpu | nvme: where weights and optimizer state live (none = in memory)
+    offload: str = NVME  # one of OFFLOAD_MODES: where weights and optimizer state live (none = in memory)
     device_mem: str | None = None  # DEVICE tier budget, e.g. "2GiB" (None = plan decides)
     host_mem: str | None = None  # HOST tier budget
     swap_dir: str | None = None  # NVMe swap directory (default: OUTPUT/swap)
-    activations: str = "keep"  # auto | keep | recompute | offload
+    activations: str = "keep"  # one of ACTIVATION_POLICIES
     activations_keep_last: int = 1  # with offload: the last N blocks keep theirs (backward needs them first)
     # --- evaluation, logging, checkpoints --------------------------------------
     eval_every: int = 20  # steps between validation passes (0 = only before and after)
@@ -102,12 +109,27 @@ class FinetuneConfig:
             raise ConfigError(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
         if self.max_grad_norm < 0:
             raise ConfigError(f"max_grad_norm={self.max_grad_norm!r} must be >= 0 (0 disables clipping)")
-        if (self.method == "zo") != (self.optim in ZO_OPTIMIZERS):
+        if self.zeroth_order != (self.optim in ZO_OPTIMIZERS):
             raise ConfigError(
                 f"method={self.method!r} does not go with optim={self.optim!r}: "
                 f"method 'zo' needs optim {' or '.join(ZO_OPTIMIZERS)}, and those need method 'zo'")
         if not isinstance(self.optim_args, dict):
             raise ConfigError(f"optim_args={self.optim_args!r} must be a mapping")
+
+    @property
+    def uses_adapters(self) -> bool:
+        """LoRA or QLoRA: low-rank adapters train, the base model stays frozen."""
+        return self.method in ADAPTER_METHODS
+
+    @property
+    def quantizes_base(self) -> bool:
+        """QLoRA: the frozen base's linear weights are stored 4-bit (NF4)."""
+        return self.method == QLORA
+
+    @property
+    def zeroth_order(self) -> bool:
+        """Method ``zo``: forward passes only (MeZO / Sparse-MeZO), no gradients or state."""
+        return self.method == ZO
 
     def to_dict(self) -> dict[str, Any]:
         """A plain, YAML-able dict of every field."""

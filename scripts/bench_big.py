@@ -28,11 +28,10 @@ import sys
 import tempfile
 import time
 import zlib
+from pathlib import Path
 
-
-def _io() -> tuple[int, int]:
-    fields = dict(line.split(": ") for line in open("/proc/self/io").read().splitlines())
-    return int(fields["read_bytes"]), int(fields["write_bytes"])
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
+from _measure import storage_io  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,11 +101,11 @@ def main(argv: list[str] | None = None) -> int:
     times, reads, writes, losses = [], [], [], []
     for step in range(args.steps + 1):
         ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
-        r0, w0 = _io()
+        r0, w0 = storage_io()
         t = time.perf_counter()
         losses.append(float(om.train_step(loss_fn, [ids], 1e-5)))
         dt = time.perf_counter() - t
-        r1, w1 = _io()
+        r1, w1 = storage_io()
         if step > 0:  # the first step is the warm-up
             times.append(dt)
             reads.append(r1 - r0)

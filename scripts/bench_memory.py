@@ -55,6 +55,10 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
+from _measure import storage_io  # noqa: E402
 
 ACT_POLICIES = ("keep", "recompute", "offload")
 INTERLEAVED = ("keep", "offload")  # the pair whose step-time ratio is the acceptance figure
@@ -63,15 +67,6 @@ INTERLEAVED = ("keep", "offload")  # the pair whose step-time ratio is the accep
 def _rss() -> int:
     import psutil
     return psutil.Process().memory_info().rss
-
-
-def _io() -> tuple[int, int]:
-    try:
-        with open("/proc/self/io") as f:
-            kv = dict(line.split(": ") for line in f.read().splitlines())
-        return int(kv["read_bytes"]), int(kv["write_bytes"])
-    except OSError:
-        return 0, 0
 
 
 class _PeakSampler:
@@ -129,14 +124,14 @@ def _timed(step, steps: int, warmup: int, retained=lambda: 0) -> dict:
     for _ in range(warmup):
         step()
     gc.collect()
-    base, (r0, w0) = _rss() - retained(), _io()
+    base, (r0, w0) = _rss() - retained(), storage_io()
     times, losses = [], []
     with _PeakSampler() as s:
         for _ in range(steps):
             t0 = time.perf_counter()
             losses.append(step())
             times.append(time.perf_counter() - t0)
-    r1, w1 = _io()
+    r1, w1 = storage_io()
     return {"peak_bytes": s.peak - base, "step_s": statistics.median(times), "step_s_min": min(times),
             "step_s_max": max(times), "loss": losses[-1], "io_read_bytes": r1 - r0,
             "io_write_bytes": w1 - w0}

@@ -36,7 +36,6 @@ import argparse
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
+from _measure import reset_peak_rss, time_steps  # noqa: E402
 from _rss_trace import RssTrace, status_bytes  # noqa: E402
 
 MODES = ("in_memory", "outcore_nvme", "outcore_nvme_8bit", "outcore_host", "deepspeed_nvme", "deepspeed_cpu")
@@ -113,57 +113,6 @@ def make_batches(n: int, batch: int, seq: int, vocab: int) -> list:
         raise SystemExit(f"the Shakespeare texts give {len(ids)} tokens, fewer than the {need} needed")
     t = torch.tensor(ids[:need], dtype=torch.long).remainder_(vocab).view(n, batch, seq)
     return list(t.unbind(0))
-
-
-def _proc_io() -> tuple[int, int]:
-    """(read_bytes, write_bytes) that reached the storage layer for this process."""
-    fields = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-    return int(fields["read_bytes"]), int(fields["write_bytes"])
-
-
-def _reset_peak_rss() -> bool:
-    """Reset this process's RSS high-water mark (Linux clear_refs 5); False if not allowed."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
-def time_steps(step: Callable[[Any], float], batches: list, warmup: int) -> dict[str, Any]:
-    """Run ``warmup`` untimed steps then time the rest; measure storage I/O.
-
-    Args:
-        step: runs one optimizer step on a batch and returns its loss as a float.
-        batches: the batches, in order; the first ``warmup`` are the warm-up.
-        warmup: number of untimed steps.
-
-    Returns:
-        The per-mode result dict (wall and CPU times, losses, bytes per step).
-    """
-    losses = [step(b) for b in batches[:warmup]]
-    times, cpu = [], []
-    r0, w0 = _proc_io()
-    for b in batches[warmup:]:
-        t0, c0 = time.perf_counter(), time.process_time()
-        losses.append(step(b))  # step() returns a float: the step is finished when it returns
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    r1, w1 = _proc_io()
-    n = len(times)
-    return {
-        "status": "ok",
-        "median_step_s": statistics.median(times),
-        "min_step_s": min(times),
-        "max_step_s": max(times),
-        "step_times_s": times,
-        # CPU seconds of all the process's threads per step: less sensitive than wall time to
-        # other jobs on a shared machine (but blind to time spent waiting for the disk).
-        "median_cpu_step_s": statistics.median(cpu),
-        "bytes_read_per_step": (r1 - r0) // n,
-        "bytes_written_per_step": (w1 - w0) // n,
-        "losses": losses,
-    }
 
 
 # ---------------------------------------------------------------------------------
@@ -271,7 +220,7 @@ def child_main(args) -> None:
         step, finish = built
         torch.manual_seed(args.seed)
         load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-        reset = _reset_peak_rss()  # from here on VmHWM (and ru_maxrss) cover the training phase only
+        reset = reset_peak_rss()  # from here on VmHWM (and ru_maxrss) cover the training phase only
         trace.mark("train")
         t0 = time.perf_counter()
         try:

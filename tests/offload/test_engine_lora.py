@@ -8,6 +8,7 @@ import torch
 
 from outcore.offload.handle import Tier
 from outcore.offload.training import offload_model
+from outcore.offload.units import Part
 
 LR = 1e-3
 
@@ -111,8 +112,8 @@ def test_qlora_streams_nf4_and_equals_the_dequantized_reference(tiny_llama_facto
                        swap_dir=tmp_path / "swap", prefetch=1, resident_trainable=True, quantize_frozen=True)
     block = om.engine.units[1]
     fp32_bytes = block.numel * 4
-    assert om.mem.handles[(1, "w")].dtype == torch.uint8
-    assert om.mem.handles[(1, "w")].nbytes < 0.2 * fp32_bytes  # ~0.56 of 4 bytes per weight
+    assert om.mem.units[1].handles[Part("w")].dtype == torch.uint8
+    assert om.mem.units[1].handles[Part("w")].nbytes < 0.2 * fp32_bytes  # ~0.56 of 4 bytes per weight
     g = torch.Generator().manual_seed(4)
     for _ in range(4):
         ids = torch.randint(0, 256, (2, 24), generator=g)

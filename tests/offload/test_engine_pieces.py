@@ -52,12 +52,12 @@ def test_pieced_embedding_is_bit_identical(tiny_llama_factory, tmp_path, offload
                        swap_dir=tmp_path / "swap", prefetch=1, max_grad_norm=clip, spill_grads=spill)
     assert om.engine.spill == spill
     if tie:
-        assert len(om.mem.pieces.get(0, [])) >= 4, "the embedding's state should be split"
-        assert all(a % PIECE_ALIGN == 0 for a, _ in om.mem.pieces[0])
+        assert len(om.mem.units[0].pieces) >= 4, "the embedding's state should be split"
+        assert all(a % PIECE_ALIGN == 0 for a, _ in om.mem.units[0].pieces)
         # the HOST window is sized by blocks: it cannot hold the embedding's state whole
         assert om.store.budget(Tier.HOST) < _embed_state_bytes(om)
     else:
-        assert not om.mem.pieces  # the window must hold the head's state whole anyway
+        assert not any(u.pieces for u in om.mem.units)  # the window must hold the head's state whole anyway
     g = torch.Generator().manual_seed(1)
     for _ in range(8):
         ids = torch.randint(0, VOCAB, (2, 24), generator=g)
@@ -83,12 +83,12 @@ def test_pieced_mixed_precision_updates_pieces_of_the_master(tiny_llama_factory,
         om = offload_model(m, AdamW(m.parameters(), lr=LR, weight_decay=WD), offload="nvme",
                            swap_dir=tmp_path / f"swap{pieces}", prefetch=1)
         if not pieces:  # the same run with the state whole
-            assert om.mem.pieces
+            assert any(u.pieces for u in om.mem.units)
             om.close()
             m = _model(tiny_llama_factory, dtype=torch.bfloat16)
             om = _unpieced(m, tmp_path / "swap_whole")
         else:
-            assert "master" in om.mem.piece_ratios[0]
+            assert "master" in om.mem.units[0].ratios
         g = torch.Generator().manual_seed(3)
         losses = [om.train_step(_loss, [torch.randint(0, VOCAB, (2, 16), generator=g)], LR) for _ in range(4)]
         runs.append((losses, om.mem.weights(0), om.mem.state(0, "master")))
@@ -102,7 +102,7 @@ def _unpieced(model, swap_dir):
     """The model offloaded with its state never split."""
     om = offload_model(model, AdamW(model.parameters(), lr=LR, weight_decay=WD), offload="nvme",
                        swap_dir=swap_dir, prefetch=1, split_state=False)
-    assert not om.mem.pieces
+    assert not any(u.pieces for u in om.mem.units)
     return om
 
 
@@ -111,7 +111,7 @@ def test_checkpoint_of_pieced_state_resumes_whole_and_back(tiny_llama_factory, t
     m = _model(tiny_llama_factory)
     om = offload_model(m, AdamW(m.parameters(), lr=LR, weight_decay=WD), offload="nvme",
                        swap_dir=tmp_path / "a", prefetch=1)
-    assert om.mem.pieces
+    assert any(u.pieces for u in om.mem.units)
     g = torch.Generator().manual_seed(4)
     batches = [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(6)]
     for ids in batches[:3]:
@@ -157,7 +157,7 @@ def test_pieced_adamw8bit_is_bit_identical(tiny_llama_factory, tmp_path):
     opt = AdamW8bit(ref.parameters(), lr=LR, weight_decay=WD)
     om = offload_model(ooc, AdamW8bit(ooc.parameters(), lr=LR, weight_decay=WD), offload="nvme",
                        swap_dir=tmp_path / "swap", prefetch=1)
-    assert len(om.mem.pieces.get(0, [])) >= 2 and "m_absmax" in om.mem.piece_ratios[0]
+    assert len(om.mem.units[0].pieces) >= 2 and "m_absmax" in om.mem.units[0].ratios
     g = torch.Generator().manual_seed(5)
     for _ in range(5):
         ids = torch.randint(0, VOCAB, (2, 24), generator=g)
@@ -175,7 +175,7 @@ def test_pieced_spill_with_accumulation_is_bit_identical(tiny_llama_factory, tmp
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
     om = offload_model(ooc, AdamW(ooc.parameters(), lr=LR, weight_decay=WD), offload="nvme",
                        swap_dir=tmp_path / "swap", prefetch=1, max_grad_norm=0.5, grad_accum=2)
-    assert om.engine.spill and om.mem.pieces
+    assert om.engine.spill and any(u.pieces for u in om.mem.units)
     g = torch.Generator().manual_seed(6)
     for _ in range(4):
         micro = [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(2)]
@@ -192,5 +192,5 @@ def test_pieced_spill_with_accumulation_is_bit_identical(tiny_llama_factory, tmp
     for unit in om.engine.units:
         for name, w in om.named_weights(unit).items():
             assert torch.equal(w, params[name].detach()), name
-    assert not any(kind.startswith("g") for _, kind in om.mem.handles)  # spilled pieces dropped
+    assert not any(part.kind == "g" for u in om.mem.units for part in u.handles)  # spilled pieces dropped
     om.close()

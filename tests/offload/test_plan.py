@@ -6,12 +6,14 @@ import json
 import math
 
 import pytest
+import torch
 
 from outcore.errors import BudgetError, ConfigError
 from outcore.offload.handle import Tier
 from outcore.offload.plan import Budgets, make_plan, parse_bytes, plan_for_config
 from outcore.offload.plan_budget import budgets_from_probe, format_bytes
 from outcore.offload.plan_sizes import model_spec
+from outcore.optim import OutcoreOptimizer
 
 GiB = 1 << 30
 BIG = Budgets(device_bytes=64 * GiB, host_bytes=64 * GiB, nvme_bytes=1 << 40, ram_bytes=64 * GiB,
@@ -33,6 +35,15 @@ def _numels(model):
 def _total(model):
     e, b, h = _numels(model)
     return e + sum(b) + h
+
+
+#: every AdamW-family optimizer keeps one fp32 step count per parameter tensor (its state_spec)
+STEP = 4
+
+
+def _tensors(model):
+    """Parameter tensors of the model (tied counted once): each has its own step count."""
+    return len(list(model.parameters()))
 
 
 @pytest.fixture
@@ -69,10 +80,10 @@ def test_format_bytes():
 def test_full_adamw_fp32_bytes_match_the_model(tiny):
     plan = make_plan(tiny, offload="none", budgets=BIG, seq_len=32, batch_size=2)
     e, blocks, h = _numels(tiny)
-    n = _total(tiny)
+    n, t = _total(tiny), _tensors(tiny)
     assert plan.params == plan.trainable == n
     dev = plan.tier_bytes["DEVICE"]
-    assert (dev["weights"], dev["grads"], dev["optimizer state"]) == (4 * n, 4 * n, 8 * n)
+    assert (dev["weights"], dev["grads"], dev["optimizer state"]) == (4 * n, 4 * n, 8 * n + STEP * t)
     assert [u.weights_bytes for u in plan.units] == [4 * e] + [4 * b for b in blocks] + [4 * h]
     assert [u.name for u in plan.units] == ["embed"] + [f"block.{i}" for i in range(4)] + ["head"]
     assert plan.tier_total("HOST") == plan.tier_total("NVME") == 0
@@ -81,14 +92,18 @@ def test_full_adamw_fp32_bytes_match_the_model(tiny):
 
 def test_mixed_precision_keeps_fp32_master_with_the_state(tiny):
     plan = make_plan(tiny, offload="none", dtype="bfloat16", budgets=BIG, seq_len=32)
-    n = _total(tiny)
+    n, t = _total(tiny), _tensors(tiny)
     dev = plan.tier_bytes["DEVICE"]
-    assert (dev["weights"], dev["grads"], dev["optimizer state"]) == (2 * n, 2 * n, 8 * n + 4 * n)
+    assert (dev["weights"], dev["grads"], dev["optimizer state"]) == (2 * n, 2 * n, 8 * n + STEP * t + 4 * n)
 
 
 def test_adamw8bit_state_is_two_bytes_plus_block_scales(tiny):
+    from outcore.kernels.quantize import SMALL_TENSOR_NUMEL
+
     plan = make_plan(tiny, offload="none", optim="adamw8bit", budgets=BIG, seq_len=32)
-    expected = sum(2 * p.numel() + 8 * math.ceil(p.numel() / 256) for p in tiny.parameters())
+    # tensors under SMALL_TENSOR_NUMEL elements (the norms) keep fp32 moments
+    expected = sum((2 * n + 8 * math.ceil(n / 256) if n >= SMALL_TENSOR_NUMEL else 8 * n) + STEP
+                   for n in (p.numel() for p in tiny.parameters()))
     assert plan.tier_bytes["DEVICE"]["optimizer state"] == expected
 
 
@@ -107,7 +122,8 @@ def test_lora_trains_only_adapters(tiny):
     assert plan.trainable == adapters
     dev = plan.tier_bytes["DEVICE"]
     assert dev["weights"] == 4 * _total(tiny)  # the frozen base
-    assert dev["adapters"] == 4 * adapters * 2 + 8 * adapters  # weights + grads + AdamW state
+    matrices = 2 * 4 * len(tiny.model.layers)  # A and B per targeted linear, each with its step count
+    assert dev["adapters"] == 4 * adapters * 2 + 8 * adapters + STEP * matrices  # weights + grads + AdamW state
     assert all(u.grads_bytes == 0 and u.state_bytes == 0 for u in plan.units)
 
 
@@ -121,8 +137,6 @@ def test_qlora_stores_block_matrices_as_nf4(tiny):
 
 
 def test_activation_estimate_matches_what_autograd_saves(tiny):
-    import torch
-
     from outcore.offload.plan_sizes import block_activation_bytes, head_activation_bytes
 
     b, s = 2, 48
@@ -157,9 +171,10 @@ def test_smollm2_1_7b_sized_on_meta_without_weights():
     assert plan.params == expected == 1_711_376_384
     nvme = dict(plan.tier_bytes["NVME"])
     # The store's padding bound: per flat buffer 4 KiB (extent alignment) + 64 B per parameter;
-    # weights + 2 AdamW moments = 3 buffers per unit; a block owns 9 parameters, embed and head 1.
-    assert nvme.pop("alignment") == 3 * ((L + 2) * 4096 + 64 * (9 * L + 2))
-    assert nvme == {"weights": 4 * expected, "optimizer state": 8 * expected}
+    # weights + step counts + 2 AdamW moments = 4 buffers per unit; a block owns 9 parameters,
+    # embed and head 1.
+    assert nvme.pop("alignment") == 4 * ((L + 2) * 4096 + 64 * (9 * L + 2))
+    assert nvme == {"weights": 4 * expected, "optimizer state": 8 * expected + STEP * (9 * L + 2)}
     assert plan.units[-1].weights_bytes == 4 * h  # tied head: only the final norm is its own
 
 
@@ -168,11 +183,11 @@ def test_smollm2_1_7b_sized_on_meta_without_weights():
 # ---------------------------------------------------------------------------------
 def test_cpu_mode_puts_authoritative_copies_on_host(tiny):
     plan = make_plan(tiny, offload="cpu", budgets=BIG, seq_len=32)
-    n = _total(tiny)
+    n, t = _total(tiny), _tensors(tiny)
     assert plan.layout == "cpu" and plan.prefetch_depth >= 1
     host = dict(plan.tier_bytes["HOST"])
     assert host.pop("alignment") > 0
-    assert host == {"weights": 4 * n, "optimizer state": 8 * n}
+    assert host == {"weights": 4 * n, "optimizer state": 8 * n + STEP * t}
     assert plan.tier_total("NVME") == 0
     assert "prefetch window" in plan.tier_bytes["DEVICE"] and "weights" not in plan.tier_bytes["DEVICE"]
     assert all(u.weights == Tier.HOST and u.state == Tier.HOST and u.grads is None for u in plan.units)
@@ -181,10 +196,10 @@ def test_cpu_mode_puts_authoritative_copies_on_host(tiny):
 def test_nvme_mode_streams_everything_and_counts_the_traffic(tiny):
     plan = make_plan(tiny, offload="nvme", budgets=BIG, seq_len=32)
     e, blocks, h = _numels(tiny)
-    n = _total(tiny)
+    n, t = _total(tiny), _tensors(tiny)
     nvme = dict(plan.tier_bytes["NVME"])
-    assert 0 < nvme.pop("alignment") < 3 * 6 * (4096 + 64 * 9)
-    assert nvme == {"weights": 4 * n, "optimizer state": 8 * n}
+    assert 0 < nvme.pop("alignment") < 4 * 6 * (4096 + 64 * 9)  # weights, step counts, 2 moments
+    assert nvme == {"weights": 4 * n, "optimizer state": 8 * n + STEP * t}
     assert plan.tier_bytes["HOST"]["NVMe staging"] > 0
     assert plan.arena_bytes("HOST") == plan.tier_total("HOST")
     assert plan.arena_bytes("DEVICE") == plan.tier_total("DEVICE") - plan.tier_bytes["DEVICE"]["activations"]
@@ -194,17 +209,17 @@ def test_nvme_mode_streams_everything_and_counts_the_traffic(tiny):
     k = plan.prefetch_depth
     weight_reads = sum(f * (1 if i >= len(fetch) - k else 2) for i, f in enumerate(fetch))
     io = plan.time.io_bytes
-    assert io["nvme_read"] == weight_reads + 8 * n
-    assert io["nvme_write"] == 4 * n + 8 * n  # updated weights and state, once
+    assert io["nvme_read"] == weight_reads + 8 * n + STEP * t
+    assert io["nvme_write"] == 4 * n + 8 * n + STEP * t  # updated weights and state, once
     assert io["d2h"] == 4 * n  # gradients to the CPU update
 
 
 def test_clipping_keeps_gradients_in_their_tier(tiny):
     plan = make_plan(tiny, offload="nvme", budgets=BIG, seq_len=32, max_grad_norm=1.0)
-    n = _total(tiny)
+    n, t = _total(tiny), _tensors(tiny)
     assert plan.grads_kept
     assert plan.tier_bytes["NVME"]["grads"] == 4 * n
-    assert plan.time.io_bytes["nvme_write"] == 4 * n + 4 * n + 8 * n
+    assert plan.time.io_bytes["nvme_write"] == 4 * n + 4 * n + 8 * n + STEP * t
 
 
 def test_lora_never_writes_frozen_weights(tiny):
@@ -236,9 +251,10 @@ def test_auto_goes_to_nvme_when_ram_is_tiny(tiny):
         return make_plan(tiny, offload="auto", seq_len=32,
                          budgets=dataclasses.replace(BIG, ram_bytes=ram, host_bytes=ram, device_bytes=ram))
 
-    # The least RAM any plan fits in (to 4 KiB): then everything that can stream is on NVMe.
+    # The least RAM any plan fits in (to the byte: pinning the 1 KiB head on DEVICE would fit in
+    # any coarser slack): then everything that can stream is on NVMe.
     lo, hi = 0, make_plan(tiny, offload="nvme", budgets=BIG, seq_len=32).tier_total("DEVICE") * 4
-    while hi - lo > 4096:
+    while hi - lo > 1:
         mid = (lo + hi) // 2
         try:
             auto(mid)
@@ -395,3 +411,67 @@ def test_peft_wrapped_model_plans_like_the_base(tiny_llama_factory):
     plan = make_plan(wrapped, method="lora", offload="none", budgets=BIG, seq_len=32, lora_r=4)
     assert plan.trainable == base.trainable == sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
     assert plan.params == base.params
+
+
+# ---------------------------------------------------------------------------------
+# Optimizer state comes from the optimizer's own state_spec
+# ---------------------------------------------------------------------------------
+class HalfMomentum(OutcoreOptimizer):
+    """A toy optimizer defined only here (after the planner was written): one bfloat16
+    momentum per element of a matrix, one per row of anything else, an int64 counter per tensor."""
+
+    def __init__(self, params, lr: float = 1e-3, beta: float = 0.9):
+        super().__init__(params, dict(lr=lr, beta=beta))
+
+    def state_spec(self, p, group):
+        rows = p.shape if p.dim() == 2 else p.shape[:1]
+        return {"count": (torch.Size([]), torch.int64), "m": (torch.Size(rows), torch.bfloat16)}
+
+    def update(self, params, grads, states, group):  # pragma: no cover - the planner never steps
+        raise AssertionError("the planner must not step the optimizer")
+
+
+@pytest.fixture
+def half_momentum(monkeypatch):
+    """Register the toy as ``--optim half-momentum``: how an optimizer is added to outcore."""
+    from outcore import optim
+
+    monkeypatch.setitem(optim.OPTIMIZERS, "half-momentum", f"{__name__}:HalfMomentum")
+
+
+def test_a_new_optimizer_is_planned_from_its_state_spec(tiny, half_momentum):
+    params = list(tiny.parameters())
+    # by hand: 2 bytes per element of a matrix, per row of a vector; 8 bytes per tensor
+    expected = sum(2 * (p.numel() if p.dim() == 2 else p.shape[0]) + 8 for p in params)
+    plan = make_plan(tiny, optim="half-momentum", offload="none", budgets=BIG, seq_len=32)
+    assert plan.tier_bytes["DEVICE"]["optimizer state"] == expected
+    streamed = make_plan(tiny, optim="half-momentum", offload="nvme", budgets=BIG, seq_len=32)
+    nvme = dict(streamed.tier_bytes["NVME"])
+    assert nvme["optimizer state"] == expected
+    # padding bound per unit: one flat buffer of weights + one per state kind (count, m)
+    units = 2 + len(tiny.model.layers)
+    assert nvme["alignment"] == 3 * (units * 4096 + 64 * len(params))
+    # mixed precision adds the fp32 master (a third kind) to the same state
+    mixed = make_plan(tiny, optim="half-momentum", dtype="bfloat16", offload="none", budgets=BIG, seq_len=32)
+    assert mixed.tier_bytes["DEVICE"]["optimizer state"] == expected + 4 * _total(tiny)
+
+
+def test_planned_state_matches_what_each_optimizer_allocates(tiny):
+    """For every registered optimizer, the plan's state bytes are those of the state the
+    optimizer really creates (no hard-coded table to drift)."""
+    from outcore.optim import OPTIMIZERS, build_optimizer
+
+    for name in OPTIMIZERS:
+        opt = build_optimizer(name, tiny.parameters())
+        group = opt.param_groups[0]
+        real = sum(t.numel() * t.element_size() for p in tiny.parameters()
+                   for t in opt.init_state(p, group).values() if isinstance(t, torch.Tensor))
+        plan = make_plan(tiny, optim=name, offload="none", budgets=BIG, seq_len=32)
+        assert plan.tier_bytes["DEVICE"]["optimizer state"] == real, name
+
+
+def test_the_planner_knows_every_method_of_the_config():
+    from outcore.offload.plan_sizes import METHOD_TRAITS
+    from outcore.recipes.config import METHODS
+
+    assert tuple(METHOD_TRAITS) == METHODS

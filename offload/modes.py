@@ -1,0 +1,16 @@
+"""Offload modes: where a run keeps the authoritative copy of its weights, gradients and
+optimizer state (``--offload``, ``FinetuneConfig.offload``, :func:`~outcore.offload.plan.make_plan`).
+
+The one list of their names; torch-free, so the config and the command line can name
+them without importing torch.
+"""
+from __future__ import annotations
+
+NONE = "none"  # everything on DEVICE (in memory); an error if it does not fit
+AUTO = "auto"  # all on DEVICE when it fits, else the fastest streamed layout that fits
+CPU = "cpu"  # streamed from HOST; DEVICE holds the prefetch window
+NVME = "nvme"  # streamed from NVMe; HOST and DEVICE hold windows
+
+OFFLOAD_MODES = (NONE, AUTO, CPU, NVME)
+#: the modes that always stream units from an authoritative copy off DEVICE (``offload_model``)
+STREAMED_MODES = (CPU, NVME)
