@@ -2,7 +2,8 @@
 
 Read it top to bottom: ``setup`` loads the model and data and builds the ZO
 block trainer (:mod:`outcore.offload.zo_engine`; weights in RAM, or streamed
-from NVMe through the tiered store in the swap directory when ``offload=nvme``), ``train`` runs the steps — each one visits every block
+from NVMe through the tiered store in the swap directory when
+``offload=nvme``), ``train`` runs the steps — each one visits every block
 once with two forward passes per perturbation sample — and ``cleanup``
 evaluates, writes the log and exports ``OUTPUT/final`` by *replaying* the log
 onto the base model (the ZO checkpoint is the base weights plus the

@@ -31,17 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def _io() -> tuple[int, int]:
-    vals = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-    return int(vals["read_bytes"]), int(vals["write_bytes"])
-
-
-def _hwm() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
+from _measure import reset_peak_rss, storage_io  # noqa: E402
+from _rss_trace import status_bytes  # noqa: E402
 
 
 def _reset_peak() -> None:
@@ -50,10 +42,7 @@ def _reset_peak() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back so RSS shows what is held
     except OSError:
         pass
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    except OSError:
-        pass
+    reset_peak_rss()  # VmHWM back to the current RSS
 
 
 def _batch(tok_or_vocab, seq_len: int, batch: int):
@@ -127,14 +116,14 @@ def run_mode(args: argparse.Namespace) -> dict:
     r0 = w0 = 0
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
-            r0, w0 = _io()
+            r0, w0 = storage_io()
         t0 = time.perf_counter()
         rec = trainer.step(batch, lr=1e-6)
         dt = time.perf_counter() - t0
         losses.append(rec.loss)
         if i >= args.warmup:
             times.append(dt)
-    r1, w1 = _io()
+    r1, w1 = storage_io()
     stall = trainer.weights.stall_s
     direct = trainer.weights.store.nvme.direct if swap else None
     trainer.close()
@@ -143,7 +132,7 @@ def run_mode(args: argparse.Namespace) -> dict:
 
         shutil.rmtree(swap, ignore_errors=True)
     return {"mode": args.mode, "step_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-            "losses": losses, "peak_rss_bytes": _hwm(), "weight_bytes": weight_bytes,
+            "losses": losses, "peak_rss_bytes": status_bytes("VmHWM")["VmHWM"], "weight_bytes": weight_bytes,
             "read_bytes_per_step": (r1 - r0) // max(1, args.steps),
             "written_bytes_per_step": (w1 - w0) // max(1, args.steps), "stall_s_total": stall,
             "direct_io": direct, "max_block_bytes": max_block}
