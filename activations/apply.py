@@ -26,32 +26,23 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import ConfigError, ModelError
+from ..models._structure import decoder_layers
 from ..offload.device import free_device_bytes
 from .offload import _MIN_BYTES, ActivationOffloader
 from .pack import BlockPack
 from .policy import AUTO, ActivationPolicy, BlockProfile, choose_policy, expand_policy
 
-_LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers",
-                "model.language_model.layers", "layers")
 _DEFAULT_NVME_BPS = (2.0e9, 3.0e9)  # read, write: this hardware class (BENCHMARKING.md), until probed
 
 
 def find_decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's list of decoder blocks (``model.model.layers`` for Llama-likes).
+    """The decoder blocks a policy wraps: those of any layout
+    :func:`outcore.models.decoder_layers` knows (``model.model.layers`` for Llama-likes).
 
     Raises:
         ModelError: no known block list is found.
     """
-    for path in _LAYER_PATHS:
-        obj: Any = model
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                break
-        if isinstance(obj, nn.ModuleList) and len(obj) > 0:
-            return obj
-    raise ModelError(f"cannot find the decoder blocks of {type(model).__name__} (looked for "
-                     f"{', '.join(_LAYER_PATHS)}); pass a model with one of those attributes")
+    return decoder_layers(model, any_layout=True)
 
 
 def _first_tensor(out: Any) -> torch.Tensor | None:

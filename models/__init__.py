@@ -5,7 +5,7 @@ Public API::
 
     model, tokenizer = load_model("default", dtype=torch.float32, cache_dir=None)
     tokenizer = load_tokenizer("default")
-    layers = decoder_layers(model)            # nn.ModuleList of blocks
+    layers = decoder_layers(model)            # nn.ModuleList of blocks (any_layout=True: GPT-2 & co. too)
     parts = model_parts(model)                # ModelParts(embed, layers, final_norm, lm_head, rotary, tied)
     max_positions(model); check_seq_len(model, seq_len)
     model = add_lora(model, r=8, alpha=16, dropout=0.0, targets=["q_proj"], seed=0)  # peft

@@ -60,11 +60,19 @@ def _decoder(model: nn.Module) -> nn.Module:
     return inner
 
 
-def decoder_layers(model: nn.Module) -> nn.ModuleList:
+#: where other layouts keep their list of blocks: enough for what only wraps the blocks
+#: (activation policies), not for the out-of-core engine, which needs every part
+OTHER_LAYER_PATHS = ("model.layers", "model.decoder.layers", "transformer.h", "gpt_neox.layers",
+                     "model.language_model.layers", "layers")
+
+
+def decoder_layers(model: nn.Module, any_layout: bool = False) -> nn.ModuleList:
     """The transformer blocks of ``model``, in forward order.
 
     Args:
         model: a causal LM of a supported family (e.g. ``LlamaForCausalLM``).
+        any_layout: also accept a model outside the supported families whose blocks sit
+            at one of :data:`OTHER_LAYER_PATHS` (GPT-2's ``transformer.h``, a bare ``layers``).
 
     Returns:
         The ``nn.ModuleList`` of decoder blocks (the model's own list, not a copy).
@@ -72,11 +80,30 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     Raises:
         ModelError: the model does not have the expected layout.
     """
-    layers = _decoder(model).layers
+    try:
+        layers = _decoder(model).layers
+    except ModelError:
+        if not any_layout:
+            raise
+        return _layers_at_known_path(model)
     if not isinstance(layers, nn.ModuleList):
         raise ModelError(f"{type(model).__name__}.layers is a {type(layers).__name__}, "
                          f"expected an nn.ModuleList of decoder blocks")
     return layers
+
+
+def _layers_at_known_path(model: nn.Module) -> nn.ModuleList:
+    """The first non-empty ``nn.ModuleList`` at one of :data:`OTHER_LAYER_PATHS`."""
+    for path in OTHER_LAYER_PATHS:
+        obj = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, nn.ModuleList) and len(obj) > 0:
+            return obj
+    raise ModelError(f"cannot find the decoder blocks of {type(model).__name__} (looked for "
+                     f"{', '.join(OTHER_LAYER_PATHS)}); pass a model with one of those attributes")
 
 
 def model_parts(model: nn.Module) -> ModelParts:

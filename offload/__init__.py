@@ -6,38 +6,34 @@ authoritative copy lives in its *home* tier (NVME or HOST); working copies are
 fetched into faster tiers, computed on in place through a tensor *view*, marked
 dirty and written back asynchronously. Budgets are exact and never exceeded;
 NVMe I/O is O_DIRECT through a small thread pool, with a checksum per extent.
-The out-of-core engine streams blocks with a :class:`PrefetchQueue`, which
-fetches ``depth`` positions ahead along the known access order, evicts by
-next use, and measures the stall::
+Units of a model (``units.py``) keep their buffers in a :class:`StoreUnitMemory`
+(``unit_memory.py``) over the store; first-order training (``engine.py``) and
+zeroth-order block streaming (``zo_engine.py``) both stream through it::
 
     store = TieredStore(device_bytes=2 << 30, host_bytes=8 << 30, nvme_bytes=64 << 30,
                         swap_dir="outputs/run/swap")
-    weights = [store.register(f"block{i}.w", data=w) for i, w in enumerate(flat_weights)]
-    order = weights + weights[::-1]                    # forward, then backward
-    pq = PrefetchQueue(store, order, Tier.DEVICE, depth=2)
-    for h in order:
-        w = pq.get(h)                                  # view in the DEVICE arena
-        ...compute with w (update it in place for an optimizer step)...
-        pq.done(h, dirty=updated)                      # async write-back to NVMe
-    pq.close(); stats = store.tier_stats(window=True)  # -> events.StepEvent.tiers
+    h = store.register("block0.w", data=w)             # home NVME: written to the swap file
+    w = store.fetch(h, Tier.DEVICE).result()           # view in the DEVICE arena, pinned
+    ...compute with w (update it in place for an optimizer step)...
+    store.mark_dirty(h, Tier.DEVICE); store.write_back(h)   # async write-back to NVMe
+    store.release(h, Tier.DEVICE); store.evict(h, Tier.DEVICE)
+    stats = store.tier_stats(window=True)              # -> events.StepEvent.tiers
     store.close()                                      # removes the swap dir
 
-Lower level: ``store.fetch(h, tier) -> Future[Tensor]``, ``store.wait``,
-``store.mark_dirty``, ``store.write_back(h, durable=True)``, ``store.release``,
-``store.evict``. ``probe_hardware()`` measures what the machine offers.
+``probe_hardware()`` measures what the machine offers.
 """
 import importlib
 
 # Lazy exports (PEP 562): ``import outcore.offload`` stays free of torch until a name is used.
 _EXPORTS = {
     "Device": "device", "IOPool": "directio", "Residency": "handle", "TensorHandle": "handle",
-    "Tier": "handle", "Extent": "nvme", "NvmeBackend": "nvme", "PrefetchQueue": "prefetch",
+    "Tier": "handle", "Extent": "nvme", "NvmeBackend": "nvme",
     "HardwareProbe": "probe", "probe_hardware": "probe", "TieredStore": "store",
     "SwapDir": "swapdir", "find_leftover_swap_dirs": "swapdir",
     "MemoryPlan": "plan", "UnitPlacement": "plan", "make_plan": "plan", "plan_for_config": "plan",
     "Budgets": "plan_budget", "budgets_from_probe": "plan_budget", "parse_bytes": "plan_budget",
     "format_bytes": "plan_budget", "OutOfCoreEngine": "engine",
-    "offload_model": "training",
+    "offload_model": "training", "ZOBlockTrainer": "zo_engine",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -9,6 +9,8 @@ streamed from its tiered store.
 the planner take theirs from it (the planner sizes each one's state from its own
 ``state_spec``). To add an optimizer, subclass :class:`OutcoreOptimizer` and name it there.
 Every class is imported on first use, so naming an optimizer does not import torch.
+The block schedule that streams a zeroth-order run (MeZO / Sparse MeZO) from NVMe is
+:mod:`outcore.offload.zo_engine`; it gets the ZO math from ``ZOHyper.rule``.
 """
 from __future__ import annotations
 
@@ -30,13 +32,11 @@ ZO_OPTIMIZERS: dict[str, str] = {"mezo": ".mezo:MeZO", "sparse-mezo": ".sparse_m
 
 _LAZY = {"OutcoreOptimizer": "._base", "StateSpec": "._base",
          **{ref.split(":")[1]: ref.split(":")[0] for ref in (*OPTIMIZERS.values(), *ZO_OPTIMIZERS.values())},
-         "ZOBlockTrainer": ".zo_stream", "ZOHyper": ".zo_core", "replay": ".zo_replay",
-         "export_zo_run": ".zo_replay"}
+         "ZOHyper": ".zo_core", "replay": ".zo_replay"}
 
 __all__ = ["OutcoreOptimizer", "StateSpec", "AdamW", "AdamW8bit", "GaLore", "APOLLO",
-           "APOLLOMini", "FRUGAL", "MeZO", "SparseMeZO", "ZOBlockTrainer", "ZOHyper", "replay",
-           "export_zo_run", "OPTIMIZERS", "ZO_OPTIMIZERS", "optimizer_names", "optimizer_class",
-           "build_optimizer"]
+           "APOLLOMini", "FRUGAL", "MeZO", "SparseMeZO", "ZOHyper", "replay", "OPTIMIZERS",
+           "ZO_OPTIMIZERS", "optimizer_names", "optimizer_class", "build_optimizer"]
 
 
 def __getattr__(name: str) -> Any:

@@ -20,7 +20,7 @@ One step ``t`` of MeZO-SGD (SPSA) with ``n`` perturbation samples:
   ``(1 - sparsity)`` quantile of ``|w_j|`` and logged.
 
 Every path calls these functions in the same order per element, so their fp32
-results are bit-identical (ARCHITECTURE.md §5).
+results are bit-identical. :class:`ZORule` bundles them for the block schedule.
 """
 from __future__ import annotations
 
@@ -76,6 +76,11 @@ class ZOHyper:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def rule(self, n_params: int) -> "ZORule":
+        """The update rule these hyper-parameters define over ``n_params`` parameters: what
+        the block schedule (:mod:`outcore.offload.zo_engine`) applies, without importing it."""
+        return ZORule(self, n_params)
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> "ZOHyper":
@@ -196,3 +201,70 @@ def apply_update_(w: torch.Tensor, index: int, state: ZOState) -> None:
 def projected_grads(losses_plus: Sequence[float], losses_minus: Sequence[float], eps: float) -> list[float]:
     """``(L+ - L-) / (2 eps)`` per sample, in Python floats (what the log stores)."""
     return [(lp - lm) / (2.0 * eps) for lp, lm in zip(losses_plus, losses_minus)]
+
+
+class ZORule:
+    """The MeZO / Sparse MeZO math the ZO block schedule applies, one parameter at a time.
+
+    The schedule (:mod:`outcore.offload.zo_engine`) owns the order of visits and the
+    memory; this object owns the run's ZO state (momentum window, thresholds) and
+    the update, so the schedule needs no optimizer internals. Build it with
+    :meth:`ZOHyper.rule`.
+
+    Args:
+        hyper: the run's hyper-parameters.
+        n_params: trainable parameters (indices ``0 .. n_params - 1`` select z).
+    """
+
+    def __init__(self, hyper: ZOHyper, n_params: int) -> None:
+        self.hyper = hyper
+        self.state = ZOState(hyper, thresholds=[0.0] * n_params if hyper.sparsity > 0 else None)
+
+    def seeds(self, run_seed: int, step: int) -> list[int]:
+        """The perturbation seeds of ``step`` (1-based), the same on every rank."""
+        return sample_seeds(run_seed, step, self.hyper.n_samples)
+
+    def update_(self, w: torch.Tensor, index: int) -> None:
+        """Apply the newest record's update to parameter ``index``'s clean weights, in place."""
+        apply_update_(w, index, self.state)
+
+    def refresh_threshold(self, w: torch.Tensor, index: int, step: int) -> None:
+        """Sparse MeZO: recompute parameter ``index``'s threshold when ``step`` starts a mask period."""
+        if needs_thresholds(self.hyper, step):
+            self.state.thresholds[index] = threshold_of(w, self.hyper.sparsity)
+
+    def mask(self, w: torch.Tensor, index: int) -> torch.Tensor | None:
+        """Parameter ``index``'s Sparse MeZO mask from its clean weights (None when dense)."""
+        return mask_for(w, self.state, index)
+
+    def delta_(self, d: torch.Tensor, seed: int, index: int, mask: torch.Tensor | None) -> None:
+        """``d = fl32(eps * z(seed, index)) * mask``: one draw serves both signs (``w + d``, ``w - d``)."""
+        d.zero_()
+        perturb_(d, seed, index, self.hyper.eps, mask)  # 0 + d == d exactly
+
+    def record(self, step: int, seeds: list[int], plus: list[float], minus: list[float],
+               lr: float) -> StepRecord:
+        """Close ``step``: its record (projected gradients from the losses), pushed as the newest.
+
+        Args:
+            step: the step (1-based).
+            seeds: its sample seeds.
+            plus, minus: every sample's loss at ``w + eps z`` and ``w - eps z``.
+            lr: the learning rate its update uses.
+
+        Returns:
+            The record; :meth:`update_` applies it from now on.
+        """
+        n = len(seeds)
+        rec = StepRecord(step=step, seeds=seeds, grads=projected_grads(plus, minus, self.hyper.eps),
+                         lr=float(lr), loss=(sum(plus) + sum(minus)) / (2 * n),
+                         thresholds=list(self.state.thresholds) if needs_thresholds(self.hyper, step) else None)
+        self.state.push(rec)
+        return rec
+
+    def resume(self, records: list[StepRecord]) -> None:
+        """Continue after ``records``, whose updates are already in the weights."""
+        self.state.history = list(records[-self.hyper.window:])
+        for rec in records:
+            if rec.thresholds is not None:
+                self.state.thresholds = list(rec.thresholds)

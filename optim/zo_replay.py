@@ -7,7 +7,7 @@ kilobytes per thousand steps) plus the base weights *is* the checkpoint;
 :func:`replay` turns it back into the trained weights, bit-for-bit, by calling
 the same update code (:mod:`outcore.optim.zo_core`) in the same order:
 
-* schedule ``"exact"`` (block schedule, :mod:`outcore.optim.zo_stream`):
+* schedule ``"exact"`` (block schedule, :mod:`outcore.offload.zo_engine`):
   perturbations never touch the clean weights, so replay applies only the updates;
 * schedule ``"inplace"`` (:class:`outcore.optim.mezo.MeZO`): replay also
   re-applies the ``+eps, -2 eps, +eps`` perturbations, whose fp32 rounding is
@@ -15,6 +15,8 @@ the same update code (:mod:`outcore.optim.zo_core`) in the same order:
 
 The header records the z backend (``torch`` reference or ``triton``): replay
 with the backend the run used (Triton's Philox stream differs from torch's).
+Exporting a run directory (replay onto the base model it names) is the ZO
+recipe's job: :func:`outcore.recipes.zo_finetune.export_zo_run`.
 """
 from __future__ import annotations
 
@@ -161,49 +163,3 @@ def replay_into_(tensors: Mapping[str, torch.Tensor], log: ZOLog, steps: int | N
         state.push(rec)
         for j, p in enumerate(params):
             apply_update_(p, j, state)
-
-
-def export_zo_run(run_dir: str | Path, out_dir: str | Path) -> Path:
-    """Replay a ZO run directory into full weights (what ``outcore export`` calls).
-
-    The run directory holds ``zo_log.jsonl`` whose header names the base weights:
-    ``{"base": {"kind": "safetensors", "path": "base.safetensors"}}`` (relative to
-    the run directory; the result is ``out_dir/model.safetensors``) or
-    ``{"base": {"kind": "model", "model": <what load_model accepts>}}`` (the result
-    is a Hugging Face directory written by ``save_pretrained``).
-
-    Args:
-        run_dir: the run's output directory.
-        out_dir: where to write the trained weights (created).
-
-    Returns:
-        ``out_dir``.
-
-    Raises:
-        CheckpointError: no log, a log without a base, or a base that cannot be read.
-    """
-    run_dir, out_dir = Path(run_dir), Path(out_dir)
-    log = ZOLog.load(run_dir)
-    base = log.header.get("base")
-    if not base:
-        raise CheckpointError(f"ZO log in {str(run_dir)!r} names no base weights; cannot export it")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if base["kind"] == "safetensors":
-        from safetensors.torch import load_file, save_file
-
-        path = run_dir / base["path"]
-        if not path.is_file():
-            raise CheckpointError(f"base weights {str(path)!r} of ZO run {str(run_dir)!r} are missing")
-        sd = load_file(str(path))
-        replay_into_(sd, log)
-        save_file(sd, str(out_dir / "model.safetensors"))
-        return out_dir
-    if base["kind"] == "model":
-        from ..recipes._common import export_hf
-        from ..recipes.zo_finetune import load_zo_model
-
-        model, tok, wrapped = load_zo_model(base["model"], base.get("dtype", "float32"),
-                                            int(log.header.get("seed", 0)), base.get("lora"))
-        replay_into_(dict(model.named_parameters()), log)
-        return export_hf(wrapped if wrapped is not None else model, tok, out_dir)
-    raise CheckpointError(f"ZO log base kind {base['kind']!r} is unknown (expected safetensors or model)")

@@ -18,7 +18,6 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from .config import FinetuneConfig, load_config, save_config
-from .export import export_hf  # noqa: F401  (the ZO replay, optim/zo_replay.py, imports it from here)
 
 _RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 # Fields a resumed run must share with the run it continues (others, such as

@@ -187,7 +187,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     cfg = load_config(run / "config.yaml", resume=None, overwrite=True)
     out = Path(out_dir) if out_dir is not None else run / "export"
     if cfg.zeroth_order:
-        from ..optim.zo_replay import export_zo_run
+        from .zo_finetune import export_zo_run
         return export_zo_run(run, out)
 
     last = ckpt.latest_checkpoint(run)

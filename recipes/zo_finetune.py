@@ -1,8 +1,9 @@
 """Zeroth-order fine-tuning (MeZO / Sparse MeZO): forward passes only, optionally from disk.
 
 Read it top to bottom: ``setup`` loads the model and data and builds the ZO
-block trainer (weights in RAM, or streamed from files in the swap directory
-when ``offload=nvme``), ``train`` runs the steps — each one visits every block
+block trainer (:mod:`outcore.offload.zo_engine`; weights in RAM, or streamed
+from NVMe through the tiered store in the swap directory when
+``offload=nvme``), ``train`` runs the steps — each one visits every block
 once with two forward passes per perturbation sample — and ``cleanup``
 evaluates, writes the log and exports ``OUTPUT/final`` by *replaying* the log
 onto the base model (the ZO checkpoint is the base weights plus the
@@ -39,10 +40,13 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..events import EvalEvent, EventSink, RunFinished, RunStarted, StepEvent, TierStats
+from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent
+from ..offload.modes import NVME
 from ._common import (evaluate, lr_lambda, peak_rss_bytes, prepare_output_dir, ram_total_bytes, rss_bytes,
                       set_threads)
 from .config import FinetuneConfig, load_config
+from .export import export_hf
+from .full_finetune import FinetuneResult
 
 _RECIPE_KEYS = ("prefetch", "lora")  # optim_args read here, not by ZOHyper
 
@@ -77,9 +81,9 @@ def load_zo_model(spec: str, dtype: str, seed: int, lora: dict[str, Any] | None)
         with the adapters injected (only they require grad) and ``peft_model`` its
         peft wrapper (for merging at export), else ``peft_model`` is None.
     """
-    from ..optim.zo_blocks import load_causal_lm
+    from ..models import load_model
 
-    model, tok = load_causal_lm(spec, dtype)
+    model, tok = load_model(spec, dtype=getattr(torch, dtype))
     model.config.use_cache = False
     if not lora:
         return model, tok, None
@@ -102,15 +106,14 @@ class ZORecipe:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         from ..data import BatchLoader, build_datasets, check_seq_len
+        from ..offload.zo_engine import ZOBlockTrainer
         from ..optim.zo_replay import ZOLog, ZOLogWriter, replay_into_
-        from ..optim.zo_stream import ZOBlockTrainer
-        from ..tui import make_sink
 
         cfg = self.cfg
         set_threads(cfg.threads)
         self.hyper, opts = zo_options(cfg)
         self.out = prepare_output_dir(cfg)
-        self.sink = self._sink or make_sink(cfg.ui, self.out)
+        self.sink = self._sink or NullSink()
         lora = ({"r": cfg.lora_r, "alpha": cfg.lora_alpha, "targets": list(cfg.lora_targets)}
                 if opts["lora"] else None)
         self.model, self.tokenizer, _ = load_zo_model(cfg.model, cfg.dtype, cfg.seed, lora)
@@ -128,7 +131,7 @@ class ZORecipe:
             for _ in previous.records:
                 self.loader.next_batch()  # the data order continues where the run stopped
         self.swap = None
-        if cfg.offload == "nvme":
+        if cfg.offload == NVME:
             self.swap = Path(cfg.swap_dir or self.out / "swap")
             self.swap.mkdir(parents=True, exist_ok=True)
         self.trainer = ZOBlockTrainer(self.model, self.hyper, seed=cfg.seed,
@@ -157,7 +160,6 @@ class ZORecipe:
         self.losses: list[float] = []
         tokens_per_step = cfg.batch_size * cfg.seq_len
         t_start = time.perf_counter()
-        read_total = written_total = 0
         while len(tr.log) < cfg.max_steps:
             t = len(tr.log)
             lr = cfg.lr * self.lr_at(t)
@@ -166,18 +168,12 @@ class ZORecipe:
             if not math.isfinite(rec.loss):
                 raise FloatingPointError(f"ZO loss became {rec.loss} at step {rec.step}; lower lr or eps")
             stats = tr.last_stats
-            read_total += stats.read_bytes
-            written_total += stats.written_bytes
             eval_loss = None
             if cfg.eval_every and rec.step % cfg.eval_every == 0 and rec.step < cfg.max_steps:
                 eval_loss = self._eval(rec.step)
             if rec.step % cfg.log_every == 0 or rec.step == cfg.max_steps or eval_loss is not None:
                 self.losses.append(rec.loss)
-                tiers = {}
-                if self.swap is not None:
-                    tiers["NVME"] = TierStats(read_bytes=read_total, written_bytes=written_total,
-                                              read_gbps=stats.read_bytes / stats.step_s / 1e9,
-                                              write_gbps=stats.written_bytes / stats.step_s / 1e9)
+                tiers = tr.tier_stats()  # the store's counters, bandwidth since the last log line
                 self.sink.emit(StepEvent(
                     step=rec.step, total_steps=cfg.max_steps, loss=rec.loss, lr=lr,
                     tokens_per_s=tokens_per_step / stats.step_s, step_s=stats.step_s,
@@ -190,9 +186,7 @@ class ZORecipe:
         return loss
 
     # ---------------------------------------------------------------- cleanup
-    def cleanup(self, interrupted: bool = False) -> dict[str, Any]:
-        from ..optim.zo_replay import export_zo_run
-
+    def cleanup(self, interrupted: bool = False) -> FinetuneResult:
         final_eval = final_dir = None
         if not interrupted:
             final_eval = self._eval(len(self.trainer.log))
@@ -210,13 +204,11 @@ class ZORecipe:
                                    interrupted=interrupted,
                                    final_dir=None if final_dir is None else str(final_dir)))
         self.sink.close()
-        return {"output_dir": str(self.out), "steps_done": len(self.trainer.log),
-                "final_dir": None if final_dir is None else str(final_dir),
-                "base_eval_loss": self.base_eval_loss, "final_eval_loss": final_eval,
-                "losses": getattr(self, "losses", []), "interrupted": interrupted,
-                "log_path": str(self.writer.path), "peak_rss_bytes": peak_rss_bytes()}
+        return FinetuneResult(output_dir=self.out, steps_done=len(self.trainer.log), final_dir=final_dir,
+                              base_eval_loss=self.base_eval_loss, final_eval_loss=final_eval,
+                              losses=getattr(self, "losses", []), interrupted=interrupted)
 
-    def run(self) -> dict[str, Any]:
+    def run(self) -> FinetuneResult:
         self._t0 = time.perf_counter()
         self.setup()
         try:
@@ -230,16 +222,61 @@ class ZORecipe:
         return self.cleanup()
 
 
-def finetune(config: FinetuneConfig, sink: EventSink | None = None) -> dict[str, Any]:
+def export_zo_run(run_dir: str | Path, out_dir: str | Path) -> Path:
+    """Replay a ZO run directory into full weights (what ``outcore export`` calls).
+
+    The run directory holds ``zo_log.jsonl`` whose header names the base weights:
+    ``{"base": {"kind": "safetensors", "path": "base.safetensors"}}`` (relative to
+    the run directory; the result is ``out_dir/model.safetensors``) or
+    ``{"base": {"kind": "model", "model": <what load_model accepts>}}`` (the result
+    is a Hugging Face directory written by ``save_pretrained``).
+
+    Args:
+        run_dir: the run's output directory.
+        out_dir: where to write the trained weights (created).
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        CheckpointError: no log, a log without a base, or a base that cannot be read.
+    """
+    from ..optim.zo_replay import ZOLog, replay_into_
+
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    log = ZOLog.load(run_dir)
+    base = log.header.get("base")
+    if not base:
+        raise CheckpointError(f"ZO log in {str(run_dir)!r} names no base weights; cannot export it")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if base["kind"] == "safetensors":
+        from safetensors.torch import load_file, save_file
+
+        path = run_dir / base["path"]
+        if not path.is_file():
+            raise CheckpointError(f"base weights {str(path)!r} of ZO run {str(run_dir)!r} are missing")
+        sd = load_file(str(path))
+        replay_into_(sd, log)
+        save_file(sd, str(out_dir / "model.safetensors"))
+        return out_dir
+    if base["kind"] == "model":
+        model, tok, wrapped = load_zo_model(base["model"], base.get("dtype", "float32"),
+                                            int(log.header.get("seed", 0)), base.get("lora"))
+        replay_into_(dict(model.named_parameters()), log)
+        return export_hf(wrapped if wrapped is not None else model, tok, out_dir)
+    raise CheckpointError(f"ZO log base kind {base['kind']!r} is unknown (expected safetensors or model)")
+
+
+def finetune(config: FinetuneConfig, sink: EventSink | None = None) -> FinetuneResult:
     """Fine-tune with MeZO / Sparse MeZO as ``config`` says (``config.method == "zo"``).
 
     Args:
         config: the run's config (``optim`` mezo or sparse-mezo; options in ``optim_args``).
-        sink: where events go (default: ``make_sink(config.ui, config.output)``).
+        sink: where events go (the caller's dashboard or log; None: nowhere).
 
     Returns:
-        ``{"output_dir", "steps_done", "final_dir", "base_eval_loss", "final_eval_loss",
-        "losses", "interrupted", "log_path", "peak_rss_bytes"}``.
+        A FinetuneResult (output dir, steps, eval losses, final export dir); the run
+        log is ``OUTPUT/zo_log.jsonl``.
 
     Raises:
         OutcoreError: bad config, model, data or checkpoint (one-line message).

@@ -11,7 +11,7 @@ must agree (same numerics — the comparison is of one job, two memory layouts).
 * ``nvme_read_bytes_per_step`` from ``/proc/self/io``: what actually reached
   the storage layer (``O_DIRECT``), proving the weights came from the disk.
 * ``--big``: a random Llama-shaped model built on the meta device and written to
-  the swap directory one block at a time (never whole in RAM), fine-tuned for
+  the swap directory one unit at a time (``init_weights``: never whole in RAM), fine-tuned for
   a few ZO steps; reports its weight bytes over the peak RSS of the whole
   process (setup included).
 
@@ -31,17 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def _io() -> tuple[int, int]:
-    vals = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
-    return int(vals["read_bytes"]), int(vals["write_bytes"])
-
-
-def _hwm() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
+from _measure import reset_peak_rss, storage_io  # noqa: E402
+from _rss_trace import status_bytes  # noqa: E402
 
 
 def _reset_peak() -> None:
@@ -50,10 +42,7 @@ def _reset_peak() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back so RSS shows what is held
     except OSError:
         pass
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-    except OSError:
-        pass
+    reset_peak_rss()  # VmHWM back to the current RSS
 
 
 def _batch(tok_or_vocab, seq_len: int, batch: int):
@@ -82,35 +71,33 @@ def _big_model(layers: int, hidden: int, vocab: int):
                       max_position_embeddings=512)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
-    # untouched pages are not resident: each block becomes real only when materialized,
-    # and is freed again once it is on disk
-    model.to_empty(device="cpu")
+    # the parameters stay on the meta device: the store fills each unit (init_weights) as
+    # it writes it to disk, so only one unit is ever real in RAM during setup
     model.model.rotary_emb = LlamaRotaryEmbedding(cfg)  # real buffers (inv_freq)
     model.eval()
 
-    def materialize(block) -> None:
-        g = torch.Generator().manual_seed(len(block.name) * 7919 + hash(block.name) % 1000)
-        for _, p in block.params:
-            if p.dim() == 1:
-                p.data.fill_(1.0)
-            else:
-                p.data.normal_(0.0, 0.02, generator=g)
+    def init_weights(slot, out) -> None:
+        g = torch.Generator().manual_seed(len(slot.name) * 7919 + sum(map(ord, slot.name)) % 1000)
+        if out.dim() == 1:
+            out.fill_(1.0)
+        else:
+            out.normal_(0.0, 0.02, generator=g)
 
-    return model, materialize
+    return model, init_weights
 
 
 def run_mode(args: argparse.Namespace) -> dict:
     """One mode in this process; returns its measurements."""
     import torch
 
+    from outcore.offload.zo_engine import ZOBlockTrainer
     from outcore.optim.zo_core import ZOHyper
-    from outcore.optim.zo_stream import ZOBlockTrainer
 
     torch.set_num_threads(os.cpu_count() or 1)
     swap = None
-    materialize = None
+    init_weights = None
     if args.mode == "big":
-        model, materialize = _big_model(args.big_layers, args.big_hidden, 8192)
+        model, init_weights = _big_model(args.big_layers, args.big_hidden, 8192)
         batch = _batch(8192, args.seq_len, args.batch)
     else:
         from outcore.models import load_model
@@ -121,34 +108,34 @@ def run_mode(args: argparse.Namespace) -> dict:
     if args.mode in ("nvme", "big"):
         swap = tempfile.mkdtemp(prefix="outcore-bench-zo-", dir=args.swap_dir)
     trainer = ZOBlockTrainer(model, ZOHyper(eps=1e-3, n_samples=1), seed=0, swap_dir=swap,
-                             prefetch=args.prefetch, materialize=materialize)
-    max_block = max(sum(p.numel() * p.element_size() for _, p in b.params) for b in trainer.blocks.blocks) \
-        if swap is None else max(t.numel() * t.element_size() for t in trainer._work.values())
+                             prefetch=args.prefetch, init_weights=init_weights)
+    max_block = max(u.numel for u in trainer.blocks.units) * 4  # fp32 (this bench's models)
     if args.mode != "big":  # the big model never exists whole in RAM: its peak covers setup too
         _reset_peak()
     times, losses = [], []
     r0 = w0 = 0
     for i in range(args.warmup + args.steps):
         if i == args.warmup:
-            r0, w0 = _io()
+            r0, w0 = storage_io()
         t0 = time.perf_counter()
         rec = trainer.step(batch, lr=1e-6)
         dt = time.perf_counter() - t0
         losses.append(rec.loss)
         if i >= args.warmup:
             times.append(dt)
-    r1, w1 = _io()
-    stall = trainer.source.stall_s
+    r1, w1 = storage_io()
+    stall = trainer.weights.stall_s
+    direct = trainer.weights.store.nvme.direct if swap else None
     trainer.close()
     if swap:
         import shutil
 
         shutil.rmtree(swap, ignore_errors=True)
     return {"mode": args.mode, "step_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-            "losses": losses, "peak_rss_bytes": _hwm(), "weight_bytes": weight_bytes,
+            "losses": losses, "peak_rss_bytes": status_bytes("VmHWM")["VmHWM"], "weight_bytes": weight_bytes,
             "read_bytes_per_step": (r1 - r0) // max(1, args.steps),
             "written_bytes_per_step": (w1 - w0) // max(1, args.steps), "stall_s_total": stall,
-            "direct_io": getattr(trainer.source, "direct", None), "max_block_bytes": max_block}
+            "direct_io": direct, "max_block_bytes": max_block}
 
 
 def _child(args: argparse.Namespace, mode: str) -> dict:

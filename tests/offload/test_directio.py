@@ -149,7 +149,7 @@ def test_cpu_device_copies_and_measures():
 def test_package_exports_are_lazy():
     import subprocess
     code = ("import sys, outcore.offload as o; assert 'torch' not in sys.modules; "
-            "from outcore.offload import TieredStore, Tier, PrefetchQueue, probe_hardware, SwapDir; "
+            "from outcore.offload import TieredStore, Tier, ZOBlockTrainer, probe_hardware, SwapDir; "
             "print(Tier.NVME.name)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -1,12 +1,12 @@
-"""The ZO block schedule: in memory == streamed from disk == replay, bit for bit (fp32)."""
+"""The ZO block schedule: in memory == streamed from NVMe (the tiered store) == replay, bit for bit (fp32)."""
 import pytest
 import torch
 
 from outcore.errors import ConfigError, SwapDirError
-from outcore.optim.zo_blocks import CausalLMBlocks
+from outcore.offload.zo_engine import ZOBlockTrainer
+from outcore.offload.zo_model import CausalLMBlocks
 from outcore.optim.zo_core import ZOHyper
 from outcore.optim.zo_replay import ZOLog, replay
-from outcore.optim.zo_stream import ZOBlockTrainer
 
 
 @pytest.fixture(autouse=True)
@@ -26,13 +26,14 @@ def _batches(n, seed=0, vocab=256, b=2, t=16):
     return out
 
 
-def _train(model, hyper, batches, swap_dir=None, lrs=None, backend="store"):
-    tr = ZOBlockTrainer(model, hyper, seed=7, swap_dir=swap_dir, prefetch=2, backend=backend)
+def _train(model, hyper, batches, swap_dir=None, lrs=None, prefetch=2):
+    tr = ZOBlockTrainer(model, hyper, seed=7, swap_dir=swap_dir, prefetch=prefetch)
     for k, batch in enumerate(batches):
         tr.step(batch, lr=(lrs[k] if lrs else 1e-3))
     sd = tr.state_dict()
+    nvme = tr.tier_stats().get("NVME")
     tr.close()
-    return sd, tr
+    return sd, tr, nvme
 
 
 def test_block_forward_equals_model_forward(tiny_llama):
@@ -50,22 +51,21 @@ def test_in_memory_streamed_and_replay_are_bit_identical(tiny_llama_factory, tmp
     batches = _batches(5)
     lrs = [1e-3, 2e-3, 1.5e-3, 1e-3, 5e-4]
     base = tiny_llama_factory().state_dict()
-    mem, tr_mem = _train(tiny_llama_factory(), hyper, batches, lrs=lrs)
-    disk, tr_disk = _train(tiny_llama_factory(), hyper, batches, swap_dir=str(tmp_path / "swap"), lrs=lrs)
-    files_dir = tmp_path / "files"
-    files_dir.mkdir()
-    files, tr_files = _train(tiny_llama_factory(), hyper, batches, swap_dir=str(files_dir), lrs=lrs,
-                             backend="files")
-    assert [r.grads for r in tr_mem.log] == [r.grads for r in tr_disk.log] == [r.grads for r in tr_files.log]
-    assert tr_disk.source.read_bytes > 0 and tr_disk.source.written_bytes > 0
-    assert tr_files.source.read_bytes > 0 and tr_files.source.written_bytes > 0
+    mem, tr_mem, _ = _train(tiny_llama_factory(), hyper, batches, lrs=lrs)
+    disk, tr_disk, nvme = _train(tiny_llama_factory(), hyper, batches, swap_dir=str(tmp_path / "swap"), lrs=lrs)
+    # no read-ahead: every block waits for its read, a different interleaving of the same I/O
+    disk0, tr_disk0, nvme0 = _train(tiny_llama_factory(), hyper, batches, swap_dir=str(tmp_path / "swap0"),
+                                    lrs=lrs, prefetch=0)
+    assert [r.grads for r in tr_mem.log] == [r.grads for r in tr_disk.log] == [r.grads for r in tr_disk0.log]
+    assert nvme.read_bytes > 0 and nvme.written_bytes > 0  # counted in the store's tier statistics
+    assert nvme0.read_bytes > 0 and nvme0.written_bytes > 0
     assert not (tmp_path / "swap").exists()  # the store removes its swap dir on close
     log = ZOLog(tr_mem.header(), tr_mem.log)
     log.save(tmp_path)
     rep = replay(base, ZOLog.load(tmp_path))
     changed = 0
     for name, w in mem.items():
-        assert torch.equal(w, disk[name]) and torch.equal(w, files[name]), name
+        assert torch.equal(w, disk[name]) and torch.equal(w, disk0[name]), name
         assert torch.equal(w, rep[name]), name
         changed += not torch.equal(w, base[name])
     assert changed == len(mem)  # every trainable tensor moved
@@ -81,15 +81,36 @@ def test_zo_block_training_lowers_loss(tiny_llama):
     assert after < before - 0.05
 
 
-@pytest.mark.parametrize("backend", ["store", "files"])
-def test_streamed_params_are_empty_between_visits(tiny_llama, tmp_path, backend):
-    tr = ZOBlockTrainer(tiny_llama, ZOHyper(), swap_dir=str(tmp_path / "s") if backend == "store" else str(tmp_path),
-                        backend=backend)
-    layer = tiny_llama.model.layers[0]
+@pytest.mark.parametrize("tied", [True, False])
+def test_streamed_params_are_empty_between_visits(tiny_llama_factory, tmp_path, tied):
+    model = tiny_llama_factory(tie=tied)
+    tr = ZOBlockTrainer(model, ZOHyper(), swap_dir=str(tmp_path / "s"))
+    layer = model.model.layers[0]
     assert layer.self_attn.q_proj.weight.numel() == 0  # on disk, not in RAM
-    assert tiny_llama.model.embed_tokens.weight.numel() > 0  # tied: stays resident
+    assert model.model.embed_tokens.weight.numel() == 0  # the embedding streams too (tied: kept while there is room)
     tr.step(_batches(1)[0], lr=1e-3)
     assert layer.self_attn.q_proj.weight.numel() == 0
+    assert tr.tier_stats()["NVME"].read_bytes > 0
+    tr.close()
+
+
+def test_untied_head_streamed_equals_in_memory(tiny_llama_factory, tmp_path):
+    batches, hyper = _batches(3), ZOHyper(eps=1e-2, n_samples=2)
+    mem, tr_mem, _ = _train(tiny_llama_factory(tie=False), hyper, batches)
+    disk, tr_disk, _ = _train(tiny_llama_factory(tie=False), hyper, batches, swap_dir=str(tmp_path / "s"),
+                              prefetch=1)
+    assert [r.grads for r in tr_mem.log] == [r.grads for r in tr_disk.log]
+    assert all(torch.equal(w, disk[name]) for name, w in mem.items())
+
+
+def test_tied_embedding_is_read_once_and_blocks_once_a_step(tiny_llama_factory, tmp_path):
+    from outcore.offload.directio import align_up
+
+    tr = ZOBlockTrainer(tiny_llama_factory(), ZOHyper(eps=1e-2), swap_dir=str(tmp_path / "s"), prefetch=1)
+    embed, *rest = [align_up(u.numel * 4) for u in tr.blocks.units]
+    for batch in _batches(4):
+        tr.step(batch, lr=1e-3)
+    assert tr.tier_stats()["NVME"].read_bytes == embed + 4 * sum(rest)
     tr.close()
 
 
@@ -98,12 +119,8 @@ def test_bad_arguments(tiny_llama, tmp_path):
         ZOBlockTrainer(tiny_llama, ZOHyper(), world=2, rank=0)
     with pytest.raises(ConfigError, match="rank=3, world=2"):
         ZOBlockTrainer(tiny_llama, ZOHyper(), world=2, rank=3)
-    with pytest.raises(SwapDirError, match="nope"):
-        ZOBlockTrainer(tiny_llama, ZOHyper(), swap_dir=str(tmp_path / "nope"), backend="files")
     with pytest.raises(SwapDirError, match="missing"):
         ZOBlockTrainer(tiny_llama, ZOHyper(), swap_dir=str(tmp_path / "missing" / "x"))
-    with pytest.raises(ConfigError, match="backend='disk'"):
-        ZOBlockTrainer(tiny_llama, ZOHyper(), swap_dir=str(tmp_path), backend="disk")
     tr = ZOBlockTrainer(tiny_llama, ZOHyper())
     with pytest.raises(ConfigError, match="lr=0"):
         tr.step(_batches(1)[0], lr=0)

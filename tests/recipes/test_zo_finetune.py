@@ -35,26 +35,26 @@ def _cfg(inputs: Path, out: Path, **kw):
     return load_config(overrides={**base, **kw})
 
 
-def _final(run: dict) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(run["final_dir"]) / "model.safetensors"))
+def _final(run) -> dict[str, torch.Tensor]:
+    return load_file(str(Path(run.final_dir) / "model.safetensors"))
 
 
 def test_in_memory_and_nvme_runs_give_identical_exports(tiny_run_inputs, tmp_path):
     sink = _Collect()
     mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", offload="none"), sink)
     disk = finetune(_cfg(tiny_run_inputs, tmp_path / "disk", offload="nvme"), _Collect())
-    assert mem["steps_done"] == disk["steps_done"] == 5
-    assert mem["losses"] == disk["losses"] and mem["final_eval_loss"] == disk["final_eval_loss"]
+    assert mem.steps_done == disk.steps_done == 5
+    assert mem.losses == disk.losses and mem.final_eval_loss == disk.final_eval_loss
     a, b = _final(mem), _final(disk)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    out = Path(mem["output_dir"])
+    out = Path(mem.output_dir)
     assert (out / "config.yaml").is_file()
     lines = (out / "zo_log.jsonl").read_text().splitlines()
     assert len(lines) == 6 and json.loads(lines[0])["header"]["schedule"] == "exact"
     assert (out / "zo_log.jsonl").stat().st_size < 4000  # bytes per step, not tensors
-    assert not (Path(disk["output_dir"]) / "swap").exists()  # swap removed on clean exit
+    assert not (Path(disk.output_dir) / "swap").exists()  # swap removed on clean exit
     assert any(e.tiers.get("NVME") for e in sink.events if type(e).__name__ == "StepEvent") is False
-    assert mem["losses"] and disk["losses"]
+    assert mem.losses and disk.losses
     kinds = [type(e).__name__ for e in sink.events]
     assert kinds[0] == "RunStarted" and kinds[-1] == "RunFinished" and kinds.count("StepEvent") == 5
     base = load_file(str(tiny_run_inputs / "model" / "model.safetensors"))
@@ -69,7 +69,7 @@ def test_resume_after_interrupt_matches_uninterrupted(tiny_run_inputs, tmp_path)
     with pytest.raises(KeyboardInterrupt):
         finetune(_cfg(tiny_run_inputs, tmp_path / "cut", **kw), _Collect(interrupt_at=3))
     resumed = finetune(_cfg(tiny_run_inputs, tmp_path / "cut", resume=str(tmp_path / "cut"), **kw), _Collect())
-    assert resumed["steps_done"] == 5
+    assert resumed.steps_done == 5
     a, b = _final(full), _final(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
@@ -78,9 +78,9 @@ def test_resume_after_interrupt_matches_uninterrupted(tiny_run_inputs, tmp_path)
 def test_zo_on_lora_adapters_only(tiny_run_inputs, tmp_path):
     run = finetune(_cfg(tiny_run_inputs, tmp_path / "lora", optim_args={"lora": True, "eps": 1e-2},
                         lora_targets=["q_proj", "v_proj"]), _Collect())
-    header = json.loads((Path(run["output_dir"]) / "zo_log.jsonl").read_text().splitlines()[0])["header"]
+    header = json.loads((Path(run.output_dir) / "zo_log.jsonl").read_text().splitlines()[0])["header"]
     assert header["params"] and all("lora_" in p["name"] for p in header["params"])
-    assert (Path(run["final_dir"]) / "model.safetensors").is_file()
+    assert (Path(run.final_dir) / "model.safetensors").is_file()
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -6,7 +6,7 @@ rank applies the identical update and the replicas stay bit-identical without
 ever sending a weight or a gradient. Per step the wire carries ``n`` seeds and
 ``2n`` losses — bytes, not gigabytes.
 
-Two ways to split the work (:class:`~outcore.optim.zo_stream.ZOBlockTrainer`'s
+Two ways to split the work (:class:`~outcore.offload.zo_engine.ZOBlockTrainer`'s
 ``split``):
 
 * ``"samples"`` — sample ``i`` runs on rank ``i % world``, all ranks on the same
@@ -25,9 +25,8 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from ..offload.device import distributed_backend
-from .zo_core import ZOHyper
-from .zo_stream import Exchange, ZOBlockTrainer
+from .device import distributed_backend
+from .zo_engine import Exchange, ZOBlockTrainer
 
 
 def init_from_env(backend: str | None = None) -> tuple[int, int]:
@@ -87,13 +86,14 @@ def make_exchange(split: str = "samples", group: Any = None) -> Exchange:
     return exchange
 
 
-def distributed_trainer(model: torch.nn.Module, hyper: ZOHyper, seed: int = 0, split: str = "samples",
+def distributed_trainer(model: torch.nn.Module, hyper: Any, seed: int = 0, split: str = "samples",
                         **kwargs: Any) -> ZOBlockTrainer:
     """A :class:`ZOBlockTrainer` for this rank of the initialized process group.
 
     Args:
         model: the model, identical on every rank.
-        hyper: ZO hyper-parameters (``n_samples`` is the total over ranks with split "samples").
+        hyper: ZO hyper-parameters, a :class:`outcore.optim.zo_core.ZOHyper` (``n_samples`` is
+            the total over ranks with split "samples").
         seed: the run seed, identical on every rank.
         split: ``"samples"`` or ``"data"``.
         **kwargs: passed to :class:`ZOBlockTrainer` (``swap_dir``, ``prefetch``).
