@@ -60,7 +60,6 @@ def store_unit(store: TieredStore, unit: Unit, optimizer: Any, homes: tuple[Tier
     unit.flat[WEIGHTS] = (h.numel, h.dtype)
     del w
     inits = _state_layout(unit, optimizer, masters)
-    del masters
     for kind, (numel, dtype) in list(unit.flat.items())[1:]:
         flat = _initial_state(unit, kind, numel, dtype, inits)
         for part, lo, hi in unit.kind_parts(kind):
@@ -68,6 +67,9 @@ def store_unit(store: TieredStore, unit: Unit, optimizer: Any, homes: tuple[Tier
                 f"{unit.name}:{part}", home=s_home, shape=(hi - lo,), dtype=dtype,
                 data=None if flat is None else flat[lo:hi].clone())
         del flat
+    # The initial state goes before the weights: freed the other way round, glibc's heap
+    # stayed fragmented and RSS grew ~8 MB per block (tests/offload/test_bounded_rss.py).
+    del masters, inits
     for slot in unit.slots:  # the store holds the unit now: free the model's own copy
         slot.param.data = torch.empty(0, dtype=slot.param.dtype)
 
