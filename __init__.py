@@ -5,8 +5,9 @@ The public API is imported lazily so that ``import outcore`` (and the CLI's
 """
 from __future__ import annotations
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ._exports import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -26,7 +27,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from .api import finetune
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module 'outcore' has no attribute {name!r}")
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)

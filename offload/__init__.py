@@ -1,4 +1,6 @@
-"""outcore.offload — three memory tiers (DEVICE, HOST, NVME) as one store (ARCHITECTURE.md §2–§3, §6).
+"""outcore.offload — three memory tiers (DEVICE, HOST, NVME) as one store.
+
+See docs/architecture.md §2–§4 and §7.
 
 Every swappable tensor (a block's weights, gradients, optimizer state, a saved
 activation) is one :class:`TensorHandle` in a :class:`TieredStore`. Its
@@ -22,27 +24,20 @@ zeroth-order block streaming (``zo_engine.py``) both stream through it::
 
 ``probe_hardware()`` measures what the machine offers.
 """
-import importlib
+from .._exports import lazy_exports
 
 # Lazy exports (PEP 562): ``import outcore.offload`` stays free of torch until a name is used.
 _EXPORTS = {
-    "Device": "device", "IOPool": "directio", "Residency": "handle", "TensorHandle": "handle",
-    "Tier": "handle", "Extent": "nvme", "NvmeBackend": "nvme",
-    "HardwareProbe": "probe", "probe_hardware": "probe", "TieredStore": "store",
-    "SwapDir": "swapdir", "find_leftover_swap_dirs": "swapdir",
-    "MemoryPlan": "plan", "UnitPlacement": "plan", "make_plan": "plan", "plan_for_config": "plan",
-    "Budgets": "plan_budget", "budgets_from_probe": "plan_budget", "parse_bytes": "plan_budget",
-    "format_bytes": "plan_budget", "OutOfCoreEngine": "engine",
-    "offload_model": "training", "ZOBlockTrainer": "zo_engine",
+    "Device": ".device", "IOPool": ".directio", "Residency": ".handle", "TensorHandle": ".handle",
+    "Tier": ".handle", "Extent": ".nvme", "NvmeBackend": ".nvme",
+    "HardwareProbe": ".probe", "probe_hardware": ".probe", "TieredStore": ".store",
+    "SwapDir": ".swapdir", "find_leftover_swap_dirs": ".swapdir",
+    "MemoryPlan": ".plan", "UnitPlacement": ".plan", "make_plan": ".plan", "plan_for_config": ".plan",
+    "Budgets": ".plan_budget", "budgets_from_probe": ".plan_budget", "parse_bytes": ".plan_budget",
+    "format_bytes": ".plan_budget", "OutOfCoreEngine": ".engine",
+    "offload_model": ".training", "ZOBlockTrainer": ".zo_engine",
 }
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

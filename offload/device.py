@@ -1,4 +1,4 @@
-"""Every device-specific call of outcore lives here (ARCHITECTURE.md §6).
+"""Every device-specific call of outcore lives here (docs/architecture.md §7).
 
 ``torch.cuda``, streams, events, pinned memory and kvikio are touched only in
 this module; the store, the prefetcher and the scheduler above it are the same

@@ -1,6 +1,6 @@
 """Direct file I/O: aligned host buffers, ``O_DIRECT`` files, a bounded I/O thread pool.
 
-The lowest layer of the NVMe tier (ARCHITECTURE.md §2). Everything above it
+The lowest layer of the NVMe tier (docs/architecture.md §2). Everything above it
 (extents, checksums, the swap directory) lives in ``nvme.py`` / ``swapdir.py``.
 
 - ``aligned_empty(n)`` returns a uint8 tensor backed by an anonymous ``mmap``:

@@ -8,7 +8,7 @@ explicit flags), :func:`make_plan` decides, per unit and per class of tensor
 authoritative copy, the prefetch depth *k*, the largest micro-batch that fits,
 the bytes per tier and the expected step time split into compute and I/O.
 
-Policy (ARCHITECTURE.md §3): keep everything as high (fast) as the budgets allow.
+Policy (docs/architecture.md §6): keep everything as high (fast) as the budgets allow.
 
 - ``offload="none"``: everything on DEVICE; error if it does not fit, naming the sizes.
 - ``offload="cpu"``: weights, gradients and state on HOST; DEVICE holds the window.

@@ -1,4 +1,4 @@
-"""Hardware probe: what this machine offers the three tiers (ARCHITECTURE.md §3).
+"""Hardware probe: what this machine offers the three tiers (docs/architecture.md §6).
 
 ``outcore doctor`` prints :func:`probe_hardware`'s answer and the planner sizes
 its tiers from it. Disk figures are *measured* with outcore's own I/O engine

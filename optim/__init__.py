@@ -17,6 +17,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .._exports import lazy_exports
+
 if TYPE_CHECKING:
     from ._base import OutcoreOptimizer
 
@@ -39,10 +41,8 @@ __all__ = ["OutcoreOptimizer", "StateSpec", "AdamW", "AdamW8bit", "GaLore", "APO
            "ZO_OPTIMIZERS", "optimizer_names", "optimizer_class", "build_optimizer"]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:  # imported on first use only (torch, and modules of other owners)
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# imported on first use only (torch, and modules of other owners)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 
 def optimizer_names() -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """The ``outcore`` command line, the live dashboard, plain logs, ``metrics.jsonl`` and plots.
 
 Nothing here imports torch at import time: the UI renders :mod:`outcore.events`
-(ARCHITECTURE.md §1); rich and matplotlib are imported only when a dashboard or a
+(docs/architecture.md §1); rich and matplotlib are imported only when a dashboard or a
 plot is made, and torch only when a command that needs it (finetune, plan, doctor) runs.
 
 Modules: ``cli`` (entry point, subcommand registry), ``finetune_cmd`` / ``plan_cmd`` /

@@ -1,4 +1,4 @@
-"""The wheel holds the package `outcore` and nothing top level beside it (ARCHITECTURE.md §1)."""
+"""The wheel holds the package `outcore` and nothing top level beside it (docs/architecture.md §1)."""
 from __future__ import annotations
 
 import subprocess
