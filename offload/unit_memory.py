@@ -104,24 +104,26 @@ class StoreUnitMemory:
         self.store.wait_unread(self.units[index].handles[part], self._tier(part))
 
     def release(self, index: int, part: Part | str, dirty: bool, keep: bool = False) -> None:
-        """Drop one pin. At the last: a dirty copy is written back to its home asynchronously;
-        a copy outside its home is kept resident (``keep``: needed again soon) or evicted."""
+        """Drop one pin (``dirty``: this consumer changed the copy). At the last pin a changed
+        copy is written back to its home asynchronously — not before: another consumer may
+        still change it — and a copy outside its home is kept resident (``keep``: needed
+        again soon) or evicted."""
         unit, part = self.units[index], Part.of(part)
         self._reap()
         h, tier = unit.handles[part], self._tier(part)
+        if dirty and part.kind == WEIGHTS and unit.nf4 is not None:
+            raise ValueError(f"unit {unit.name} holds NF4-quantized frozen weights; they cannot be updated")
         self.store.release(h, tier)
-        if h.copies[tier].pins and not dirty:
-            return  # another consumer still holds it
-        if part.kind == WEIGHTS and unit.nf4 is not None:
-            if dirty:
-                raise ValueError(f"unit {unit.name} holds NF4-quantized frozen weights; they cannot be updated")
-            unit.decoded = None  # freed once no parameter points at it any more
         if dirty:
             self.store.mark_dirty(h, tier)
-            if tier is not h.home:
-                self._writes.append(self.store.write_back(h))
+        if h.copies[tier].pins:
+            return  # another consumer still holds it
+        if part.kind == WEIGHTS and unit.nf4 is not None:
+            unit.decoded = None  # freed once no parameter points at it any more
         if tier is h.home:
             return
+        if h.dirty_tier is tier:
+            self._writes.append(self.store.write_back(h))
         if keep:
             unit.kept[part] = next(self._tick)
         else:

@@ -130,8 +130,9 @@ class StoreWeights:
         self.mem.before_update(b, WEIGHTS)
 
     def release(self, b: int, dirty: bool) -> None:
-        """Done with block ``b``: its update is written home asynchronously when ``dirty``
-        (a pinned-for-the-run unit stays resident: the run's own pin outlives this one)."""
+        """Done with block ``b``: its update is written home asynchronously when ``dirty``. A unit
+        pinned for the run (the tied embedding) stays resident and is never written home: the
+        run's own pin outlives every release, and its DEVICE copy is the newest."""
         for u in self._needs(b):
             self.mem.release(u, WEIGHTS, dirty=dirty and u == b, keep=u in self._resident)
 
