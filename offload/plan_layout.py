@@ -13,11 +13,12 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..activations.policy import OFFLOAD, ActivationPolicy
+from ..dtypes import DTYPE_BYTES
 from .handle import Tier
 from .modes import CPU, NONE, NVME
 from .plan_budget import Budgets
-from .plan_sizes import (DTYPE_BYTES, MethodTraits, ModelSpec, UnitBytes, block_activation_bytes,
-                         checkpoint_bytes, forward_flops_per_token, head_activation_bytes)
+from .plan_sizes import (MethodTraits, ModelSpec, UnitBytes, block_activation_bytes, checkpoint_bytes,
+                         forward_flops_per_token, head_activation_bytes)
 from .unit_sizes import window_bytes
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")

@@ -19,9 +19,9 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
+from ..dtypes import DTYPE_BYTES
 from ..errors import ConfigError, ModelError
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 NF4_BLOCK = 64  # QLoRA NF4: 4-bit codes, one fp32 absmax per 64 weights (no double quantization)
 
 

@@ -25,14 +25,6 @@ _RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 _RUN_DEFINING = ("model", "data", "data_max_bytes", "val_fraction", "seq_len", "method", "optim",
                  "optim_args", "batch_size", "grad_accum", "seed", "dtype", "lora_r", "lora_alpha",
                  "lora_targets", "offload")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """``"bfloat16"`` -> ``torch.bfloat16``."""
-    return _DTYPES[name]
-
-
 def prepare_output_dir(config: FinetuneConfig) -> Path:
     """Create (or, for a resume, check) the output directory and write config.yaml.
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..activations.policy import ACTIVATION_POLICIES
+from ..dtypes import DTYPES
 from ..errors import ConfigError
 from ..offload.modes import NVME, OFFLOAD_MODES
 from ..optim import ZO_OPTIMIZERS as _ZO_REGISTRY
@@ -26,7 +27,6 @@ METHODS = (FULL, LORA, QLORA, ZO)
 ADAPTER_METHODS = (LORA, QLORA)  # train low-rank adapters beside a frozen base
 OPTIMIZERS = optimizer_names()  # outcore.optim's registry: gradient-based, then zeroth-order
 ZO_OPTIMIZERS = tuple(_ZO_REGISTRY)  # the only optimizers of method "zo" (and only of it)
-DTYPES = ("float32", "bfloat16", "float16")
 UI_MODES = ("auto", "rich", "plain", "none")
 __all__ = ["METHODS", "ADAPTER_METHODS", "OPTIMIZERS", "ZO_OPTIMIZERS", "DTYPES", "OFFLOAD_MODES",
            "ACTIVATION_POLICIES", "UI_MODES", "FinetuneConfig", "load_config", "save_config"]

@@ -198,7 +198,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
         return _export_units(cfg, last / "units", out)
 
     from ..models import load_model
-    from ._common import torch_dtype, with_lora
+    from ..dtypes import torch_dtype
+    from ._common import with_lora
 
     model, tokenizer = load_model(cfg.model, dtype=torch_dtype(cfg.dtype), quantize_4bit=cfg.quantizes_base)
     if cfg.uses_adapters:
@@ -216,7 +217,7 @@ def _export_units(cfg: Any, directory: Path, out: Path) -> Path:
     checkpoint file to its shard, one unit at a time."""
     from ..models import load_model_lazily
     from ..offload.units import WEIGHTS, causal_lm_units
-    from ._common import torch_dtype
+    from ..dtypes import torch_dtype
 
     model, tokenizer, _ = load_model_lazily(cfg.model, dtype=torch_dtype(cfg.dtype))
     shards = (_unit_shard(model, unit, _by_name(unit, load_file(str(directory / f"{unit.name}.safetensors"))[WEIGHTS]))

@@ -20,13 +20,14 @@ from typing import Any, Callable
 
 import torch
 
+from ..activations.policy import OFFLOAD, ActivationPolicy
+from ..dtypes import torch_dtype
 from ..errors import CheckpointError, ConfigError
 from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent
-from ..activations.policy import OFFLOAD, ActivationPolicy
 from ..offload.device import device_memory
 from . import checkpoint as ckpt
 from ._common import (evaluate, lr_lambda, peak_rss_bytes, prepare_output_dir, ram_total_bytes, rss_bytes,
-                      set_threads, torch_dtype, with_lora)
+                      set_threads, with_lora)
 from .config import FinetuneConfig
 from .export import export_hf, export_offloaded
 from .in_memory import InMemoryModel
