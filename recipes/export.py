@@ -30,7 +30,7 @@ from ..errors import CheckpointError
 from . import checkpoint as ckpt
 from .config import load_config
 
-Shard = tuple[str, dict[str, torch.Tensor]]  # (file name, tensors by plain model name)
+Shard = dict[str, torch.Tensor]  # tensors by plain model name, written as one file
 
 
 def write_hf_dir(out_dir: str | Path, shards: Iterable[Shard], model: torch.nn.Module, tokenizer: Any = None
@@ -39,8 +39,9 @@ def write_hf_dir(out_dir: str | Path, shards: Iterable[Shard], model: torch.nn.M
 
     Args:
         out_dir: the directory to write; replaced if it exists, only once complete.
-        shards: ``(file name, {name: tensor})`` pairs, each written as it arrives (a
-            generator keeps one shard in memory at a time).
+        shards: ``{name: tensor}`` dicts, each written as it arrives (a generator keeps one
+            shard in memory at a time), named the Hugging Face way once they are all there:
+            ``model.safetensors`` alone, else ``model-00001-of-000NN.safetensors``.
         model: the model the weights are of (a peft wrapper is looked through; it may
             be on the meta device): its config is saved as a copy, without a
             ``quantization_config`` (the weights written are plain) and with ``dtype``
@@ -57,14 +58,18 @@ def write_hf_dir(out_dir: str | Path, shards: Iterable[Shard], model: torch.nn.M
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    weight_map: dict[str, str] = {}
+    names: list[list[str]] = []  # each shard's tensor names, in order
     total, dtype = 0, None
-    for file_name, tensors in shards:
-        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / file_name), metadata={"format": "pt"})
-        for name, t in tensors.items():
-            weight_map[name] = file_name
-            total += t.numel() * t.element_size()
-            dtype = dtype or (t.dtype if t.is_floating_point() else None)
+    for i, tensors in enumerate(shards):
+        save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / f"shard-{i}"), metadata={"format": "pt"})
+        names.append(list(tensors))
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        dtype = dtype or next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
+    weight_map: dict[str, str] = {}
+    for i, shard in enumerate(names):  # the count is known now: the names every HF tool expects
+        file_name = "model.safetensors" if len(names) == 1 else f"model-{i + 1:05d}-of-{len(names):05d}.safetensors"
+        os.replace(tmp / f"shard-{i}", tmp / file_name)
+        weight_map.update(dict.fromkeys(shard, file_name))
     (tmp / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     config = copy.deepcopy(base.config)
@@ -109,7 +114,7 @@ def export_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | Path) -> Pa
             # NF4: merge into the fp32 dequantized weight, else the update is rounded away
             t = merge_lora(model, name, _dequantized(p) if quantized else p.detach())
             tensors[plain_name(name)] = t.to(compute_dtype) if quantized else t
-    return write_hf_dir(out_dir, [("model.safetensors", tensors)], model, tokenizer)
+    return write_hf_dir(out_dir, [tensors], model, tokenizer)
 
 
 def unit_weights(om: Any, unit: Any) -> dict[str, torch.Tensor]:
@@ -160,8 +165,7 @@ def _unit_shard(model: torch.nn.Module, unit: Any, weights: dict[str, torch.Tens
     """One unit's shard: its weights under their plain names, LoRA adapters merged."""
     from ..models import merge_lora, plain_name
 
-    tensors = {plain_name(n): merge_lora(model, n, t) for n, t in weights.items()}
-    return f"model-{unit.index:05d}-{unit.name}.safetensors", tensors
+    return {plain_name(n): merge_lora(model, n, t) for n, t in weights.items()}
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:

