@@ -47,9 +47,28 @@ def curves_from_rows(rows: Iterable[dict[str, Any]],
     return sorted(train.items()), sorted(evals.items())
 
 
+def smoothed(points: Sequence[tuple[int, float]], weight: float = 0.9) -> list[tuple[int, float]]:
+    """An exponential moving average of ``(step, loss)`` points, debiased as TensorBoard's
+    smoothing is (the first point is itself, not pulled towards zero).
+
+    Args:
+        points: ``(step, loss)`` in step order.
+        weight: how much each point keeps of the average before it (0: no smoothing).
+
+    Returns:
+        ``(step, smoothed loss)`` for every point.
+    """
+    out, avg = [], 0.0
+    for i, (step, loss) in enumerate(points):
+        avg = weight * avg + (1 - weight) * loss
+        out.append((step, avg / (1 - weight ** (i + 1))))
+    return out
+
+
 def plot_loss_curve(train: Sequence[tuple[int, float]], evals: Sequence[tuple[int, float]],
                     path: str | Path, title: str | None = None) -> Path:
-    """Draw train loss (line) and eval loss (markers) against step and save a PNG.
+    """Draw train loss (raw, and smoothed from 10 points on) and eval loss (markers) against
+    step and save a PNG.
 
     Args:
         train: ``(step, loss)`` points of the training loss.
@@ -74,8 +93,11 @@ def plot_loss_curve(train: Sequence[tuple[int, float]], evals: Sequence[tuple[in
     ax = fig.add_subplot(1, 1, 1)
     if train:
         xs, ys = zip(*train)
-        ax.plot(xs, ys, color="#1f77b4", linewidth=1.4, label="train loss",
-                marker="." if len(train) < 30 else None)
+        noisy = len(train) >= 10  # per-step loss is noisy: draw it faint, its trend solid
+        ax.plot(xs, ys, color="#1f77b4", linewidth=1.0 if noisy else 1.4, alpha=0.35 if noisy else 1.0,
+                label="train loss", marker="." if len(train) < 30 else None)
+        if noisy:
+            ax.plot(*zip(*smoothed(train)), color="#1f77b4", linewidth=1.8, label="train loss (smoothed)")
     if evals:
         xs, ys = zip(*evals)
         ax.plot(xs, ys, color="#d62728", linewidth=1.0, linestyle="--", marker="o",
