@@ -145,6 +145,14 @@ def _arena_bytes(handle_bytes: int | dict[str, int]) -> int:
     return sum(align_up(max(n, 1)) for n in sizes)
 
 
+def weights_arena_bytes(unit: Unit, quantize_frozen: bool = False) -> int:
+    """What a unit's weights take in an arena: its flat buffer (NF4 bytes when its frozen
+    matrices are stored quantized), 4 KiB-padded."""
+    if quantize_frozen and NF4Layout.any_quantized(unit):
+        return _arena_bytes(NF4Layout(unit, _unit_dtype(unit)).nbytes)
+    return _arena_bytes(unit.numel * _unit_dtype(unit).itemsize)
+
+
 def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier]], k: int, *,
                 master_weights: bool, spill_grads: bool, quantize_frozen: bool, split_state: bool
                 ) -> WorkingSet:
@@ -160,8 +168,7 @@ def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier]], k:
     other). A unit whose streamed state dwarfs a block's (the embedding) streams it in
     block-sized pieces when the optimizer is element-wise (its spilled gradient too).
     """
-    w_sizes = [_arena_bytes(NF4Layout(u, _unit_dtype(u)).nbytes if quantize_frozen and NF4Layout.any_quantized(u)
-                            else u.numel * _unit_dtype(u).itemsize) for u in units]
+    w_sizes = [weights_arena_bytes(u, quantize_frozen) for u in units]
     s_sizes = [_arena_bytes(kinds) for kinds in unit_state_bytes(units, optimizer, master_weights, spill_grads)]
     piece_bytes = None if not split_state or len(s_sizes) < 2 else sorted(s_sizes)[-2]
     window_sizes = list(s_sizes)

@@ -23,11 +23,10 @@ from typing import Callable
 
 import torch
 
-from .directio import align_up
 from .handle import Tier
 from .store import TieredStore
 from .unit_memory import WEIGHTS, StoreUnitMemory
-from .unit_sizes import _unit_dtype, window_bytes
+from .unit_sizes import weights_arena_bytes, window_bytes
 from .units import ParamSlot
 from .zo_model import CausalLMBlocks
 
@@ -81,7 +80,7 @@ class StoreWeights:
                  init_weights: Callable[[ParamSlot, torch.Tensor], None] | None = None) -> None:
         self.units, self.blocks = blocks.units, blocks
         self.depth = max(0, int(prefetch))
-        sizes = [align_up(max(u.numel * _unit_dtype(u).itemsize, 1)) for u in self.units]
+        sizes = [weights_arena_bytes(u) for u in self.units]
         # the largest unit (the embedding) once; the unit computing, `depth` prefetched and two
         # whose write-backs are still landing (a fetch finding no room would wait for them)
         window = window_bytes(sizes, self.depth + 3)
