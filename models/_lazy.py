@@ -69,6 +69,10 @@ def load_model_lazily(spec: str | Path = "default", *, dtype: torch.dtype | str 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     materialize_buffers(model, config)
+    if (directory / "generation_config.json").is_file():  # as from_pretrained reads it (eos ids, sampling)
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(directory)
     files = _weight_files(directory)
 
     from safetensors import safe_open

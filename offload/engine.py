@@ -67,7 +67,8 @@ class OutOfCoreEngine:
         optimizer: an ``outcore.optim.OutcoreOptimizer`` (``state_spec`` /
             ``update``) built over ``model``'s trainable parameters; when those stay
             resident (no unit lays them out: LoRA adapters), any torch optimizer,
-            stepped after the backward.
+            stepped after the backward; None for a forward-only engine (inference: no
+            parameter requires a gradient).
         memory: factory ``(units, optimizer) -> StoreUnitMemory`` that registers the
             unit buffers (and initial contents) with the store.
         prefetch: how many units ahead to prefetch (k).
@@ -102,7 +103,8 @@ class OutOfCoreEngine:
         # optimizer state passes through the HOST window rather than living there
         self._state_streams = any(h.home is Tier.NVME for u in self.units
                                   for part, h in u.handles.items() if part.kind != WEIGHTS)
-        self.updater = UnitUpdater(self.mem, optimizer, self.prefetch_depth, max_grad_norm, spill)
+        self.updater = None if optimizer is None else UnitUpdater(self.mem, optimizer, self.prefetch_depth,
+                                                                  max_grad_norm, spill)
         self._frozen_in_backward: list[Unit] = []  # frozen units bound for their backward, newest last
         self._phase = "forward"
         self.last_grad_norm: torch.Tensor | None = None
@@ -117,7 +119,7 @@ class OutOfCoreEngine:
     @property
     def spill(self) -> bool:
         """Do gradients leave memory as each unit's completes (clipping / accumulation out of core)?"""
-        return self.updater.spill
+        return self.updater is not None and self.updater.spill
 
     def _resident_trainables(self) -> list[nn.Parameter]:
         """Trainable parameters outside every unit (LoRA adapters): they stay resident and
@@ -186,6 +188,10 @@ class OutOfCoreEngine:
 
     def _needs(self, index: int) -> list[int]:
         return [index, *self.units[index].borrows]
+
+    def prefetch_first(self) -> None:
+        """Start fetching the first k units, which every forward begins with (no wait)."""
+        self._prefetch(range(min(len(self.units), self.prefetch_depth)))
 
     def _prefetch(self, indices: range) -> None:
         for j in indices:
@@ -316,7 +322,7 @@ class OutOfCoreEngine:
             # through the forward and the loss — the step's RSS peak — its pages are idle:
             # return them (~1% of a step to fault them back on a CPU-only machine).
             self.store.discard_free(Tier.HOST)
-        self._prefetch(range(min(len(self.units), self.prefetch_depth)))
+        self.prefetch_first()
         total = torch.zeros(())
         self._n_micro = len(micro_batches)
         for self._micro, batch in enumerate(micro_batches):
