@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 from .generate_cmd import STREAMING_NOTE, add_model_arguments, add_sampling_arguments, open_generator
 
@@ -34,12 +35,15 @@ def _answer(generator, messages: list[dict], args: argparse.Namespace) -> str:
     """Stream one answer to the terminal; Ctrl-C ends it early. Returns the text written."""
     pieces: list[str] = []
     print(MODEL, end="", flush=True)
+    # closing(): however the loop ends, the stream stops its worker after the token in progress
+    stream = contextlib.closing(generator.stream(messages, max_new_tokens=args.max_new_tokens,
+                                                 temperature=args.temperature, seed=args.seed, chat=True))
     try:
-        for piece in generator.stream(messages, max_new_tokens=args.max_new_tokens,
-                                      temperature=args.temperature, seed=args.seed, chat=True):
-            print(piece, end="", flush=True)
-            pieces.append(piece)
-    except KeyboardInterrupt:  # the generator has stopped after its token in progress
+        with stream as texts:
+            for piece in texts:
+                print(piece, end="", flush=True)
+                pieces.append(piece)
+    except KeyboardInterrupt:
         print(" [stopped]", end="")
     print(flush=True)
     return "".join(pieces).strip()
