@@ -119,3 +119,20 @@ def test_the_default_model_answers_as_transformers_does(tmp_path, offload):
     (got,) = outcore.generate("default", "What is the capital of France?", max_new_tokens=6, offload=offload,
                               swap_dir=tmp_path / "swap")
     assert got.token_ids == want and got.text.startswith("The capital of France")
+
+
+def test_each_token_streams_the_weights_again_with_the_same_tokens(tiny_llama_factory, tmp_path):
+    from outcore.offload.inference import StreamedInference
+
+    ids = torch.tensor([[1, 5, 9, 33, 70]])
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    want = tiny_llama_factory(layers=8).generate(ids, **kw)
+    model = tiny_llama_factory(layers=8)  # 8 blocks: more than the DEVICE window of k=2 holds
+    streamed = StreamedInference(model, offload="nvme", swap_dir=tmp_path / "swap", prefetch=2)
+    try:
+        assert torch.equal(model.generate(ids, **kw), want)
+        nvme = streamed.tier_stats()["NVME"]
+        assert nvme.read_bytes > 4 * nvme.held_bytes  # read again for each of the 12 forwards, not once
+    finally:
+        streamed.close()
+    assert not (tmp_path / "swap").exists()
