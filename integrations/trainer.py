@@ -20,6 +20,9 @@ checkpoint folders. What changes sits under four of its methods:
   read the model (a Hugging Face directory, streamed one unit at a time) and the units'
   weights and state (``outcore-units/``, recipes/checkpoint.py's ``save_units``).
 
+A peft model (LoRA; TRL's ``peft_config=``) streams only its frozen base: its adapters stay
+resident and the Trainer's own optimizer, clipping and adapter-only saving serve them as usual.
+
 Which ``TrainingArguments`` are honoured and which refused: ``trainer_args.py``.
 """
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any, Iterator
 
 import torch
 from transformers import Trainer
+from transformers.trainer import _is_peft_model
 
 from ..errors import ConfigError
 from ..offload.modes import CPU, STREAMED_MODES
@@ -77,6 +81,26 @@ class EngineOptimizer(torch.optim.Optimizer):
         """The engine's global-norm clip of this step's gradients; returns the norm."""
         return self.engine.clip()
 
+    def state_dict(self) -> dict[str, Any]:
+        """Resident adapters: their optimizer's state (what the Trainer saves as optimizer.pt); a
+        streamed model's state is in the tiers (``UNITS_DIR``), and this holds only the groups."""
+        if not self.engine.resident:
+            return super().state_dict()
+        state = self.engine.optimizer.state_dict()
+        for saved, group in zip(state["param_groups"], self.param_groups):  # the scheduler's lr is in ours
+            saved.update({k: v for k, v in group.items() if k != "params"})
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """The inverse of :meth:`state_dict`."""
+        if not self.engine.resident:
+            super().load_state_dict(state_dict)
+            return
+        self.engine.optimizer.load_state_dict(state_dict)
+        # the groups' hyper-parameters too: the learning rate of the next step is read from them
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> None:
         """End the step: the updates that waited for the backward (none with step-in-backward)."""
@@ -109,14 +133,20 @@ class OutOfCoreMixin:
             raise ConfigError(f"offload={offload!r}: the out-of-core Trainer streams from "
                               f"{' or '.join(STREAMED_MODES)}; for in-memory training use the plain Trainer")
         super().__init__(*args, **kwargs)
-        check_training_args(self.args)
+        self.adapters = _is_peft_model(self.model)  # (TRL applies peft_config in its __init__)
+        check_training_args(self.args, adapters=self.adapters)
+        if not self.adapters:  # (a peft model's resident adapters are the Trainer's own optimizer's)
+            self._check_streamed_optimizer()
+        self._offload = dict(offload=offload, swap_dir=swap_dir, prefetch=prefetch)
+        self.engine: Any = None  # built with the optimizer, when training starts
+
+    def _check_streamed_optimizer(self) -> None:
+        """A streamed model updates through an ``outcore.optim`` optimizer (its state lives in the tiers)."""
         if self.optimizer is not None and not isinstance(self.optimizer, OutcoreOptimizer):
             raise ConfigError(f"optimizers=({type(self.optimizer).__name__}, ...): the out-of-core engine "
                               "updates through an outcore.optim optimizer (e.g. outcore.optim.AdamW)")
         if self.optimizer_cls_and_kwargs is not None:
             raise ConfigError("optimizer_cls_and_kwargs: pass optimizers=(outcore.optim.<Name>(...), None) instead")
-        self._offload = dict(offload=offload, swap_dir=swap_dir, prefetch=prefetch)
-        self.engine: Any = None  # built with the optimizer, when training starts
 
     # ------------------------------------------------------------ the optimizer is the engine
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
@@ -125,8 +155,14 @@ class OutOfCoreMixin:
             return self.optimizer
         from ..offload.training import offload_model
 
-        inner = self.optimizer if isinstance(self.optimizer, OutcoreOptimizer) else self._adamw()
-        self.engine = offload_model(self.model, inner, max_grad_norm=self.args.max_grad_norm,
+        if self.adapters:
+            # the Trainer's own optimizer over the adapters (its weight-decay groups), and its own
+            # clip of their gradients (_clip_grad_norm): the engine only streams the frozen base
+            inner, clip = super().create_optimizer(model), 0.0
+        else:
+            inner = self.optimizer if isinstance(self.optimizer, OutcoreOptimizer) else self._adamw()
+            clip = self.args.max_grad_norm
+        self.engine = offload_model(self.model, inner, max_grad_norm=clip, resident_trainable=self.adapters,
                                     grad_accum=self.args.gradient_accumulation_steps, **self._offload)
         weakref.finalize(self, self.engine.close)  # the swap dir goes when the Trainer does
         self.optimizer = EngineOptimizer(self.engine)
@@ -149,16 +185,21 @@ class OutOfCoreMixin:
             return super().training_step(model, inputs, num_items_in_batch)
 
     def _clip_grad_norm(self, model: Any) -> torch.Tensor | None:
+        if self.adapters:  # resident gradients: the Trainer's own clip
+            return super()._clip_grad_norm(model)
         return self._engine_optimizer().clip()
 
     def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        if self.adapters:
+            return super()._get_grad_norm(model, grad_norm)
         # without clipping no norm is taken: the gradients left memory as each unit updated
         return grad_norm
 
     # ------------------------------------------------------------------ checkpoints
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """Write the trained model as a Hugging Face directory, one unit at a time."""
-        if self.engine is None:
+        """Write the trained model as a Hugging Face directory, one unit at a time (adapters:
+        the Trainer's own adapter-only save)."""
+        if self.engine is None or self.adapters:
             return super()._save(output_dir, state_dict)
         from transformers.trainer import TRAINING_ARGS_NAME
 
@@ -176,14 +217,14 @@ class OutOfCoreMixin:
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
-        if self.engine is not None:
+        if self.engine is not None and not self.adapters:  # (a frozen base never changes)
             from ..recipes.checkpoint import save_units
 
             save_units(self.engine, Path(output_dir) / UNITS_DIR)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
-        if checkpoint is not None and self.engine is not None:
+        if checkpoint is not None and self.engine is not None and not self.adapters:
             from ..recipes.checkpoint import load_units
 
             units = Path(checkpoint) / UNITS_DIR

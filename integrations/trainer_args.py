@@ -12,7 +12,8 @@ Refused, each with a one-line :class:`~outcore.errors.ConfigError` naming the fi
 AMP flags (the engine computes in the model's own dtype), DeepSpeed, FSDP and more than one
 process (the engine is the memory manager of one process), optimizers other than AdamW
 (pass an ``outcore.optim`` optimizer through ``optimizers=`` instead), ``weight_decay`` > 0
-(the Trainer exempts biases and norms; the engine's updates take one hyper-parameter group),
+(the Trainer exempts biases and norms; the engine's updates take one hyper-parameter group) —
+both honoured for a peft (LoRA) model, whose resident adapters the Trainer's own optimizer steps —,
 gradient checkpointing and ``torch_compile`` (they re-run or trace the forward the engine's
 hooks stream), ``load_best_model_at_end`` and Liger kernels.
 """
@@ -27,9 +28,10 @@ from ..errors import ConfigError
 ADAMW_NAMES = ("adamw_torch_fused", "adamw_torch")
 
 
-def _refusals(args: Any) -> list[tuple[bool, str]]:
+def _refusals(args: Any, adapters: bool) -> list[tuple[bool, str]]:
     """(is it set, the one-line reason and fix) for every argument the engine cannot honour."""
     optim = str(getattr(args.optim, "value", args.optim))
+    streamed = not adapters  # the engine updates the weights (else the Trainer's optimizer, the adapters)
     return [
         (args.fp16 or args.bf16, f"fp16={args.fp16}, bf16={args.bf16}: the out-of-core engine computes in the "
                                  "model's own dtype; load the model in bfloat16 instead (outcore keeps fp32 "
@@ -39,9 +41,9 @@ def _refusals(args: Any) -> list[tuple[bool, str]]:
         (args.world_size > 1 or args.n_gpu > 1,
          f"world_size={args.world_size}, n_gpu={args.n_gpu}: the out-of-core engine runs in one process on one "
          "device; launch one process (CUDA_VISIBLE_DEVICES=0)"),
-        (optim not in ADAMW_NAMES, f"optim={optim!r}: the out-of-core Trainer computes AdamW ({', '.join(ADAMW_NAMES)}); "
+        (streamed and optim not in ADAMW_NAMES, f"optim={optim!r}: the out-of-core Trainer computes AdamW ({', '.join(ADAMW_NAMES)}); "
                                    "for another optimizer pass optimizers=(outcore.optim.<Name>(...), None)"),
-        (args.weight_decay > 0, f"weight_decay={args.weight_decay}: the Trainer exempts biases and norms from "
+        (streamed and args.weight_decay > 0, f"weight_decay={args.weight_decay}: the Trainer exempts biases and norms from "
                                 "decay and the out-of-core updates take one decay for all; set weight_decay=0"),
         (args.gradient_checkpointing, "activation_checkpointing (gradient_checkpointing)=True: the engine streams "
                                       "each block's weights for one forward; drop it"),
@@ -52,15 +54,16 @@ def _refusals(args: Any) -> list[tuple[bool, str]]:
     ]
 
 
-def check_training_args(args: Any) -> None:
+def check_training_args(args: Any, adapters: bool = False) -> None:
     """Raise on the first argument the out-of-core engine cannot honour.
 
     Args:
         args: the Trainer's ``TrainingArguments`` (or a subclass such as TRL's ``SFTConfig``).
+        adapters: the model is a peft model (resident adapters stepped by the Trainer's optimizer).
 
     Raises:
         ConfigError: one line naming the argument and what to do.
     """
-    for refused, why in _refusals(args):
+    for refused, why in _refusals(args, adapters):
         if refused:
             raise ConfigError(why)

@@ -45,11 +45,11 @@ def _weights(trainer, out) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("accum,clip", [(1, 0.0), (2, 1.0)], ids=["step-in-backward", "accum-clip"])
 def test_out_of_core_trainer_equals_in_memory(tmp_path, accum, clip):
-    ref = Trainer(model=make_tiny_llama(), args=_args(tmp_path / "ref", gradient_accumulation_steps=accum,
-                                                      max_grad_norm=clip), train_dataset=_Tokens())
+    kw = dict(gradient_accumulation_steps=accum, max_grad_norm=clip, eval_strategy="steps", eval_steps=2)
+    data = dict(train_dataset=_Tokens(), eval_dataset=_Tokens(rows=4))
+    ref = Trainer(model=make_tiny_llama(), args=_args(tmp_path / "ref", **kw), **data)
     ref.train()
-    ooc = OutOfCoreTrainer(model=make_tiny_llama(), args=_args(tmp_path / "ooc", gradient_accumulation_steps=accum,
-                                                               max_grad_norm=clip), train_dataset=_Tokens())
+    ooc = OutOfCoreTrainer(model=make_tiny_llama(), args=_args(tmp_path / "ooc", **kw), **data)
     ooc.train()
     assert ooc.engine.step_in_backward == (accum == 1 and not clip)  # both engine paths are covered
     try:
@@ -63,6 +63,8 @@ def test_out_of_core_trainer_equals_in_memory(tmp_path, accum, clip):
     assert losses(ooc) == losses(ref) and len(losses(ref)) == 4
     lrs = lambda t: [h["learning_rate"] for h in t.state.log_history if "learning_rate" in h]
     assert lrs(ooc) == lrs(ref)
+    evals = lambda t: [h["eval_loss"] for h in t.state.log_history if "eval_loss" in h]
+    assert evals(ooc) == evals(ref) and len(evals(ref)) == 2  # evaluation streams through the engine too
     if clip:
         norms = lambda t: [h["grad_norm"] for h in t.state.log_history if "grad_norm" in h]
         assert norms(ooc) == norms(ref)
@@ -116,3 +118,43 @@ def test_refuses_a_torch_optimizer_and_an_unknown_offload(tmp_path):
                          optimizers=(torch.optim.SGD(model.parameters(), lr=0.1), None))
     with pytest.raises(ConfigError, match="offload='gpu'"):
         OutOfCoreTrainer(model=model, args=_args(tmp_path), train_dataset=_Tokens(), offload="gpu")
+
+
+def _lora(seed: int = 0):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(3)
+    return get_peft_model(make_tiny_llama(seed=seed), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                                   target_modules=["q_proj", "v_proj"]))
+
+
+def _adapters(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_lora_trainer_streams_the_base_and_equals_in_memory(tmp_path):
+    """A peft model: the frozen base streams, the Trainer's own AdamW (weight decay groups, its
+    clip) steps the resident adapters; in memory, out of core and resumed agree bit for bit."""
+    kw = dict(gradient_accumulation_steps=2, max_grad_norm=1.0, weight_decay=0.01, save_strategy="steps",
+              save_steps=2)
+    ref = Trainer(model=_lora(), args=_args(tmp_path / "ref", **kw), train_dataset=_Tokens())
+    ref.train()
+    ooc = OutOfCoreTrainer(model=_lora(), args=_args(tmp_path / "ooc", **kw), train_dataset=_Tokens())
+    ooc.train()
+    assert ooc.engine.resident and all(not s.param.requires_grad for u in ooc.engine.units for s in u.slots)
+    fresh = _lora()  # the same base (a LoRA checkpoint holds the adapters only); adapters scrambled:
+    with torch.no_grad():  # the checkpoint's must replace them
+        for p in fresh.parameters():
+            if p.requires_grad:
+                p.normal_()
+    resumed = OutOfCoreTrainer(model=fresh, args=_args(tmp_path / "ooc", **kw), train_dataset=_Tokens())
+    resumed.train(resume_from_checkpoint=str(tmp_path / "ooc" / "checkpoint-2"))
+    want, got, again = _adapters(ref.model), _adapters(ooc.model), _adapters(resumed.model)
+    ooc.close()
+    resumed.close()
+    assert want.keys() == got.keys() and len(want) == 16
+    for name in want:
+        assert torch.equal(want[name], got[name]) and torch.equal(want[name], again[name]), name
+    norms = lambda t: [h["grad_norm"] for h in t.state.log_history if "grad_norm" in h]
+    assert norms(ooc) == norms(ref) and len(norms(ref)) == 4
+    assert (tmp_path / "ooc" / "checkpoint-2" / "adapter_model.safetensors").is_file()
