@@ -164,7 +164,8 @@ class OutOfCoreMixin:
             clip = self.args.max_grad_norm
         self.engine = offload_model(self.model, inner, max_grad_norm=clip, resident_trainable=self.adapters,
                                     grad_accum=self.args.gradient_accumulation_steps, **self._offload)
-        weakref.finalize(self, self.engine.close)  # the swap dir goes when the Trainer does
+        # closed once: by close(), or when the Trainer is collected (or at exit): the swap dir goes with it
+        self._close_engine = weakref.finalize(self, self.engine.close)
         self.optimizer = EngineOptimizer(self.engine)
         return self.optimizer
 
@@ -237,7 +238,7 @@ class OutOfCoreMixin:
         """Finish every write, free the tiers and remove the swap directory (the model's weights
         then live only in what ``save_model`` wrote)."""
         if self.engine is not None:
-            self.engine.close()
+            self._close_engine()
 
 
 def out_of_core(trainer_cls: type) -> type:
