@@ -76,10 +76,13 @@ def export_gguf(model_dir: str | Path, out_file: str | Path, gguf_type: str = "f
     import gguf
     from transformers import AutoConfig
 
-    if gguf_type not in GGUF_TYPES:
-        raise ConfigError(f"--gguf-type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}")
+    _check_type(gguf_type)
     directory = Path(model_dir)
-    config = AutoConfig.from_pretrained(directory)
+    try:
+        config = AutoConfig.from_pretrained(directory)
+    except (OSError, ValueError) as err:
+        raise ModelError(f"cannot read the model config in '{directory}': {str(err).strip().splitlines()[0]}; "
+                         "pass a Hugging Face directory (with config.json)") from err
     arch = _architecture(config)
     tensors = _plan(directory, config, arch, gguf_type)
     out = Path(out_file)
@@ -107,6 +110,11 @@ def export_gguf(model_dir: str | Path, out_file: str | Path, gguf_type: str = "f
     os.replace(tmp, out)
     write_modelfile(out, special.chat_template, _stop_tokens(tokens, special))
     return out
+
+
+def _check_type(gguf_type: str) -> None:
+    if gguf_type not in GGUF_TYPES:
+        raise ConfigError(f"--gguf-type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}")
 
 
 def _architecture(config: Any) -> str:
@@ -352,8 +360,7 @@ def export_run_gguf(source: str | Path, out_dir: str | Path | None = None, gguf_
     from .config import load_config
     from .export import export_run
 
-    if gguf_type not in GGUF_TYPES:
-        raise ConfigError(f"--gguf-type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}")
+    _check_type(gguf_type)
     path = Path(source)
     if (path / "config.yaml").is_file():
         name = path.resolve().name

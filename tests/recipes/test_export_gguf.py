@@ -120,8 +120,10 @@ def test_modelfile_maps_chatml(tmp_path):
     assert text.count('PARAMETER stop "<|im_end|>"') == 1 and 'PARAMETER stop "<|im_start|>"' in text
 
 
-def test_bad_input_is_one_line(tmp_path):
+def test_bad_input_is_one_line(tmp_path, capsys):
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    from outcore.tui.cli import main
 
     _saved(tmp_path, "llama")
     with pytest.raises(ConfigError, match="--gguf-type 'q4_0' is not one of f16, bf16, q8_0"):
@@ -131,7 +133,13 @@ def test_bad_input_is_one_line(tmp_path):
         export_gguf(tmp_path / "gpt2", tmp_path / "m.gguf")
     with pytest.raises(ModelError, match="does not exist"):
         export_run_gguf(tmp_path / "nowhere", tmp_path / "o")
-    assert not list(tmp_path.glob("*.gguf*"))  # nothing half-written left behind
+    with pytest.raises(ModelError, match="cannot read the model config in"):
+        export_gguf(tmp_path, tmp_path / "m.gguf")
+    capsys.readouterr()  # save_pretrained's progress bars
+    assert main(["export", str(tmp_path / "gpt2"), "--format", "gguf", "--output", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("outcore: error: GGUF export supports the families")
+    assert not list(tmp_path.rglob("*.gguf*"))  # nothing half-written left behind
 
 
 def _finetune(inputs: Path, out: Path, **kw):
