@@ -11,9 +11,10 @@ What else it holds tells how far it went:
   caller: it is the UI's file, so it comes in as rows).
 
 Statuses: **finished** — a checkpoint at ``max_steps`` and ``final/`` (or ``export=false``);
-**interrupted** — a checkpoint to resume from (a Ctrl-C, a crash, a kill, or a run still
-going: a directory cannot tell a live run from a killed one); **failed** — nothing to
-resume from (it stopped before its first checkpoint, or its config is unreadable).
+**running** — an out-of-core run whose swap directory a live process holds locked;
+**interrupted** — a checkpoint to resume from (a Ctrl-C, a crash, a kill — or a run held
+in memory that is still going: nothing on disk tells those apart); **failed** — nothing
+to resume from (it stopped before its first checkpoint, or its config is unreadable).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from typing import Any, Iterable
 
 from ..errors import ConfigError
 
-FINISHED, INTERRUPTED, FAILED = "finished", "interrupted", "failed"
+FINISHED, RUNNING, INTERRUPTED, FAILED = "finished", "running", "interrupted", "failed"
 CONFIG_NAME = "config.yaml"
 ZO_LOG_NAME = "zo_log.jsonl"  # optim/zo_replay.LOG_NAME (that module imports torch)
 
@@ -35,7 +36,7 @@ class RunInfo:
 
     Attributes:
         path: the run directory.
-        status: ``finished``, ``interrupted`` or ``failed``.
+        status: ``finished``, ``running``, ``interrupted`` or ``failed``.
         steps_done: the last step it logged or checkpointed (0: none).
         max_steps: the steps it was asked for (None: config unreadable).
         resume_step: the step ``--resume`` continues from (None: nothing to resume).
@@ -116,11 +117,20 @@ def describe_run(run_dir: str | Path, metrics_rows: Iterable[dict[str, Any]] = (
     steps = max(logged, saved)
     if saved >= cfg.max_steps and ((path / "final" / "config.json").is_file() or not cfg.export):
         return RunInfo(path, FINISHED, steps, cfg.max_steps, None, eval_loss, method, cfg.model)
+    if _swap_in_use(Path(cfg.swap_dir) if cfg.swap_dir else path / "swap"):
+        return RunInfo(path, RUNNING, steps, cfg.max_steps, None, eval_loss, method, cfg.model)
     if saved > 0:
         return RunInfo(path, INTERRUPTED, steps, cfg.max_steps, saved, eval_loss, method, cfg.model,
                        note=f"outcore finetune --resume {path}")
     why = f"stopped at step {logged} before its first checkpoint" if logged else "stopped before its first step"
     return RunInfo(path, FAILED, steps, cfg.max_steps, None, eval_loss, method, cfg.model, note=why)
+
+
+def _swap_in_use(swap: Path) -> bool:
+    """A live run holds ``swap``'s lock (a killed one leaves it unlocked: a leftover)."""
+    from ..offload.swapdir import LOCK_NAME, find_leftover_swap_dirs
+
+    return (swap / LOCK_NAME).is_file() and str(swap.absolute()) not in find_leftover_swap_dirs(swap)
 
 
 def _zo_steps(log: Path) -> int:

@@ -8,13 +8,14 @@ from typing import Any
 
 from .format import fmt_float
 
-HELP = "list the runs under a folder: finished, interrupted (resumable) or failed"
+HELP = "list the runs under a folder: finished, running, interrupted (resumable) or failed"
 DESCRIPTION = """\
 List the fine-tuning runs under DIR (default runs/; any folder holding a config.yaml
 is a run) with their status, steps done out of max steps, last eval loss (the final
 one for a finished run), method and model.
 
   finished     reached max_steps; final/ written (outcore export RUN --format gguf)
+  running      out of core, its swap directory held by a live process
   interrupted  stopped with a checkpoint: outcore finetune --resume RUN continues it
                (a run still going shows here too)
   failed       stopped before its first checkpoint: nothing to resume

@@ -135,6 +135,24 @@ def test_hand_made_runs(tmp_path, checkpoint, final, logged, export, status, res
     assert info.eval_loss == (1.5 if logged else None)
 
 
+def test_a_swap_dir_held_by_a_live_process_is_a_running_run(tmp_path):
+    import fcntl
+    import os
+
+    from outcore.offload.swapdir import LOCK_NAME
+
+    run = _hand_made(tmp_path, "r", 2, False, 3)
+    (run / "swap").mkdir()
+    (run / "swap" / LOCK_NAME).write_text("12345\n")
+    assert describe_run(run).status == "interrupted"  # a lock nobody holds: a killed run's leftover
+    fd = os.open(run / "swap" / LOCK_NAME, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as SwapDir holds it while its run lives
+        assert describe_run(run).status == "running"
+    finally:
+        os.close(fd)
+
+
 def test_empty_and_missing_folders(tmp_path, capsys):
     assert main(["runs", str(tmp_path)]) == 0
     assert capsys.readouterr().out == f"no runs under {tmp_path} (a run is a folder holding config.yaml)\n"
