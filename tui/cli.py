@@ -2,8 +2,7 @@
 
 Subcommands are listed once, in :func:`commands`; each is a module with
 ``HELP``, ``DESCRIPTION``, ``add_arguments(parser)`` and ``run(args) -> int``
-(``finetune_cmd.py``, ``plan_cmd.py``, ``doctor.py``). ``bench`` and ``export``
-are added there when their engines exist.
+(``finetune_cmd.py``, ``plan_cmd.py``, ``doctor.py``, ...).
 
 Exit codes: 0 success; 2 bad input (any :class:`outcore.errors.OutcoreError`,
 printed as exactly one line ``outcore: error: <message>``, or an argparse usage
@@ -40,17 +39,21 @@ class Command:
 
 def commands() -> list[Command]:
     """Every subcommand, in the order ``--help`` lists them (add new ones here)."""
-    from . import chat_cmd, doctor, export_cmd, finetune_cmd, generate_cmd, plan_cmd
+    from . import (chat_cmd, doctor, export_cmd, finetune_cmd, generate_cmd, plan_cmd,
+                   runs_cmd)
+
+    def command(name, module, accepts_overrides=False):
+        return Command(name, module.HELP, module.DESCRIPTION, module.add_arguments, module.run,
+                       accepts_overrides)
 
     return [
-        Command("finetune", finetune_cmd.HELP, finetune_cmd.DESCRIPTION, finetune_cmd.add_arguments,
-                finetune_cmd.run, accepts_overrides=True),
-        Command("plan", plan_cmd.HELP, plan_cmd.DESCRIPTION, plan_cmd.add_arguments, plan_cmd.run,
-                accepts_overrides=True),
-        Command("doctor", doctor.HELP, doctor.DESCRIPTION, doctor.add_arguments, doctor.run),
-        Command("export", export_cmd.HELP, export_cmd.DESCRIPTION, export_cmd.add_arguments, export_cmd.run),
-        Command("generate", generate_cmd.HELP, generate_cmd.DESCRIPTION, generate_cmd.add_arguments, generate_cmd.run),
-        Command("chat", chat_cmd.HELP, chat_cmd.DESCRIPTION, chat_cmd.add_arguments, chat_cmd.run),
+        command("finetune", finetune_cmd, accepts_overrides=True),
+        command("plan", plan_cmd, accepts_overrides=True),
+        command("doctor", doctor),
+        command("export", export_cmd),
+        command("generate", generate_cmd),
+        command("chat", chat_cmd),
+        command("runs", runs_cmd),
     ]
 
 
