@@ -34,6 +34,9 @@ from ._futures import chain as _chain
 DATA_FILE, INDEX_FILE = "extents.bin", "extents.idx"
 
 
+JOURNAL_ROOM = 4 << 20  # left free beside the swap file for the journal's appends
+
+
 def reserve_margin(nbytes: int) -> int:
     """Room an unbounded swap file reserves beyond what is asked: 1/16 of it, at least 16 MiB
     (so a run whose need grows a little, e.g. with offloaded activations, does not
@@ -120,15 +123,18 @@ class NvmeBackend:
             self._free.grow(capacity)
 
     def reserve(self, nbytes: int) -> None:
-        """Preallocate room for ``nbytes`` of extents now, plus :func:`reserve_margin`: what the
-        plan says the tier will hold, so a disk too small fails before training.
+        """Preallocate room for ``nbytes`` of extents now, plus :func:`reserve_margin` where the
+        disk has it: what the plan says the tier will hold, so a disk too small fails before training.
 
         Raises:
             DiskFullError: the swap dir's disk has not the room (free and needed bytes named).
         """
         if self.budget is None and nbytes > 0:
             with self._lock:
-                self._grow_to(nbytes + reserve_margin(nbytes))
+                # the margin is a cushion, not a need: it shrinks to the room there is, less
+                # what the journal (a line per write) and the lock file take beside the swap file
+                room = self.swap.free_bytes + self._free.capacity - JOURNAL_ROOM
+                self._grow_to(nbytes + min(reserve_margin(nbytes), max(0, room - align_up(nbytes))))
 
     @property
     def held(self) -> int:

@@ -133,7 +133,7 @@ def is_disk_full(exc: BaseException) -> bool:
 
 def _disk_full(root: Path, need: int) -> DiskFullError:
     return DiskFullError(f"checkpoint directory {root} needs {format_bytes(need)} but its disk has "
-                         f"{format_bytes(free_bytes(root))} free; free space (or lower keep_checkpoints) and "
+                         f"{format_bytes(free_bytes(root))} free; free space and "
                          "continue with --resume: the previous checkpoint is intact")
 
 
@@ -176,6 +176,7 @@ def _publish(root: Path, tmp: Path, final: Path) -> None:
     os.replace(tmp, final)
     latest_tmp = root / (_LATEST + _TMP)
     latest_tmp.write_text(final.name)
+    os.chmod(latest_tmp, stat.S_IRUSR | stat.S_IWUSR)
     _fsync(latest_tmp)
     os.replace(latest_tmp, root / _LATEST)
     _fsync(root)

@@ -296,7 +296,7 @@ def test_a_planned_reservation_that_does_not_fit_names_the_true_free_space(tmp_p
     """Found: the refusal said "0.00 GiB free" (measured after the failed fallocate took the space)."""
     _SmallDisk(monkeypatch, free=100 * MiB)
     with pytest.raises(DiskFullError, match=r"has 100.00 MiB free but the NVMe tier \(extents.bin\) needs "
-                                            r"134.00 MiB more") as e:
+                                            r"118.00 MiB more") as e:
         TieredStore(MiB, MiB, swap_dir=tmp_path / "s", device="cpu", nvme_reserve=118 * MiB)
     assert e.value.exit_code == EXIT_DISK_FULL
     assert not (tmp_path / "s").exists()
@@ -304,6 +304,9 @@ def test_a_planned_reservation_that_does_not_fit_names_the_true_free_space(tmp_p
     with pytest.raises(DiskFullError, match="has 50.00 MiB free"):
         TieredStore(MiB, MiB, swap_dir=tmp_path / "s", device="cpu", nvme_reserve=118 * MiB)
     assert disk.free == 50 * MiB
+    disk = _SmallDisk(monkeypatch, free=120 * MiB)  # fits, with less than the margin to spare
+    with TieredStore(MiB, MiB, swap_dir=tmp_path / "s", device="cpu", nvme_reserve=118 * MiB) as s:
+        assert s.nvme.capacity == 118 * MiB and disk.free == 2 * MiB  # room for the journal
 
 
 def test_swap_files_are_private(tmp_path):

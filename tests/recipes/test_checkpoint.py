@@ -136,3 +136,12 @@ def test_no_valid_checkpoint_names_the_damage(tmp_path):
     (d / "trainer.pt").write_bytes(b"")
     with pytest.raises(CheckpointError, match=r"no checkpoint of .* loads: checkpoint file .*trainer.pt"):
         ckpt.load_newest_valid(tmp_path)
+
+
+def test_a_checkpoint_written_before_the_self_digest_still_loads(tmp_path):
+    import json
+    d = _save(tmp_path, 2)
+    body = json.loads((d / ckpt._COMPLETE).read_text())
+    del body["self"]  # what checkpoints of earlier versions hold
+    (d / ckpt._COMPLETE).write_text(json.dumps(body))
+    assert ckpt.load_checkpoint(d)[2]["step"] == 2
