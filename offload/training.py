@@ -64,8 +64,7 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
             in block-sized pieces when the optimizer updates element-wise (see
             ``unit_sizes.state_pieces``), so the HOST window is a few blocks, not the
             embedding's whole state. Bit-identical either way.
-        nvme_reserve: bytes the plan puts on NVMe, preallocated in the swap dir now (with a
-            margin) so a disk too small is refused before training (0: grow on demand).
+        nvme_reserve: bytes the plan puts on NVMe, preallocated now (0: grow on demand).
 
     Returns:
         The :class:`OutOfCoreEngine`, owning the store (``close()`` it when done).
@@ -73,7 +72,7 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
     Raises:
         ConfigError: an unknown ``offload`` or ``nvme`` without a swap dir.
         BudgetError: a cap smaller than one unit needs.
-        SwapDirError: the swap dir cannot be used.
+        SwapDirError: the swap dir cannot be used (``DiskFullError``: too small for ``nvme_reserve``).
     """
     if offload not in STREAMED_MODES:
         raise ConfigError(f"offload={offload!r}: the out-of-core engine takes 'cpu' or 'nvme'")
@@ -83,7 +82,6 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
     uses_nvme = any(Tier.NVME in h for h in homes)
     if uses_nvme and swap_dir is None:
         raise ConfigError("offload=nvme needs a swap directory; pass --swap-dir DIR on a fast disk")
-
     k = max(1, prefetch)
     if spill_grads is None:
         spill_grads = any(s is Tier.NVME for _, s in homes)
