@@ -76,6 +76,7 @@ class FinetuneConfig:
     eval_batches: int = 8  # micro-batches per validation pass (0 = the whole validation set)
     log_every: int = 1  # steps between metrics rows
     save_every: int = 0  # steps between checkpoints (0 = only at the end)
+    keep_checkpoints: int = 2  # newest checkpoints kept; older ones are removed once a new one is complete
     output: str = "runs/default"  # output directory
     overwrite: bool = False  # allow reusing an output directory that holds another run
     resume: str | None = None  # resume from this output directory's last checkpoint
@@ -97,7 +98,8 @@ class FinetuneConfig:
         _choice("offload", self.offload, OFFLOAD_MODES)
         _choice("activations", self.activations, ACTIVATION_POLICIES)
         _choice("ui", self.ui, UI_MODES)
-        for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "lora_r"):
+        for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "lora_r",
+                     "keep_checkpoints"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
         for name in ("warmup_steps", "eval_every", "eval_batches", "save_every", "threads",
