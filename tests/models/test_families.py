@@ -230,3 +230,48 @@ def test_the_chunked_head_loss_skips_nothing(family, family_dir, data_file, tmp_
     batch = recipe.loader.next_batch()
     with torch.no_grad():
         assert torch.equal(recipe.loss(recipe.model, batch), recipe.model(**batch).loss)
+
+
+def test_a_bf16_checkpoint_streams_as_stored(tmp_path, monkeypatch, tiny_tokenizer):
+    """bf16 shards with dtype=bfloat16: the meta model is bf16 and each fill reads one stored
+    tensor, in bf16, with no fp32 copy of it or of the model (Mixtral: converted experts too)."""
+    import safetensors
+    from transformers import AutoModelForCausalLM
+
+    from outcore.models import load_model_lazily
+
+    torch.manual_seed(0)
+    stored = AutoModelForCausalLM.from_config(family_config("mixtral")).to(torch.bfloat16)
+    stored.save_pretrained(tmp_path / "m")
+    reads: list[torch.dtype] = []
+    real_open = safetensors.safe_open
+
+    class Counting:
+        def __init__(self, *args, **kw):
+            self.f = real_open(*args, **kw)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_tensor(self, key):
+            tensor = self.f.get_tensor(key)
+            reads.append(tensor.dtype)
+            return tensor
+
+    monkeypatch.setattr(safetensors, "safe_open", Counting)
+    model, _, fill = load_model_lazily(str(tmp_path / "m"), dtype="bfloat16", tokenizer=False)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and not reads
+    for name, want in stored.named_parameters():
+        out = torch.empty_like(want)
+        fill(name, out)
+        assert torch.equal(out, want), name
+    layers = family_config("mixtral").num_hidden_layers
+    # one read per parameter, but a layer's two fused expert tensors come from w1, w2, w3 of 4 experts
+    assert len(reads) == len(list(stored.parameters())) - 2 * layers + 4 * 3 * layers
+    assert set(reads) == {torch.bfloat16}
