@@ -162,10 +162,23 @@ def check_streamable(model: nn.Module, ram_available: int | None = None) -> Mode
                 for p in m.parameters()}
     outside = [n for n, p in base.named_parameters() if id(p) not in streamed]
     if outside:
-        part = outside[0].rsplit(".", 1)[0]
+        part = _outermost_outside(base, outside[0], streamed)
         raise ModelError(f"{what}: its part {part!r} ({len(outside)} tensors outside the embed, blocks, final "
                          f"norm and head){_in_memory_advice(base, ram_available)}")
     return parts
+
+
+def _outermost_outside(model: nn.Module, name: str, streamed: set[int]) -> str:
+    """The largest module holding parameter ``name`` with nothing streamed in it
+    (``model.vision_tower``, not its first patch embedding)."""
+    path = name.split(".")[:-1]
+    part = ".".join(path)
+    for i in range(len(path) - 1, 0, -1):
+        prefix = ".".join(path[:i])
+        if any(id(p) in streamed for p in model.get_submodule(prefix).parameters()):
+            break
+        part = prefix
+    return part
 
 
 def _in_memory_advice(model: nn.Module, ram_available: int | None) -> str:
