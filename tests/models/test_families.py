@@ -316,3 +316,22 @@ def test_a_bf16_checkpoint_streams_as_stored(tmp_path, monkeypatch, tiny_tokeniz
     # one read per parameter, but a layer's two fused expert tensors come from w1, w2, w3 of 4 experts
     assert len(reads) == len(list(stored.parameters())) - 2 * layers + 4 * 3 * layers
     assert set(reads) == {torch.bfloat16}
+
+
+def test_an_moe_block_is_planned_with_all_its_experts():
+    """The planner sizes a Mixtral-8x7B-shaped block with its 8 experts and router (from the
+    config, on the meta device): ~6.7x a Mistral-7B block, which differs only in its MLP."""
+    from transformers import MistralConfig, MixtralConfig
+
+    from outcore.offload.plan_sizes import model_spec_from_config
+
+    shape = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+                 num_attention_heads=32, num_key_value_heads=8)
+    moe = model_spec_from_config(MixtralConfig(**shape, num_local_experts=8, num_experts_per_tok=2))
+    dense = model_spec_from_config(MistralConfig(**shape))
+    h, f = 4096, 14336
+    attention = h * h * 2 + 2 * h * 1024 + 2 * h  # q, o; k, v (8 kv heads x 128); two norms
+    (moe_block,), (dense_block,) = ([u for u in s.units if u.kind == "block"][:1] for s in (moe, dense))
+    assert dense_block.numel == attention + 3 * h * f
+    assert moe_block.numel == attention + 8 * 3 * h * f + 8 * h  # experts + router
+    assert 6.5 < moe_block.numel / dense_block.numel < 6.8
