@@ -99,6 +99,9 @@ class ModelSpec:
     vocab: int
     layers: int
     tied: bool
+    #: of a mixture-of-experts block's expert weights, the share one token multiplies by
+    #: (experts per token / experts); 1.0 for a dense model
+    expert_share: float = 1.0
 
     @property
     def numel(self) -> int:
@@ -144,7 +147,23 @@ def model_spec_from_model(model: Any) -> ModelSpec:
         units.append(UnitSpec(u.index, u.name, kind, params, tuple(u.borrows)))
     dims = _dims(base.config)
     return ModelSpec(model_type=str(getattr(base.config, "model_type", "unknown")), units=tuple(units),
-                     tied=any(u.borrows for u in units), **dims)
+                     tied=any(u.borrows for u in units), expert_share=_expert_share(base.config), **dims)
+
+
+def _expert_share(cfg: Any) -> float:
+    """Experts per token / experts of a mixture-of-experts config (1.0 without experts)."""
+    cfg = getattr(cfg, "text_config", None) or cfg
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    per_token = getattr(cfg, "num_experts_per_tok", None)
+    return per_token / experts if experts and per_token else 1.0
+
+
+def _matmul_elements(p: ParamInfo, expert_share: float) -> float:
+    """Elements of ``p`` each token multiplies by: a matrix, or a stack of experts' matrices
+    (``experts.*``, fused 3-D or one per expert) of which a token uses ``expert_share``."""
+    if ".experts." in p.name and len(p.shape) in (2, 3) and not p.name.endswith("bias"):
+        return p.numel * expert_share
+    return p.numel if len(p.shape) == 2 else 0
 
 
 def model_spec_from_config(config: Any) -> ModelSpec:
@@ -292,7 +311,7 @@ def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str,
     master = 4 if (c != 4 and state is not None) else 0  # ZO updates in place in the compute dtype
     out = []
     for u in spec.units:
-        matmul = sum(p.numel for p in u.params if len(p.shape) == 2 and u.kind != "embed")
+        matmul = 0 if u.kind == "embed" else round(sum(_matmul_elements(p, spec.expert_share) for p in u.params))
         if u.kind == "head" and spec.tied:
             matmul += spec.vocab * spec.hidden  # the tied head multiplies by the embedding matrix
         if traits.trains_weights:

@@ -335,3 +335,9 @@ def test_an_moe_block_is_planned_with_all_its_experts():
     assert dense_block.numel == attention + 3 * h * f
     assert moe_block.numel == attention + 8 * 3 * h * f + 8 * h  # experts + router
     assert 6.5 < moe_block.numel / dense_block.numel < 6.8
+    # ... and its compute with the 2 experts of 8 a token goes through (fused 3-D expert weights)
+    from outcore.offload.plan_sizes import unit_bytes
+
+    matmul = [next(u.matmul_params for u in unit_bytes(s, method="full", optim="adamw", dtype="float32")
+                  if u.kind == "block") for s in (moe, dense)]
+    assert matmul == [attention - 2 * h + 2 * 3 * h * f + 8 * h, attention - 2 * h + 3 * h * f]
