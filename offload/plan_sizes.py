@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 from ..dtypes import DTYPE_BYTES
 from ..errors import ConfigError, ModelError
+from .unit_sizes import piece_size
 
 NF4_BLOCK = 64  # QLoRA NF4: 4-bit codes, one fp32 absmax per 64 weights (no double quantization)
 
@@ -249,9 +250,10 @@ class OptimizerState:
         """Bytes of state of a parameter of ``shape`` (no padding: the plan counts that apart)."""
         return sum(n * size for n, size in self.spec(shape).values())
 
-    def elementwise(self, shape: tuple[int, ...]) -> bool:
-        """Whether the update is element-wise, so the engine may stream the state in pieces."""
-        return self.optimizer.elementwise_state(self._param(shape), self._group) is not None
+    def ratios(self, shape: tuple[int, ...]) -> dict[str, int] | None:
+        """How the state lines up with the elements (``elementwise_state``); None when the
+        update mixes elements (the engine then never streams the state in pieces)."""
+        return self.optimizer.elementwise_state(self._param(shape), self._group)
 
 
 def _lora_shapes(unit: UnitSpec, targets: tuple[str, ...], r: int) -> list[tuple[int, int]]:
@@ -320,7 +322,10 @@ def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str,
             out.append(_adapter_unit(u, c, traits, state, matmul, lora_r, tuple(lora_targets)))
     if not traits.trains_weights or state is None:
         return out
-    piecable = [len(u.params) == 1 and state.elementwise(u.params[0].shape) for u in spec.units]
+    piecable = []
+    for u in spec.units:  # every parameter element-wise, alike (``unit_sizes.state_pieces``)
+        ratios = [state.ratios(p.shape) for p in u.params]
+        piecable.append(bool(ratios) and ratios[0] is not None and all(r == ratios[0] for r in ratios))
     return _with_state_pieces(out, piecable)
 
 
@@ -359,13 +364,12 @@ def _adapter_unit(u: UnitSpec, c: int, traits: MethodTraits, state: OptimizerSta
 
 
 def _with_state_pieces(units: list[UnitBytes], piecable: list[bool]) -> list[UnitBytes]:
-    """Mark the units whose state the engine streams in block-sized pieces: a single tensor
-    (the embedding) updated element-wise (``OutcoreOptimizer.elementwise_state``) whose
-    state is over 1.5 x the second-largest unit's (``unit_sizes.state_pieces``)."""
-    sizes = sorted(u.state for u in units)
-    if len(sizes) < 2:
+    """Mark the units whose state the engine streams in block-sized pieces: updated
+    element-wise (``OutcoreOptimizer.elementwise_state``), with a state over 1.5 x the
+    piece size (``unit_sizes.piece_size``, ``unit_sizes.state_pieces``)."""
+    piece = piece_size([u.state for u in units], [u.kind == "block" for u in units])
+    if piece is None:
         return units
-    piece = sizes[-2]
     return [replace(u, state_piece=piece) if ok and u.state > 1.5 * piece else u
             for u, ok in zip(units, piecable)]
 
