@@ -174,8 +174,8 @@ def causal_lm_units(model: nn.Module, resident_trainable: bool = False,
     """Cut a Hugging Face causal LM into ``[embed, blocks..., head]`` units.
 
     Args:
-        model: a Llama / Qwen2 / Mistral / Gemma3-style ``*ForCausalLM`` (or a peft
-            wrapper of one).
+        model: a causal LM whose parts ``models.model_parts`` finds (the families of
+            ``models.SUPPORTED_MODEL_TYPES``), or a peft wrapper of one.
         resident_trainable: lay out only the frozen parameters; those that train
             stay where they are, resident (LoRA: the base streams, the adapters stay).
         head_modules: modules that compute with the head after ``lm_head`` (or instead
@@ -222,5 +222,5 @@ def causal_lm_units(model: nn.Module, resident_trainable: bool = False,
     missing = [n for n, p in model.named_parameters() if id(p) not in owner]
     if missing:
         raise ModelError(f"parameter {missing[0]!r} belongs to no embed/block/head unit; "
-                         "outcore's out-of-core mode supports Llama/Qwen2/Mistral/Gemma3-style models")
+                         "only such models stream out of core (`outcore doctor --model M` tells)")
     return units
