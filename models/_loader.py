@@ -228,6 +228,28 @@ def load_model(spec: str | Path = "default", *, dtype: torch.dtype | str = torch
     return model, tokenizer
 
 
+def pretrained_args(source: ModelSource, cache_dir: str | Path | None = None) -> tuple[str, dict[str, Any]]:
+    """Where ``from_pretrained`` reads a source's config and tokenizer, without its weights.
+
+    Args:
+        source: a resolved model spec.
+        cache_dir: the GGUF cache location.
+
+    Returns:
+        ``(location, kwargs)``: a GGUF's complete cache entry, else the GGUF's folder with
+        ``gguf_file`` (its metadata); a directory; a hub id (offline: local files only).
+    """
+    if source.kind == "gguf":
+        entry = gguf_cache_path(source.location, cache_dir)
+        if is_complete(entry):
+            return str(entry), {}
+        path = Path(source.location)
+        return str(path.parent), {"gguf_file": path.name}
+    if source.kind == "hf_dir":
+        return source.location, {}
+    return source.location, {"local_files_only": hub_offline()}
+
+
 def load_tokenizer(spec: str | Path = "default", *, cache_dir: str | Path | None = None):
     """Load only the tokenizer of a model spec (cheaper than :func:`load_model`).
 
@@ -249,15 +271,8 @@ def load_tokenizer(spec: str | Path = "default", *, cache_dir: str | Path | None
 
     source = resolve_model_spec(spec)
     try:
-        if source.kind == "gguf":
-            entry = gguf_cache_path(source.location, cache_dir)
-            if is_complete(entry):
-                return AutoTokenizer.from_pretrained(entry)
-            path = Path(source.location)
-            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        if source.kind == "hf_dir":
-            return AutoTokenizer.from_pretrained(source.location)
-        return AutoTokenizer.from_pretrained(source.location, local_files_only=hub_offline())
+        location, kwargs = pretrained_args(source, cache_dir)
+        return AutoTokenizer.from_pretrained(location, **kwargs)
     except (OSError, ValueError, KeyError) as err:
         raise ModelError(f"cannot load the tokenizer of '{source.location}': "
                          f"{_first_line(err)}") from err

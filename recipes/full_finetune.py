@@ -119,12 +119,12 @@ class Recipe:
             self._restore()
 
     def _setup_loss(self) -> None:
-        from ..kernels.linear_cross_entropy import CausalLMHeadLoss
+        from ..kernels.linear_cross_entropy import CausalLMHeadLoss, head_loss_covers
         from ..models import model_parts, unwrap_peft
 
         base = unwrap_peft(self.model)
         self.decoder, self.head_loss = base.model, None
-        if getattr(base.config, "final_logit_softcapping", None) is None:
+        if head_loss_covers(base.config):
             self.head_loss = CausalLMHeadLoss(model_parts(base).lm_head)
 
     def _setup_trainer(self, fill: Callable[[str, torch.Tensor], None] | None) -> None:
@@ -190,7 +190,7 @@ class Recipe:
         The head goes through ``CausalLMHeadLoss``: the loss without the
         [tokens, vocab] logits (at vocab 49152 they are the largest activation).
         """
-        if self.head_loss is None:  # a head the chunked loss does not cover (e.g. logit soft-capping)
+        if self.head_loss is None:  # a loss the chunked head does not cover (soft-capping, router aux loss)
             return model(**batch).loss
         hidden = self.decoder(input_ids=batch["input_ids"],
                               attention_mask=batch["attention_mask"]).last_hidden_state
