@@ -199,24 +199,37 @@ def test_qlora_out_of_core_matches_qlora_in_memory(family, family_dir, data_file
     assert mem.losses == pytest.approx(ooc.losses, rel=2e-2)
 
 
-#: the families whose loss the zeroth-order engine's block-wise forward
-#: (``offload.zo_model.CausalLMBlocks``) computes exactly as the model does
-ZO_EXACT = ("llama", "qwen2", "qwen3", "olmo2")
-
-
-@pytest.mark.parametrize("family", ZO_EXACT)
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_zo_block_forward_is_the_model_loss(family):
-    """ZO (in memory and out of core: the same block-wise forward) sees the model's own loss."""
+    """ZO (in memory and out of core: the same block-wise forward) sees the model's own loss:
+    each layer's mask and rotary table by its attention type, soft-capped logits, the
+    model's own loss function. An MoE model is trained without its routers' auxiliary loss."""
     from transformers import AutoModelForCausalLM
 
     from outcore.offload.zo_model import CausalLMBlocks
 
+    config = family_config(family)
+    config.output_router_logits = False
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(family_config(family)).eval()
+    model = AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(2, 320, (2, 32), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
     with torch.no_grad():
         assert torch.equal(CausalLMBlocks(model).loss(batch), model(**batch).loss)
+
+
+def test_zo_refuses_a_router_loss_it_would_not_add():
+    """ZO's block-wise loss has no routers' auxiliary loss: a config that asks for one is
+    refused before any work, in one line naming the setting."""
+    from transformers import AutoModelForCausalLM
+
+    from outcore.errors import ConfigError
+    from outcore.offload.zo_model import CausalLMBlocks
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(family_config("mixtral"))
+    with pytest.raises(ConfigError, match="output_router_logits=True, router_aux_loss_coef=0.05"):
+        CausalLMBlocks(model)
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
