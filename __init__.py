@@ -16,6 +16,7 @@ _LAZY = {
     "FinetuneConfig": ".recipes.config",
     "load_config": ".recipes.config",
     "finetune": ".api",
+    "evaluate": ".api",
     "OutcoreError": ".errors",
 }
 
@@ -24,7 +25,7 @@ __all__ = sorted(_LAZY) + ["__version__"]
 if TYPE_CHECKING:  # pragma: no cover
     from .errors import OutcoreError
     from .recipes.config import FinetuneConfig, load_config
-    from .api import finetune
+    from .api import evaluate, finetune
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

@@ -52,7 +52,8 @@ class UnitUpdater:
 
     Args:
         mem: the units' memory (weights bound by the engine, state fetched here).
-        optimizer: an ``OutcoreOptimizer`` (``update(params, grads, states, group)``).
+        optimizer: an ``OutcoreOptimizer`` (``update(params, grads, states, group)``), or None
+            when nothing trains (a frozen model streamed for evaluation).
         prefetch_depth: units (or pieces) whose state is fetched ahead.
         max_grad_norm: global-norm clipping (0 = off).
         spill: gradients go to the state's home tier as each unit's completes.
@@ -61,9 +62,9 @@ class UnitUpdater:
     def __init__(self, mem: StoreUnitMemory, optimizer: Any, prefetch_depth: int, max_grad_norm: float,
                  spill: bool):
         self.mem, self.optimizer = mem, optimizer
-        self.group = optimizer.param_groups[0]
+        self.group = optimizer.param_groups[0] if optimizer is not None else {}
         self.prefetch_depth, self.max_grad_norm, self.spill = prefetch_depth, max_grad_norm, spill
-        self.lr = self.group["lr"]
+        self.lr = self.group.get("lr")
         self.clip_norm: torch.Tensor | None = None  # this step's global norm (spill mode)
 
     def prefetch_state(self, unit: Unit) -> None:

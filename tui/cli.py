@@ -40,7 +40,7 @@ class Command:
 
 def commands() -> list[Command]:
     """Every subcommand, in the order ``--help`` lists them (add new ones here)."""
-    from . import doctor, export_cmd, finetune_cmd, plan_cmd
+    from . import doctor, eval_cmd, export_cmd, finetune_cmd, plan_cmd
 
     return [
         Command("finetune", finetune_cmd.HELP, finetune_cmd.DESCRIPTION, finetune_cmd.add_arguments,
@@ -49,6 +49,7 @@ def commands() -> list[Command]:
                 accepts_overrides=True),
         Command("doctor", doctor.HELP, doctor.DESCRIPTION, doctor.add_arguments, doctor.run),
         Command("export", export_cmd.HELP, export_cmd.DESCRIPTION, export_cmd.add_arguments, export_cmd.run),
+        Command("eval", eval_cmd.HELP, eval_cmd.DESCRIPTION, eval_cmd.add_arguments, eval_cmd.run),
     ]
 
 
