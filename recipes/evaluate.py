@@ -245,7 +245,9 @@ def evaluation_config(model: str, **overrides: Any):
     if not (run / "final").is_dir():
         raise CheckpointError(f"run {model!r} has no final/ model; run 'outcore export {model}' and "
                               f"evaluate {str(run / 'export')!r}")
-    return load_config(run / "config.yaml", None, model=str(run / "final"), resume=None, overwrite=True, **given)
+    # nothing trains here: the run's method (a zo run's, which takes no eval_task) does not apply
+    return load_config(run / "config.yaml", None, model=str(run / "final"), resume=None, overwrite=True,
+                       method="full", optim="adamw", **given)
 
 
 def evaluate_model(cfg: Any, *, perplexity: bool = True) -> EvalReport:
