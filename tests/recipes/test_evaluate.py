@@ -139,3 +139,19 @@ def test_streamed_loglikelihoods_equal_in_memory(tiny, tiny_run_inputs, tmp_path
     finally:
         streamed.close()
     assert ours == loglikelihoods(CausalLMScorer(model), tok, reqs, max_tokens=64)
+
+
+def test_evaluation_config_of_a_run(tmp_path):
+    """A run directory: its final/ model with the run's data and split; any method (zo too) may take a task."""
+    from outcore.errors import CheckpointError
+    from outcore.recipes.config import FinetuneConfig, save_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    save_config(FinetuneConfig(method="zo", optim="mezo", data="notes.txt", seq_len=64, seed=3), run / "config.yaml")
+    with pytest.raises(CheckpointError, match=r"has no final/ model; run 'outcore export"):
+        evaluation_config(str(run))
+    (run / "final").mkdir()
+    cfg = evaluation_config(str(run), eval_task="shakespeare", batch_size=None)
+    assert (cfg.model, cfg.data, cfg.seq_len, cfg.seed) == (str(run / "final"), "notes.txt", 64, 3)
+    assert cfg.eval_task == "shakespeare" and cfg.offload == "none"  # evaluation runs in memory unless asked
