@@ -133,7 +133,7 @@ def plot_loss_curve(train: Sequence[tuple[int, float]], evals: Sequence[tuple[in
         twin.set_ylabel("task accuracy (%)")
         more = twin.get_legend_handles_labels()
         handles, labels = handles + more[0], labels + more[1]
-    ax.legend(handles, labels, loc="upper right")
+    ax.legend(handles, labels, loc="best")
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
