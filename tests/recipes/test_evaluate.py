@@ -57,7 +57,6 @@ def test_loglikelihoods_equal_a_plain_transformers_forward(tiny):
     assert len(set(round(v, 3) for v in ours)) > len(ours) // 2  # distinct scores: a real comparison
 
 
-@pytest.mark.slow(ci=True)
 def test_scores_equal_lm_evaluation_harness(tiny, tmp_path, monkeypatch):
     """The harness's own HFLM log-likelihoods and its multiple-choice acc / acc_norm, on the same items."""
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))  # the local file's cache: not ~
@@ -106,7 +105,6 @@ def _plain_perplexity(model, tok, cfg):
     return math.exp(total / n), n
 
 
-@pytest.mark.slow(ci=True)
 @pytest.mark.parametrize("offload", ["none", "nvme"])
 def test_perplexity_and_task_in_memory_and_streamed(tiny, tiny_run_inputs, tmp_path, offload):
     model, tok = tiny

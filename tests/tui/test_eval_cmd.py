@@ -76,7 +76,6 @@ def test_bad_task_file_is_one_line_exit_2(tmp_path, capsys, line, message):
     assert err.startswith("outcore: error: ") and err.count("\n") == 1 and message in err
 
 
-@pytest.mark.slow(ci=True)
 def test_eval_cli_on_a_tiny_model(tiny_run_inputs, capsys):
     args = ["eval", str(tiny_run_inputs / "model"), "--data", str(tiny_run_inputs / "data.txt"), "--seq-len", "32",
             "--val-fraction", "0.1", "--eval-batches", "2", "--task", "shakespeare"]
@@ -91,7 +90,6 @@ def test_eval_cli_on_a_tiny_model(tiny_run_inputs, capsys):
     assert "task accuracy" in text and "perplexity" not in text
 
 
-@pytest.mark.slow(ci=True)
 def test_finetune_eval_task_then_eval_the_run(tiny_run_inputs, tmp_path, capsys):
     """Accuracy before and after training in metrics.jsonl and the summary; ``outcore eval RUN_DIR``
     reproduces the run's final eval loss and task accuracy."""
