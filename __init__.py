@@ -18,6 +18,7 @@ _LAZY = {
     "finetune": ".api",
     "generate": ".recipes.generate",
     "load_generator": ".recipes.generate",
+    "evaluate": ".api",
     "OutcoreError": ".errors",
 }
 
@@ -26,7 +27,7 @@ __all__ = sorted(_LAZY) + ["__version__"]
 if TYPE_CHECKING:  # pragma: no cover
     from .errors import OutcoreError
     from .recipes.config import FinetuneConfig, load_config
-    from .api import finetune
+    from .api import evaluate, finetune
     from .recipes.generate import generate, load_generator
 
 

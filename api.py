@@ -1,4 +1,5 @@
-"""The public Python API: ``outcore.finetune``, one call from a config to a trained model.
+"""The public Python API: ``outcore.finetune``, one call from a config to a trained model, and
+``outcore.evaluate``, its perplexity and task accuracy.
 
 It sits above the recipes: it resolves the config, builds the run's event sink (the
 dashboard or plain log, ``OUTPUT/metrics.jsonl`` and the ``report_to`` trackers; recipes
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     from .events import EventSink
     from .recipes.config import FinetuneConfig
+    from .recipes.evaluate import EvalReport
     from .recipes.full_finetune import FinetuneResult
 
 
@@ -56,3 +58,31 @@ def finetune(config: FinetuneConfig | None = None, sink: EventSink | None = None
 
         push_to_hub(result.final_dir, config.push_to_hub)
     return result
+
+
+def evaluate(model: str = "default", *, data: str | None = None, task: str | None = None, **overrides: Any
+             ) -> EvalReport:
+    """Held-out perplexity and task accuracy of a model, or of a run's result (``outcore eval``).
+
+    Args:
+        model: a model spec (as ``finetune``'s ``model``) or a run's output directory
+            (its ``final/`` model on the run's own data, split and ``eval_task``).
+        data: text data for the held-out perplexity (default: the run's data, else
+            ``"default"``; with only a ``task`` given for a model, no perplexity).
+        task: a labelled JSONL task file, or ``"shakespeare"`` (see ``outcore.data.tasks``).
+        **overrides: config keys: ``seq_len``, ``batch_size``, ``eval_batches``, ``seed``,
+            ``val_fraction``, ``dtype``, ``offload`` (none | cpu | nvme), ``swap_dir`` ...
+
+    Returns:
+        An EvalReport (``eval_loss``, ``perplexity``, ``task.acc`` / ``task.acc_norm``; ``to_dict()``).
+
+    Raises:
+        OutcoreError: bad model, run, data, task file or option (one-line message).
+    """
+    from pathlib import Path
+
+    from .recipes.evaluate import evaluate_model, evaluation_config
+
+    cfg = evaluation_config(model, data=data, eval_task=task, **overrides)
+    is_run = (Path(model) / "config.yaml").is_file()
+    return evaluate_model(cfg, perplexity=data is not None or is_run or not cfg.eval_task)

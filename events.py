@@ -73,6 +73,21 @@ class EvalEvent:
 
 
 @dataclass
+class TaskEvalEvent:
+    """A labelled task was scored (with each validation pass when ``eval_task`` is set)."""
+
+    step: int  # 0 = before training
+    task: str  # the task's name (its file's stem)
+    n: int  # examples scored
+    acc: float  # share answered right (highest log-likelihood choice)
+    acc_norm: float  # the same with log-likelihood per character of the choice
+
+    def to_row(self) -> dict[str, float]:
+        """The metrics.jsonl fields of this event."""
+        return {"task_acc": self.acc, "task_acc_norm": self.acc_norm}
+
+
+@dataclass
 class RunFinished:
     """Sent once after the last step (also after an interrupt)."""
 
@@ -86,7 +101,7 @@ class RunFinished:
     final_dir: str | None = None
 
 
-Event = RunStarted | StepEvent | EvalEvent | RunFinished
+Event = RunStarted | StepEvent | EvalEvent | TaskEvalEvent | RunFinished
 
 
 class EventSink(Protocol):

@@ -428,7 +428,8 @@ def head_loss_covers(config: object) -> bool:
 
 
 class CausalLMHeadLoss(torch.nn.Module):
-    """``lm_head`` + the causal-LM loss as one module: ``(hidden [B,T,H], labels [B,T]) -> loss``.
+    """``lm_head`` + the causal-LM loss as one module: ``(hidden [B,T,H], labels [B,T]) -> loss``
+    (a scalar, or with ``reduction="none"`` the ``[B, T]`` per-position losses).
 
     Calling the head through a module (rather than reading ``lm_head.weight`` in
     a loss function) keeps module hooks working: the out-of-core engine brings
@@ -442,5 +443,6 @@ class CausalLMHeadLoss(torch.nn.Module):
         super().__init__()
         self.lm_head = lm_head
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return causal_lm_loss(hidden, self.lm_head.weight, labels, bias=getattr(self.lm_head, "bias", None))
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+        return causal_lm_loss(hidden, self.lm_head.weight, labels, bias=getattr(self.lm_head, "bias", None),
+                              reduction=reduction)

@@ -15,6 +15,7 @@ token still costs one pass of all the weights through the tiers.
 from __future__ import annotations
 
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
@@ -35,6 +36,9 @@ class StreamedInference:
         prefetch: units fetched ahead of the one computing (k).
         init_weights: fills a parameter ``(slot, tensor)`` of a meta-device model as its
             unit is stored (see ``models.load_model_lazily``).
+        head_modules: modules computed after the LM head that are part of its unit (a
+            loss head that uses its weight: ``CausalLMHeadLoss``).
+        device_bytes, host_bytes: DEVICE / HOST arena budgets (None: what the engine needs).
 
     Raises:
         ConfigError: an unknown ``offload``, or ``nvme`` without a swap dir.
@@ -42,12 +46,15 @@ class StreamedInference:
     """
 
     def __init__(self, model: torch.nn.Module, *, offload: str, swap_dir: str | Path | None, prefetch: int = 2,
-                 init_weights: Callable[[Any, torch.Tensor], None] | None = None):
+                 init_weights: Callable[[Any, torch.Tensor], None] | None = None,
+                 head_modules: Sequence[torch.nn.Module] = (), device_bytes: int | None = None,
+                 host_bytes: int | None = None):
         for p in model.parameters():
             p.requires_grad_(False)  # no gradient, so no optimizer state and no write-back
         self.engine: OutOfCoreEngine = offload_model(model, None, offload=offload, swap_dir=swap_dir,
                                                      prefetch=prefetch, init_weights=init_weights,
-                                                     master_weights=False)
+                                                     head_modules=tuple(head_modules), device_bytes=device_bytes,
+                                                     host_bytes=host_bytes, master_weights=False)
         head = self.engine.units[-1].modules[-1]
         # The first forward starts cold; each later one is fetched while the previous token is sampled.
         self._hooks = [model.register_forward_pre_hook(lambda m, a: self.engine.prefetch_first()),

@@ -74,6 +74,7 @@ class FinetuneConfig:
     # --- evaluation, logging, checkpoints --------------------------------------
     eval_every: int = 20  # steps between validation passes (0 = only before and after)
     eval_batches: int = 8  # micro-batches per validation pass (0 = the whole validation set)
+    eval_task: str | None = None  # labelled JSONL task (or "shakespeare") scored at each eval (data/tasks.py)
     log_every: int = 1  # steps between metrics rows
     save_every: int = 0  # steps between checkpoints (0 = only at the end)
     keep_checkpoints: int = 2  # newest checkpoints kept; older ones are removed once a new one is complete
@@ -118,6 +119,9 @@ class FinetuneConfig:
             raise ConfigError(
                 f"method={self.method!r} does not go with optim={self.optim!r}: "
                 f"method 'zo' needs optim {' or '.join(ZO_OPTIMIZERS)}, and those need method 'zo'")
+        if self.eval_task and self.zeroth_order:
+            raise ConfigError(f"eval_task={self.eval_task!r} is not scored by method 'zo' yet; "
+                              "drop it, or score the result with 'outcore eval RUN_DIR --task FILE'")
         if not isinstance(self.optim_args, dict):
             raise ConfigError(f"optim_args={self.optim_args!r} must be a mapping")
         for tracker in self.report_to:

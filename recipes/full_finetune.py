@@ -24,12 +24,13 @@ import torch
 from ..activations.policy import OFFLOAD, ActivationPolicy
 from ..dtypes import torch_dtype
 from ..errors import ConfigError, Interrupted
-from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent
+from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent, TaskEvalEvent
 from ..offload.device import device_memory
 from . import checkpoint as ckpt
 from ._common import (StopOnSignal, evaluate, lr_lambda, peak_rss_bytes, prepare_output_dir, ram_total_bytes,
                       rss_bytes, set_threads, with_lora)
 from .config import FinetuneConfig
+from .evaluate import CausalLMScorer, score_task
 from .export import export_hf, export_offloaded
 from .in_memory import InMemoryModel
 
@@ -76,11 +77,13 @@ class Recipe:
             OutcoreError: bad config, model, data, output directory or checkpoint.
         """
         from ..data import BatchLoader, build_datasets, check_seq_len
+        from ..data.tasks import load_task
         from ..models import load_model, load_model_lazily
 
         cfg = self.cfg
         set_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
+        self.task = load_task(cfg.eval_task) if cfg.eval_task else None  # a bad file fails before any work
         self.out = prepare_output_dir(cfg)
 
         self.plan, fill = None, None
@@ -119,13 +122,8 @@ class Recipe:
             self._restore()
 
     def _setup_loss(self) -> None:
-        from ..kernels.linear_cross_entropy import CausalLMHeadLoss, head_loss_covers
-        from ..models import model_parts, unwrap_peft
-
-        base = unwrap_peft(self.model)
-        self.decoder, self.head_loss = base.model, None
-        if head_loss_covers(base.config):
-            self.head_loss = CausalLMHeadLoss(model_parts(base).lm_head)
+        self.scorer = CausalLMScorer(self.model)  # the loss, and the task's log-likelihoods
+        self.head_loss = self.scorer.head_loss  # out of core, a unit of the head (offload_from_plan)
 
     def _setup_trainer(self, fill: Callable[[str, torch.Tensor], None] | None) -> None:
         """The optimizer, and the model behind ``train_step``: in memory, or streamed when
@@ -190,11 +188,7 @@ class Recipe:
         The head goes through ``CausalLMHeadLoss``: the loss without the
         [tokens, vocab] logits (at vocab 49152 they are the largest activation).
         """
-        if self.head_loss is None:  # a loss the chunked head does not cover (soft-capping, router aux loss)
-            return model(**batch).loss
-        hidden = self.decoder(input_ids=batch["input_ids"],
-                              attention_mask=batch["attention_mask"]).last_hidden_state
-        return self.head_loss(hidden, batch["labels"])
+        return self.scorer.loss(batch)  # ``model`` is the scorer's: the run's model
 
     def train(self) -> None:
         """Run the optimizer steps up to ``max_steps``, evaluating, logging and checkpointing.
@@ -257,8 +251,12 @@ class Recipe:
         self.model.eval()
         loss = evaluate(lambda batch: self.loss(self.model, batch), self.val_set, self.cfg.batch_size,
                         self.cfg.eval_batches)
+        task = None if self.task is None else score_task(self.scorer, self.tokenizer, self.task,
+                                                         self.cfg.batch_size * self.cfg.seq_len)
         self.model.train()
         self.sink.emit(EvalEvent(step=step, eval_loss=loss, perplexity=math.exp(min(loss, 50.0))))
+        if task is not None:
+            self.sink.emit(TaskEvalEvent(step=step, task=task.task, n=task.n, acc=task.acc, acc_norm=task.acc_norm))
         return loss
 
     def save(self) -> Path:

@@ -43,7 +43,7 @@ class Command:
 
 def commands() -> list[Command]:
     """Every subcommand, in the order ``--help`` lists them (add new ones here)."""
-    from . import (chat_cmd, doctor, export_cmd, finetune_cmd, generate_cmd, plan_cmd,
+    from . import (chat_cmd, doctor, eval_cmd, export_cmd, finetune_cmd, generate_cmd, plan_cmd,
                    runs_cmd)
 
     def command(name, module, accepts_overrides=False):
@@ -55,6 +55,7 @@ def commands() -> list[Command]:
         command("plan", plan_cmd, accepts_overrides=True),
         command("doctor", doctor),
         command("export", export_cmd),
+        command("eval", eval_cmd),
         command("generate", generate_cmd),
         command("chat", chat_cmd),
         command("runs", runs_cmd),

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..events import EvalEvent, RunFinished, RunStarted, StepEvent
+from ..events import EvalEvent, RunFinished, RunStarted, StepEvent, TaskEvalEvent
 from .format import (fmt_bytes, fmt_count, fmt_duration, fmt_float, fmt_gbps, fmt_lr,
                      fmt_percent, fmt_seconds, perplexity, sparkline)
 from .state import RunState, TierView
@@ -37,6 +37,7 @@ class _Snapshot:
     losses: list[float]
     eval_losses: list[float]
     last_eval: tuple[int, float] | None
+    task: tuple[TaskEvalEvent | None, TaskEvalEvent | None]  # the eval task before training, and the latest
     eta_s: float | None
     stall: float | None
     tiers: list[TierView] = field(default_factory=list)
@@ -127,7 +128,8 @@ class Dashboard:
             s = self.state
             return _Snapshot(started=s.started, last=s.last, finished=s.finished,
                              losses=list(s.losses), eval_losses=list(s.eval_losses),
-                             last_eval=s.last_eval, eta_s=s.eta_s(), stall=s.stall_share(),
+                             last_eval=s.last_eval, task=s.task_before_after(), eta_s=s.eta_s(),
+                             stall=s.stall_share(),
                              tiers=list(s.tiers.values()))
 
     def render(self) -> Any:
@@ -188,6 +190,8 @@ class Dashboard:
         pair = Table.grid(padding=(0, 4))
         pair.add_row(loss, ev_text)
         grid.add_row("loss", pair)
+        if snap.task[0] is not None or snap.task[1] is not None:
+            grid.add_row("task", _task_text(*snap.task))
         if ev is not None:
             speed = Text.assemble((fmt_count(ev.tokens_per_s), "bold"), " tokens/s   ",
                                   (fmt_seconds(ev.step_s), "bold"), "/step   ",
@@ -286,3 +290,17 @@ def _params(n_params: int, n_trainable: int) -> str:
     if n_trainable == n_params:
         return f"{n_params / 1e6:,.1f}M params, all trainable"
     return f"{n_params / 1e6:,.1f}M params, {n_trainable / 1e6:,.1f}M trainable"
+
+
+def _task_text(before: TaskEvalEvent | None, latest: TaskEvalEvent | None) -> Any:
+    """``shakespeare_mc  acc 17.5% -> 30.0% @40  acc_norm 22.5% -> 35.0%``: before training, then latest."""
+    from rich.text import Text
+
+    first = before or latest
+    text = Text.assemble((first.task, "bold"), "  ")
+    for name, key in (("acc", "acc"), ("acc_norm", "acc_norm")):
+        values = [f"{getattr(t, key):.1%}" for t in (before, latest) if t is not None]
+        text.append_text(Text.assemble((f"{name} ", "dim"), (" -> ".join(values), "bold"), "  "))
+    if latest is not None:
+        text.append(f"@{latest.step}", style="dim")
+    return text

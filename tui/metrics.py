@@ -15,6 +15,9 @@ Row format (strict JSON, one object per line)::
 * Each line is flushed as it is written: a killed run keeps every row it logged.
 * An EvalEvent for the step just logged (a final eval after the last StepEvent) is
   merged into that step's row: the last line is rewritten in place with ``eval_loss``.
+* A TaskEvalEvent (``eval_task``) adds ``task_acc`` and ``task_acc_norm`` to its step's row
+  the same way; the one before training gets a row of its own, ``{"step": 0, "eval_loss":
+  ..., "task_acc": ..., "task_acc_norm": ..., "time": ...}`` (no ``loss``: no step ran).
 * A resumed run appends to the same file. On its first step ``s`` the rows of steps
   ``>= s`` left by the interrupted run (logged after its last checkpoint) are dropped,
   so the file holds each step once. A fresh run (first step 1) therefore starts a new file.
@@ -28,7 +31,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from ..events import EvalEvent, RunFinished, RunStarted, StepEvent
+from ..events import EvalEvent, RunFinished, RunStarted, StepEvent, TaskEvalEvent
 
 METRICS_FILENAME = "metrics.jsonl"
 
@@ -101,6 +104,7 @@ class MetricsWriter:
         self._dir = Path(output_dir) if output_dir is not None else None
         self._file: IO[bytes] | None = None
         self._pending_eval: EvalEvent | None = None
+        self._pending_task: TaskEvalEvent | None = None
         self._last_row: dict[str, Any] | None = None  # the last row written, and where it starts
         self._last_offset = 0
         self._closed = False
@@ -132,6 +136,8 @@ class MetricsWriter:
                 # A trainer may send the EvalEvent of step s just before the StepEvent of s
                 # without filling StepEvent.eval_loss: merge it into that row.
                 self._pending_eval = event
+        elif isinstance(event, TaskEvalEvent):
+            self._task(event)
         elif isinstance(event, StepEvent):
             self._write(event)
         elif isinstance(event, RunFinished):
@@ -139,16 +145,31 @@ class MetricsWriter:
                 self._dir = Path(event.output_dir)
             self._flush()
 
+    def _task(self, event: TaskEvalEvent) -> None:
+        fields = {k: _clean(v) for k, v in event.to_row().items()}
+        last = self._last_row
+        if last is not None and last.get("step") == event.step:
+            self._rewrite_last({**last, **fields})
+        elif last is None and event.step == 0:  # before training: no step row will come
+            self._append({"step": 0}, first_step=0, task=event)
+        else:
+            self._pending_task = event  # its step's row comes next
+
     def _write(self, event: StepEvent) -> None:
+        self._append(step_row(event), first_step=event.step, task=self._pending_task)
+
+    def _append(self, row: dict[str, Any], first_step: int, task: TaskEvalEvent | None) -> None:
+        """Write ``row`` with the pending eval and task results of its step merged in."""
         if self._dir is None:
             return  # no output directory: nothing to write to (make_sink(output_dir=None) without RunStarted)
         if self._file is None:
-            self._open(first_step=event.step)
-        row = step_row(event)
+            self._open(first_step=first_step)
         pending = self._pending_eval
-        if pending is not None and pending.step == event.step and "eval_loss" not in row:
+        if pending is not None and pending.step == row["step"] and "eval_loss" not in row:
             row["eval_loss"] = _clean(pending.eval_loss)
-        self._pending_eval = None
+        if task is not None and task.step == row["step"]:
+            row.update({k: _clean(v) for k, v in task.to_row().items()})
+        self._pending_eval = self._pending_task = None
         row["time"] = round(time.time(), 3)
         assert self._file is not None
         self._last_offset = self._file.tell()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import IO, Any
 
-from ..events import EvalEvent, RunFinished, RunStarted, StepEvent
+from ..events import EvalEvent, RunFinished, RunStarted, StepEvent, TaskEvalEvent
 from .format import (fmt_bytes, fmt_count, fmt_duration, fmt_float, fmt_gbps, fmt_lr,
                      fmt_percent, fmt_seconds, perplexity)
 from .state import RunState, as_tier_stats
@@ -63,6 +63,12 @@ def eval_line(ev: EvalEvent) -> str:
     return f"eval @ step {ev.step}: loss {fmt_float(ev.eval_loss)}, perplexity {fmt_float(perplexity(ev.eval_loss), 2)}"
 
 
+def task_line(ev: TaskEvalEvent) -> str:
+    """``task shakespeare_mc @ step 0: acc 17.5% (7/40), acc_norm 22.5%``."""
+    right = round(ev.acc * ev.n)
+    return f"task {ev.task} @ step {ev.step}: acc {ev.acc:.1%} ({right}/{ev.n}), acc_norm {ev.acc_norm:.1%}"
+
+
 class PlainView:
     """An EventSink view that prints plain lines.
 
@@ -96,6 +102,8 @@ class PlainView:
             self._write(step_line(event, self.state))
         elif isinstance(event, EvalEvent):
             self._write(eval_line(event))
+        elif isinstance(event, TaskEvalEvent):
+            self._write(task_line(event))
         elif isinstance(event, RunFinished):
             pass
 

@@ -1,4 +1,5 @@
-"""The loss-curve PNG (``OUTPUT/loss_curve.png``): train and eval loss against step.
+"""The loss-curve PNG (``OUTPUT/loss_curve.png``): train and eval loss against step, and the
+eval task's accuracy on a second axis when the run scored one (``eval_task``).
 
 matplotlib is imported lazily, and only its object-oriented API is used (a
 ``Figure`` on an Agg canvas, no ``pyplot``): nothing global is switched, so the
@@ -47,6 +48,20 @@ def curves_from_rows(rows: Iterable[dict[str, Any]],
     return sorted(train.items()), sorted(evals.items())
 
 
+def task_accuracy_from_rows(rows: Iterable[dict[str, Any]]) -> list[tuple[int, float]]:
+    """The ``(step, task_acc)`` points of metrics rows (``eval_task`` runs), sorted by step.
+
+    Args:
+        rows: ``metrics.jsonl`` rows.
+
+    Returns:
+        One point per step that has a finite ``task_acc`` (a step seen twice keeps its last).
+    """
+    acc = {int(r["step"]): float(r["task_acc"]) for r in rows
+           if _finite(r.get("step")) and _finite(r.get("task_acc"))}
+    return sorted(acc.items())
+
+
 def smoothed(points: Sequence[tuple[int, float]], weight: float = 0.9) -> list[tuple[int, float]]:
     """An exponential moving average of ``(step, loss)`` points, debiased as TensorBoard's
     smoothing is (the first point is itself, not pulled towards zero).
@@ -66,15 +81,17 @@ def smoothed(points: Sequence[tuple[int, float]], weight: float = 0.9) -> list[t
 
 
 def plot_loss_curve(train: Sequence[tuple[int, float]], evals: Sequence[tuple[int, float]],
-                    path: str | Path, title: str | None = None) -> Path:
-    """Draw train loss (raw, and smoothed from 10 points on) and eval loss (markers) against
-    step and save a PNG.
+                    path: str | Path, title: str | None = None,
+                    task_acc: Sequence[tuple[int, float]] = ()) -> Path:
+    """Draw train loss (raw, and smoothed from 10 points on), eval loss (markers) and the eval
+    task's accuracy (on a second axis, 0-100%) against step and save a PNG.
 
     Args:
         train: ``(step, loss)`` points of the training loss.
         evals: ``(step, eval_loss)`` points (may be empty).
         path: the PNG to write (its directory must exist).
         title: a title, e.g. the run or model name.
+        task_acc: ``(step, accuracy in [0, 1])`` points of the eval task (may be empty).
 
     Returns:
         ``path`` as a Path.
@@ -106,7 +123,17 @@ def plot_loss_curve(train: Sequence[tuple[int, float]], evals: Sequence[tuple[in
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(True, alpha=0.3)
-    ax.legend(loc="upper right")
+    handles, labels = ax.get_legend_handles_labels()
+    if task_acc:
+        twin = ax.twinx()  # accuracy is a share, not a loss: its own 0-100% scale on the right
+        xs, ys = zip(*task_acc)
+        twin.plot(xs, [100 * y for y in ys], color="#2ca02c", linewidth=1.0, linestyle=":", marker="s",
+                  markersize=5, label="task accuracy")
+        twin.set_ylim(0, 100)
+        twin.set_ylabel("task accuracy (%)")
+        more = twin.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    ax.legend(handles, labels, loc="best")
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()

@@ -23,7 +23,7 @@ from ..errors import ConfigError
 from ..events import EventSink, RunFinished
 from ..recipes.config import UI_MODES
 from .metrics import MetricsWriter, read_metrics
-from .plot import LOSS_CURVE_FILENAME, curves_from_rows, plot_loss_curve
+from .plot import LOSS_CURVE_FILENAME, curves_from_rows, plot_loss_curve, task_accuracy_from_rows
 from .state import RunState
 from .summary import RunSummary, summary_paths
 from .trackers import Trackers
@@ -95,7 +95,8 @@ class RunSink:
             return None  # no step finished: nothing worth a plot
         title = self.state.started.run_name if self.state.started else None
         try:
-            return plot_loss_curve(train, evals, out / LOSS_CURVE_FILENAME, title=title)
+            return plot_loss_curve(train, evals, out / LOSS_CURVE_FILENAME, title=title,
+                                   task_acc=task_accuracy_from_rows(rows))
         except ImportError as e:  # matplotlib is a dependency, but a broken install must not lose the run
             warnings.warn(f"loss curve not drawn: {e}", stacklevel=2)
             return None
@@ -114,7 +115,7 @@ class RunSink:
             method=started.method if started else None, optim=started.optim if started else None,
             ram_bytes=(last.ram_bytes or None) if last else None,
             peak_device_bytes=st.peak_device_bytes, base_eval_loss=base, final_eval_loss=final,
-            mean_tokens_per_s=st.mean_tokens_per_s(),
+            mean_tokens_per_s=st.mean_tokens_per_s(), **_task_fields(st),
             paths=summary_paths(out, event.final_dir, self.metrics.path, self.loss_curve_path,
                                 event.interrupted))
 
@@ -193,3 +194,14 @@ def make_sink(ui: str = "auto", output_dir: str | Path | None = None, *,
 
 
 __all__ = ["RunSink", "NullView", "make_sink", "resolve_ui"]
+
+
+def _task_fields(state: RunState) -> dict[str, Any]:
+    """The summary's task fields: the task scored before training and after the last step."""
+    before, after = state.task_before_after()
+    if before is None and after is None:
+        return {}
+    return {"task": (before or after).task,
+            "base_task_acc": before.acc if before else None, "final_task_acc": after.acc if after else None,
+            "base_task_acc_norm": before.acc_norm if before else None,
+            "final_task_acc_norm": after.acc_norm if after else None}

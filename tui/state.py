@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from ..events import EvalEvent, RunFinished, RunStarted, StepEvent, TierStats
+from ..events import EvalEvent, RunFinished, RunStarted, StepEvent, TaskEvalEvent, TierStats
 
 HISTORY = 120  # loss points kept for sparklines
 
@@ -42,6 +42,7 @@ class RunState:
         self.eval_losses: deque[float] = deque(maxlen=HISTORY)
         self.evals: list[tuple[int, float]] = []  # (step, eval_loss) from EvalEvents and StepEvents
         self.last_eval: tuple[int, float] | None = None
+        self.task_evals: list[TaskEvalEvent] = []  # each scoring of the eval task, in step order
         self.tiers: dict[str, TierView] = {}
         self.peak_device_bytes: int | None = None
         self._first: tuple[int, float] | None = None  # (step, elapsed_s) of the first event seen
@@ -57,6 +58,8 @@ class RunState:
             self._step(event)
         elif isinstance(event, EvalEvent):
             self._eval(event.step, event.eval_loss)
+        elif isinstance(event, TaskEvalEvent):
+            self.task_evals.append(event)
         elif isinstance(event, RunFinished):
             self.finished = event
 
@@ -133,6 +136,12 @@ class RunState:
 
     def mean_tokens_per_s(self) -> float | None:
         return self._tps_sum / self._tps_n if self._tps_n else None
+
+    def task_before_after(self) -> tuple[TaskEvalEvent | None, TaskEvalEvent | None]:
+        """The task scored before training (step 0) and the last scoring after it."""
+        before = next((t for t in self.task_evals if t.step == 0), None)
+        after = next((t for t in reversed(self.task_evals) if t.step > 0), None)
+        return before, after
 
     def base_eval_loss(self) -> float | None:
         """The eval before training (step 0), if one was reported."""

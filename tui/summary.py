@@ -1,4 +1,4 @@
-"""The end-of-run summary: base vs final eval perplexity, wall time, peak memory, paths.
+"""The end-of-run summary: base vs final eval perplexity (and task accuracy), wall time, peak memory, paths.
 
 ``RunSummary`` is built by the fan-out sink at ``RunFinished`` from what it saw
 during the run, then rendered by the view: :func:`summary_lines` as plain text
@@ -31,6 +31,11 @@ class RunSummary:
     base_eval_loss: float | None = None
     final_eval_loss: float | None = None
     mean_tokens_per_s: float | None = None
+    task: str | None = None  # the eval task's name, when one was scored
+    base_task_acc: float | None = None  # before training
+    final_task_acc: float | None = None  # after the last step
+    base_task_acc_norm: float | None = None
+    final_task_acc_norm: float | None = None
     paths: dict[str, str] = field(default_factory=dict)  # label -> path (output, final model, metrics, ...)
 
     @property
@@ -82,6 +87,7 @@ def summary_rows(summary: RunSummary) -> list[tuple[str, str]]:
     elif summary.base_eval_loss is not None:
         rows.append(("eval perplexity", f"base {fmt_float(summary.base_perplexity, 2)} (no final eval)"))
         rows.append(("eval loss", f"base {fmt_float(summary.base_eval_loss)}"))
+    rows += _task_rows(summary)
     peak = fmt_bytes(summary.peak_rss_bytes)
     if summary.ram_bytes:
         peak += f" of {fmt_bytes(summary.ram_bytes)} RAM"
@@ -92,6 +98,19 @@ def summary_rows(summary: RunSummary) -> list[tuple[str, str]]:
         rows.append(("throughput", f"{fmt_count(summary.mean_tokens_per_s)} tokens/s"))
     for label, path in summary.paths.items():
         rows.append((label, path))
+    return rows
+
+
+def _task_rows(summary: RunSummary) -> list[tuple[str, str]]:
+    """``task accuracy  shakespeare_mc: base 17.5% -> final 30.0%`` and its ``acc_norm`` twin."""
+    if summary.task is None:
+        return []
+    rows = []
+    for label, base, final in (("task accuracy", summary.base_task_acc, summary.final_task_acc),
+                               ("task acc_norm", summary.base_task_acc_norm, summary.final_task_acc_norm)):
+        parts = [f"base {base:.1%}"] if base is not None else []
+        parts += [f"final {final:.1%}"] if final is not None else []
+        rows.append((label, f"{summary.task}: {' -> '.join(parts)}"))
     return rows
 
 
