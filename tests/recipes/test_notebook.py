@@ -20,5 +20,6 @@ def test_quickstart_notebook_executes(tmp_path, monkeypatch):
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "validation perplexity:" in outputs
-    assert "ROMEO:" in outputs
+    assert "ROMEO: ->" in outputs and "model>" in outputs  # the chat cell streamed answers
+    assert "task accuracy:" in outputs and "40 questions" in outputs  # the evaluation cell
     assert (tmp_path / "runs" / "quickstart" / "final" / "config.json").is_file()
