@@ -16,6 +16,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ModelError
+from ._check import check_tokenizer, check_weights, load_config, meta_model
 from ._gguf_cache import build_gguf_cache
 from ._loader import _as_dtype, load_tokenizer, resolve_model_spec
 
@@ -56,18 +57,16 @@ def load_model_lazily(spec: str | Path = "default", *, dtype: torch.dtype | str 
     Raises:
         ModelError: a hub id (download it first), a missing weight, or no safetensors.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     source = resolve_model_spec(spec)
     if source.kind == "hub":
         raise ModelError(f"out-of-core loading needs local files; download '{source.location}' "
                          "first (huggingface-cli download) and pass its directory")
     directory = Path(build_gguf_cache(source.location, cache_dir) if source.kind == "gguf" else source.location)
     dtype = _as_dtype(dtype)
-    config = AutoConfig.from_pretrained(directory)
+    config = load_config(directory)
     config.use_cache = False
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model = meta_model(directory, config, dtype)
+    check_weights(directory, model)  # fill() would find a disagreement only mid-run
     materialize_buffers(model, config)
     files = _weight_files(directory)
 
@@ -80,7 +79,9 @@ def load_model_lazily(spec: str | Path = "default", *, dtype: torch.dtype | str 
         with safe_open(str(path), "pt") as f:  # memory-mapped: only this tensor's pages are read
             out.copy_(f.get_tensor(name))
 
-    return model, load_tokenizer(spec, cache_dir=cache_dir) if tokenizer else None, fill
+    tok = load_tokenizer(spec, cache_dir=cache_dir) if tokenizer else None
+    check_tokenizer(model, tok, f"'{spec}'")
+    return model, tok, fill
 
 
 def materialize_buffers(model: torch.nn.Module, config: Any) -> None:

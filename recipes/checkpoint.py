@@ -31,6 +31,7 @@ import torch
 import xxhash
 from safetensors.torch import load_file, save_file
 
+from .._faults import fault_point
 from ..errors import CheckpointError
 from ..offload.device import cuda_rng_state, set_cuda_rng_state
 from ..offload.units import WEIGHTS
@@ -111,8 +112,11 @@ def save_checkpoint(output_dir: str | Path, step: int, model_state: dict[str, to
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_file(model_state, str(tmp / "model.safetensors"))
+    fault_point("checkpoint_file")
     torch.save(optimizer_state, tmp / "optimizer.pt")
+    fault_point("checkpoint_file")
     torch.save(trainer_state, tmp / "trainer.pt")
+    fault_point("checkpoint_file")
     if write_extra is not None:
         write_extra(tmp)
     files = sorted(f for f in tmp.rglob("*") if f.is_file())
@@ -123,6 +127,7 @@ def save_checkpoint(output_dir: str | Path, step: int, model_state: dict[str, to
     if final.exists():  # re-saving the same step (e.g. final save after a periodic one)
         shutil.rmtree(final)
     os.replace(tmp, final)
+    fault_point("checkpoint_commit")
     latest_tmp = root / (_LATEST + ".tmp")
     latest_tmp.write_text(final.name)
     _fsync(latest_tmp)
@@ -200,6 +205,7 @@ def save_units(om: Any, directory: str | Path) -> None:
     for unit in om.units:
         tensors = {kind: mem.state(unit.index, kind) for kind in (WEIGHTS, *mem.kinds(unit.index))}
         save_file({k: t.contiguous() for k, t in tensors.items()}, str(d / f"{unit.name}.safetensors"))
+        fault_point("checkpoint_file")
     (d / "units.json").write_text(json.dumps([u.name for u in om.units]))
 
 
