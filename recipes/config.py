@@ -248,7 +248,10 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | l
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing YAML file to --config")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except (UnicodeDecodeError, OSError) as e:
+            raise ConfigError(f"config file {str(p)!r} cannot be read as UTF-8 text ({e}); "
+                              "pass a YAML file saved as UTF-8") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f"{p}:{mark.line + 1}" if mark is not None else str(p)

@@ -27,6 +27,8 @@ def _sample(pid: int, swap: Path) -> dict | None:
     except OSError:  # the process has just ended
         return None
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    if "VmRSS" not in fields:  # a zombie: exited, not yet reaped
+        return None
     files = [f for f in swap.glob("*") if f.is_file()] if swap.is_dir() else []
     stats = [f.stat() for f in files]
     return {"rss": int(fields["VmRSS"].split()[0]) * 1024, "threads": int(fields["Threads"]), "fds": fds,

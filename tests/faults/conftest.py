@@ -4,12 +4,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import re
 import sys
 from pathlib import Path
 
 import pytest
 
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+PROGRESS = re.compile(r"\d+%\|.*\|")  # a tqdm bar: " 50%|#####     | 10/20 [...]"
 
 
 def trial_module(name: str):
@@ -37,8 +39,10 @@ def run_cli(argv: list[str]) -> tuple[int, str]:
 
 
 def assert_user_error(rc: int, err: str, *names: str) -> None:
-    """Exit code 2 and one line ``outcore: error: ...`` (naming ``names``), never a traceback."""
-    lines = [ln for ln in err.splitlines() if ln.strip()]
+    """Exit code 2 and one line ``outcore: error: ...`` (naming ``names``), never a traceback.
+    (Progress bars that libraries draw on stderr, e.g. transformers' "Loading weights", are
+    not lines of ours and are left out.)"""
+    lines = [ln for ln in re.split(r"[\r\n]", err) if ln.strip() and not PROGRESS.search(ln)]
     assert rc == 2, (rc, err)
     assert "Traceback" not in err
     assert len(lines) == 1 and lines[0].startswith("outcore: error: "), err
