@@ -9,12 +9,13 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 from pathlib import Path
 from random import Random
 from typing import Iterator
 
-from _trial_run import (STEPS, Inputs, Trial, cli, debris, error_problem, final_weights, finetune_args,
-                        finish, latest_step, pause_at_step, recover, reference, same_weights, start,
+from _trial_run import (STEPS, Inputs, Trial, checkpoint_age, cli, debris, error_problem, final_weights,
+                        finetune_args, finish, latest_step, pause_at_step, recover, reference, same_weights, start,
                         steps_logged)
 
 # Chosen kill points (OUTCORE_FAULT_AT), per mode. A unit's write-back happens only out of
@@ -45,19 +46,21 @@ def kill_trials(inputs: Inputs, root: Path, modes: tuple[str, ...], quick: bool,
             problem = recover(inputs, out, mode, ref)
             yield Trial(f"{mode} at {point}", not problem, problem)
         for i in range(0 if quick else RANDOM_KILLS):
-            out = root / f"{mode}-random-{i}"
-            proc = start(finetune_args(inputs, out, mode), out.with_suffix(".log"))
-            delay = rng.uniform(2.0, 12.0)  # startup takes ~5 s: most land in training or after
-            try:
-                proc.wait(delay)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            done = finish(proc, out.with_suffix(".log"))
-            name = f"{mode} random at {delay:.1f}s"
-            if done.rc == 0:
-                name += " (run had finished)"
-            problem = recover(inputs, out, mode, ref)
-            yield Trial(name, not problem, problem)
+            yield _random_kill(inputs, root / f"{mode}-random-{i}", mode, ref, rng)
+
+
+def _random_kill(inputs: Inputs, out: Path, mode: str, ref: dict, rng: Random) -> Trial:
+    """SIGKILL a random moment after a random step was logged (0: during startup)."""
+    step, delay = rng.randint(0, STEPS), rng.uniform(0.0, 0.5)
+    proc = start(finetune_args(inputs, out, mode), out.with_suffix(".log"))
+    while step and proc.poll() is None and steps_logged(out) < step:
+        time.sleep(0.01)
+    time.sleep(delay if step else rng.uniform(0.0, 5.0))
+    proc.kill()
+    done = finish(proc, out.with_suffix(".log"))
+    name = f"{mode} random: {delay:.2f}s after step {step}" + (" (run had ended)" if done.rc == 0 else "")
+    problem = recover(inputs, out, mode, ref)
+    return Trial(name, not problem, problem)
 
 
 # ---------------------------------------------------------------------------- corruption
@@ -137,6 +140,7 @@ def corrupt_trials(inputs: Inputs, root: Path, modes: tuple[str, ...], quick: bo
 
 
 # ------------------------------------------------------------------------------- signals
+FRESH_S = 60.0  # a checkpoint this recent when the signal came need not be written again
 def _signal_trial(inputs: Inputs, root: Path, mode: str, sig: int, twice: bool, extra: tuple[str, ...]) -> Trial:
     ref = reference(inputs, root, mode, *extra)
     label = f"{mode}{' ' + ' '.join(extra) if extra else ''} {signal.Signals(sig).name}{' twice' if twice else ''}"
@@ -144,6 +148,7 @@ def _signal_trial(inputs: Inputs, root: Path, mode: str, sig: int, twice: bool, 
     log = out.with_suffix(".log")
     proc = start(finetune_args(inputs, out, mode, *extra), log)
     reached = pause_at_step(proc, out, 3)
+    signalled_at = time.time()
     if reached:  # delivered the moment the run continues, mid-step
         proc.send_signal(sig)
         proc.send_signal(signal.SIGCONT)
@@ -159,7 +164,7 @@ def _signal_trial(inputs: Inputs, root: Path, mode: str, sig: int, twice: bool, 
     if not problem and done.rc == 2:
         problem = "exit code 2 is bad input's, not an interruption's"
     step = latest_step(out)
-    if not problem and (step is None or step < reached):
+    if not problem and (step is None or step < reached) and checkpoint_age(out, signalled_at) > FRESH_S:
         problem = f"no checkpoint at the step reached ({reached}; newest: {step})"
     if not problem and (out / "swap").exists():
         problem = "swap directory left behind"

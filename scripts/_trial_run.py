@@ -188,6 +188,14 @@ def latest_step(out: Path) -> int | None:
     return None if last is None else int(last.name.split("_")[1])
 
 
+def checkpoint_age(out: Path, at: float) -> float:
+    """Seconds between the newest complete checkpoint's completion and ``at`` (inf: none)."""
+    from outcore.recipes.checkpoint import latest_checkpoint
+
+    last = latest_checkpoint(out)
+    return float("inf") if last is None else at - (last / "COMPLETE").stat().st_mtime
+
+
 def debris(out: Path) -> list[str]:
     """``*.tmp`` left in the run's checkpoints (the next run may trip on them)."""
     return sorted(p.name for p in (out / "checkpoints").glob("*.tmp"))

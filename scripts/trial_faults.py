@@ -11,7 +11,7 @@ fault it reports trials tried and trials with nothing lost; a failure says why.
 kill
     SIGKILL at a chosen point (``OUTCORE_FAULT_AT``, see ``outcore/_faults.py``: a unit's
     write-back, between the files of a checkpoint, the checkpoint's commit, eval, export)
-    or at a random moment of the run. The killed run died of SIGKILL (a point that was
+    or at a random moment (0-0.5 s after a random step was logged, or during startup). The killed run died of SIGKILL (a point that was
     never reached is a failed trial); recovery is ``--resume`` when a complete
     checkpoint exists, else a fresh run with ``--overwrite``; it exits 0 and the final
     weights (``final/*.safetensors``) are bit-identical to the uninterrupted run's.
@@ -34,8 +34,8 @@ signal
     SIGINT or SIGTERM once training has logged a step (and the same followed by a second
     signal 0.3 s later): exit code other than 0, 1 and 2 and not death by the signal
     itself, within 30 s of the last signal; at most one line on stderr and no traceback;
-    a complete checkpoint at the step reached; the swap directory removed; ``--resume``
-    gives the reference weights.
+    a complete checkpoint at the step reached (or one completed at most 60 s before the
+    signal); the swap directory removed; ``--resume`` gives the reference weights.
 two_runs
     A second run on the output directory (with and without ``--overwrite``) or on the
     swap directory of a live run (stopped with SIGSTOP while the second starts): the
