@@ -11,8 +11,9 @@ fault it reports trials tried and trials with nothing lost; a failure says why.
 kill
     SIGKILL at a chosen point (``OUTCORE_FAULT_AT``, see ``outcore/_faults.py``: a unit's
     write-back, between the files of a checkpoint, the checkpoint's commit, eval, export)
-    or at a random moment (0-0.5 s after a random step was logged, or during startup). The killed run died of SIGKILL (a point that was
-    never reached is a failed trial); recovery is ``--resume`` when a complete
+    or at a random moment (0-0.5 s after a random step was logged, or during startup).
+    The killed run died of SIGKILL (a point that was never reached is a failed trial);
+    recovery is ``--resume`` when a complete
     checkpoint exists, else a fresh run with ``--overwrite``; it exits 0 and the final
     weights (``final/*.safetensors``) are bit-identical to the uninterrupted run's.
 disk
