@@ -104,7 +104,13 @@ def start(args: list[str], log: Path, fault_at: str | None = None) -> subprocess
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:  # the child keeps its own copies
         return subprocess.Popen([sys.executable, "-m", "outcore", "finetune", *args], env=_env(fault_at),
-                                stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+                                stdout=out, stderr=err, stdin=subprocess.DEVNULL, preexec_fn=_default_sigint)
+
+
+def _default_sigint() -> None:
+    """A shell starts background jobs with SIGINT ignored, and Python then raises no
+    KeyboardInterrupt: give the run the Ctrl-C a user's terminal would."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def finish(proc: subprocess.Popen, log: Path, timeout: float = 600) -> Done:

@@ -40,7 +40,8 @@ signal
 two_runs
     A second run on the output directory (with and without ``--overwrite``) or on the
     swap directory of a live run (stopped with SIGSTOP while the second starts): the
-    second exits 2 with one line, the first, continued, exits 0 with the reference weights.
+    second exits 2 with one line, the first, continued, exits 0 with the reference weights,
+    its config.yaml and every row of its metrics.jsonl.
 
 Usage::
 
