@@ -19,7 +19,11 @@ _MOUNTS: list[Path] = []
 _MOUNT_OK: list[str] = []  # '' once a loop mount worked, else why not (cached)
 
 
-def _can_mount(root: Path) -> str:
+def unavailable(kind: str) -> str:
+    """Why ``kind`` cannot be tried on this machine ('' when it can): only ``disk`` needs
+    something (root, mkfs.ext4 and a loop mount that works), found out once."""
+    if kind != "disk":
+        return ""
     if _MOUNT_OK:
         return _MOUNT_OK[0]
     why = ""
@@ -28,10 +32,13 @@ def _can_mount(root: Path) -> str:
     elif not shutil.which("mkfs.ext4") or not shutil.which("mount"):
         why = "mkfs.ext4 or mount missing"
     else:
-        try:
-            small_fs(root / "probe-fs", 8)
-        except (OSError, subprocess.CalledProcessError) as e:
-            why = f"loop mount refused here ({e})"
+        with tempfile.TemporaryDirectory(prefix="outcore-fs-probe-") as probe:
+            try:
+                small_fs(Path(probe) / "fs", 8)
+            except (OSError, subprocess.CalledProcessError) as e:
+                why = f"loop mount refused here ({e})"
+            finally:
+                unmount_all()
     _MOUNT_OK.append(why)
     return why
 
@@ -47,15 +54,17 @@ def small_fs(where: Path, mib: int) -> Path:
     with open(image, "wb") as f:
         f.truncate(mib << 20)
     subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], check=True, capture_output=True)
+    _MOUNTS.append(where)  # unmounted (and its image removed) by unmount_all, mounted or not
     subprocess.run(["mount", "-o", "loop", str(image), str(where)], check=True, capture_output=True)
-    _MOUNTS.append(where)
     return where
 
 
 def unmount_all() -> None:
-    """Unmount every file system :func:`small_fs` mounted."""
+    """Unmount every file system :func:`small_fs` mounted and delete its image."""
     while _MOUNTS:
-        subprocess.run(["umount", "-l", str(_MOUNTS.pop())], capture_output=True)
+        where = _MOUNTS.pop()
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+        where.with_suffix(".img").unlink(missing_ok=True)
 
 
 def fill(fs: Path, leave: int) -> Path:
@@ -110,10 +119,3 @@ def disk_trials(inputs: Inputs, root: Path, modes: tuple[str, ...], quick: bool,
             yield _full_before(inputs, root, mode, on)
             if not quick:
                 yield _full_during(inputs, root, mode, on, ref)
-
-
-def unavailable(kind: str, root: Path = Path("/tmp")) -> str:
-    """Why ``kind`` cannot be tried on this machine ('' when it can)."""
-    if kind != "disk":
-        return ""
-    return _can_mount(Path(tempfile.mkdtemp(prefix="outcore-fs-probe-")))

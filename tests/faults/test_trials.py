@@ -58,6 +58,20 @@ def test_full_disk_before_the_run_is_refused_in_one_line(trial_inputs, tmp_path)
 
 @NEEDS_FAULTS
 @pytest.mark.slow(ci=True)
+def test_full_output_disk_in_memory_is_refused_in_one_line(trial_inputs, tmp_path):
+    """In memory no swap reservation stands guard: the first checkpoint meets the full disk."""
+    disk = trial_module("_trial_disk")
+    why = disk.unavailable("disk")
+    if why:
+        pytest.skip(why)
+    try:
+        _all_ok([disk._full_before(trial_inputs, tmp_path, "none", "output")])
+    finally:
+        disk.unmount_all()
+
+
+@NEEDS_FAULTS
+@pytest.mark.slow(ci=True)
 def test_damaged_checkpoint_falls_back_to_the_previous_one(kinds, trial_inputs, tmp_path):
     _all_ok(kinds._checkpoint_trials(trial_inputs, tmp_path, "nvme", True, random.Random(0)))
 
