@@ -14,7 +14,7 @@ from pathlib import Path
 from random import Random
 from typing import Iterator
 
-from _trial_run import (STEPS, Inputs, Trial, checkpoint_age, cli, debris, error_problem, final_weights,
+from _trial_run import (STEPS, Inputs, Trial, checkpoint_age, cli, error_problem, final_weights,
                         finetune_args, finish, latest_step, pause_at_step, recover, reference, same_weights, start,
                         steps_logged)
 

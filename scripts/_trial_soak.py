@@ -1,7 +1,7 @@
 """The soak of ``scripts/trial_faults.py --soak STEPS``: a long out-of-core run, watched.
 
 The real CLI trains the tiny Llama for STEPS steps from NVMe (no eval, no checkpoint but
-the last, no export) while this process samples, every 0.2 s, from ``/proc/PID``: the
+the last, no export) while this process samples, every 0.1 s, from ``/proc/PID``: the
 resident set, open file descriptors and threads, and the swap files' size and blocks on
 disk, with the step the run has logged. After the warm-up (the first 10% of steps, at
 least 20) the run must hold: RSS drift <= 2% (median of the last 5 samples against the
@@ -20,6 +20,7 @@ from pathlib import Path
 from _trial_run import Inputs, debris, finetune_args, finish, start, steps_logged
 
 MAX_RSS_DRIFT = 0.02
+SAMPLE_S = 0.1  # between samples
 
 
 def _sample(pid: int, swap: Path) -> dict | None:
@@ -59,7 +60,7 @@ def soak(inputs: Inputs, root: Path, steps: int) -> dict:
         s = _sample(proc.pid, out / "swap")
         if s is not None and step:
             samples.append({**s, "step": step})
-        time.sleep(0.2)
+        time.sleep(SAMPLE_S)
     done = finish(proc, log)
     warm = max(steps // 10, 20)
     after = [s for s in samples if warm <= s["step"] < steps]

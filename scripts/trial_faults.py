@@ -53,11 +53,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
