@@ -16,6 +16,8 @@ _LAZY = {
     "FinetuneConfig": ".recipes.config",
     "load_config": ".recipes.config",
     "finetune": ".api",
+    "generate": ".recipes.generate",
+    "load_generator": ".recipes.generate",
     "OutcoreError": ".errors",
 }
 
@@ -25,6 +27,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .errors import OutcoreError
     from .recipes.config import FinetuneConfig, load_config
     from .api import finetune
+    from .recipes.generate import generate, load_generator
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

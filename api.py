@@ -1,8 +1,9 @@
 """The public Python API: ``outcore.finetune``, one call from a config to a trained model.
 
 It sits above the recipes: it resolves the config, builds the run's event sink (the
-dashboard or plain log, and ``OUTPUT/metrics.jsonl``; recipes never import ``tui``)
-and runs the recipe of ``config.method``. ``outcore finetune`` calls it too.
+dashboard or plain log, ``OUTPUT/metrics.jsonl`` and the ``report_to`` trackers; recipes
+never import ``tui``), runs the recipe of ``config.method`` and, with ``push_to_hub``,
+uploads the export. ``outcore finetune`` calls it too.
 """
 from __future__ import annotations
 
@@ -21,14 +22,15 @@ def finetune(config: FinetuneConfig | None = None, sink: EventSink | None = None
     Args:
         config: the run's config; None means ``FinetuneConfig()``.
         sink: where events go (default: the dashboard or plain log as ``config.ui`` says,
-            plus OUTPUT/metrics.jsonl and OUTPUT/loss_curve.png).
+            plus OUTPUT/metrics.jsonl, OUTPUT/loss_curve.png and the ``config.report_to`` trackers).
         **overrides: config fields to change, e.g. ``finetune(max_steps=10, lr=1e-4)``.
 
     Returns:
         A FinetuneResult (output dir, steps, eval losses, final export dir).
 
     Raises:
-        OutcoreError: bad config, model, data or checkpoint (one-line message).
+        OutcoreError: bad config, model, data or checkpoint (one-line message); a failed
+            ``push_to_hub`` upload (``recipes.hub.HubError``, raised after the run, its outputs kept).
     """
     from .recipes.config import load_config
 
@@ -39,13 +41,18 @@ def finetune(config: FinetuneConfig | None = None, sink: EventSink | None = None
 
         # The sink writes nothing before the run's first event, and the recipe creates
         # (or checks, for a resume) the output directory before it sends one.
-        sink = make_sink(config.ui, config.output)
+        sink = make_sink(config.ui, config.output, report_to=config.report_to)
     try:
         if config.zeroth_order:
             from .recipes.zo_finetune import finetune as run_recipe
         else:
             from .recipes.full_finetune import finetune as run_recipe
-        return run_recipe(config, sink)
+        result = run_recipe(config, sink)
     finally:
         if own_sink:
             sink.close()  # also when the recipe failed before it could (idempotent)
+    if config.push_to_hub and result.final_dir is not None:
+        from .recipes.hub import push_to_hub
+
+        push_to_hub(result.final_dir, config.push_to_hub)
+    return result

@@ -402,6 +402,31 @@ def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     return loss
 
 
+#: config attributes that change a causal LM's loss beyond ``cross_entropy(lm_head(hidden))``,
+#: with the value that leaves it unchanged: final-logit soft-capping (Gemma2), logit scaling
+#: (Cohere, Granite), the routers' auxiliary loss (mixture-of-experts families)
+_LOSS_CHANGES = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0,
+                 "output_router_logits": False}
+
+
+def head_loss_covers(config: object) -> bool:
+    """Whether :class:`CausalLMHeadLoss` computes exactly the model's own loss.
+
+    The chunked loss is ``cross_entropy(hidden @ lm_head.weight.T)``; a model whose
+    forward does more (soft-caps or scales the logits, adds a router auxiliary loss)
+    must compute its loss itself, or the difference would be silently dropped.
+
+    Args:
+        config: the model's Hugging Face config (its ``text_config`` is read too).
+
+    Returns:
+        True when no attribute of the config changes the loss.
+    """
+    configs = [c for c in (config, getattr(config, "text_config", None)) if c is not None]
+    return all(getattr(c, name, neutral) in (None, False, neutral)
+               for c in configs for name, neutral in _LOSS_CHANGES.items())
+
+
 class CausalLMHeadLoss(torch.nn.Module):
     """``lm_head`` + the causal-LM loss as one module: ``(hidden [B,T,H], labels [B,T]) -> loss``.
 

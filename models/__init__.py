@@ -8,20 +8,22 @@ Public API::
     layers = decoder_layers(model)            # nn.ModuleList of blocks (any_layout=True: GPT-2 & co. too)
     parts = model_parts(model)                # ModelParts(embed, layers, final_norm, lm_head, rotary, tied)
     max_positions(model); check_seq_len(model, seq_len)
+    check_streamable(model, ram_available=None)  # ModelError naming the part that cannot stream
     model = add_lora(model, r=8, alpha=16, dropout=0.0, targets=["q_proj"], seed=0)  # peft
 """
 from ._gguf_cache import build_gguf_cache, default_cache_dir, gguf_cache_path
-from ._lazy import load_model_lazily
+from ._lazy import load_model_lazily, meta_model, read_model_config
 from ._lora import add_lora, is_adapter, merge_lora, plain_name, unwrap_peft
 from ._loader import (ModelSource, default_model_path, hub_offline, load_model, load_tokenizer,
                       resolve_model_spec)
-from ._structure import (SUPPORTED_MODEL_TYPES, ModelParts, check_seq_len, count_parameters,
+from ._structure import (SUPPORTED_MODEL_TYPES, ModelParts, check_seq_len, check_streamable, count_parameters,
                          decoder_layers, max_positions, model_parts, parameter_bytes)
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES", "ModelParts", "ModelSource", "add_lora", "build_gguf_cache", "check_seq_len",
+    "check_streamable",
     "count_parameters", "decoder_layers", "default_cache_dir", "default_model_path",
     "gguf_cache_path", "hub_offline", "is_adapter", "load_model", "load_model_lazily", "load_tokenizer",
-    "max_positions", "merge_lora", "model_parts", "parameter_bytes", "plain_name", "resolve_model_spec",
+    "max_positions", "merge_lora", "meta_model", "model_parts", "parameter_bytes", "plain_name", "read_model_config", "resolve_model_spec",
     "unwrap_peft",
 ]

@@ -33,22 +33,6 @@ def _first_line(err: BaseException) -> str:
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 
-def load_config(directory: Path) -> Any:
-    """The ``transformers`` config of ``directory``.
-
-    Raises:
-        ModelError: config.json missing, not JSON, not a mapping, or rejected by transformers.
-    """
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(directory)
-    except Exception as err:  # transformers raises OSError, ValueError, TypeError and its own validators'
-        raise ModelError(f"cannot load the model in '{directory}': its config.json cannot be used "
-                         f"({_first_line(err)}); "
-                         "fix it or pass the model's original directory") from None
-
-
 def weight_headers(directory: Path) -> dict[str, tuple[Path, tuple[int, ...], str]] | None:
     """Name -> (file, shape, safetensors dtype) of every tensor in the directory's
     safetensors files; None when it has none (a ``pytorch_model.bin`` only).
@@ -95,9 +79,14 @@ def check_weights(directory: Path, model: torch.nn.Module) -> None:
     Raises:
         ModelError: a weight missing, unexpected, of another shape or not floating point.
     """
+    from ._converted import conversion_sources
+
     headers = weight_headers(directory)
     if headers is None:
         return
+    # stored in another layout (e.g. experts one tensor each): made by the conversion, not checked here
+    converted = conversion_sources(model, list(headers))
+    sources = {key for _, stored in converted.values() for _, key in stored}
     groups: dict[int, list[str]] = {}  # one parameter (tied ones share it) -> all its names
     shapes: dict[int, tuple[int, ...]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -106,6 +95,8 @@ def check_weights(directory: Path, model: torch.nn.Module) -> None:
     known = {n for names in groups.values() for n in names}
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
     for key, names in groups.items():
+        if any(n in converted for n in names):
+            continue
         present = [n for n in names if n in headers]
         if not present:
             raise ModelError(f"weight {names[0]!r} is missing from '{directory}': its config.json describes "
@@ -119,34 +110,20 @@ def check_weights(directory: Path, model: torch.nn.Module) -> None:
                 raise ModelError(f"weight {n!r} in '{f}' is stored as {dtype}, not floating point; "
                                  "pass a float16, bfloat16 or float32 checkpoint")
     for n in headers:
-        if n not in known and not n.endswith("inv_freq") and not any(p.search(n) for p in ignored):
+        if n not in known and n not in sources and not n.endswith("inv_freq") and not any(p.search(n) for p in ignored):
             raise ModelError(f"'{headers[n][0]}' holds weight {n!r} that config.json has no place for; "
                              "use the config the weights were saved with")
-
-
-def meta_model(directory: Path, config: Any, dtype: torch.dtype | None = None) -> torch.nn.Module:
-    """The causal LM ``config`` describes, built on the meta device (no memory).
-
-    Raises:
-        ModelError: transformers cannot build a causal LM from this config.
-    """
-    from transformers import AutoModelForCausalLM
-
-    try:
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, **({} if dtype is None else {"dtype": dtype}))
-    except Exception as err:  # an architecture transformers cannot build from this config
-        raise ModelError(f"cannot build a causal LM from the config.json of '{directory}' "
-                         f"({_first_line(err)})") from None
 
 
 def check_model_dir(directory: Path) -> None:
     """:func:`check_weights` against the model the directory's own config builds (on meta).
 
     Raises:
-        ModelError: see :func:`load_config`, :func:`meta_model` and :func:`check_weights`.
+        ModelError: an unreadable config.json, or see :func:`check_weights`.
     """
-    check_weights(directory, meta_model(directory, load_config(directory)))
+    from ._lazy import meta_model, read_model_config  # (which imports this module)
+
+    check_weights(directory, meta_model(read_model_config(str(directory))))
 
 
 def check_tokenizer(model: torch.nn.Module, tokenizer: Any, where: str) -> None:

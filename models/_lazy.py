@@ -13,12 +13,15 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+import psutil
 import torch
 
 from ..errors import ModelError
-from ._check import check_tokenizer, check_weights, load_config, meta_model
+from ._check import _first_line, check_tokenizer, check_weights
+from ._converted import conversion_sources, read_converted
 from ._gguf_cache import build_gguf_cache
-from ._loader import _as_dtype, load_tokenizer, resolve_model_spec
+from ._loader import _as_dtype, load_tokenizer, pretrained_args, resolve_model_spec
+from ._structure import check_streamable
 
 
 def _weight_files(directory: Path) -> dict[str, Path]:
@@ -55,43 +58,108 @@ def load_model_lazily(spec: str | Path = "default", *, dtype: torch.dtype | str 
         real tensors already.
 
     Raises:
-        ModelError: a hub id (download it first), a missing weight, or no safetensors.
+        ModelError: a hub id (download it first), a model that cannot stream (see
+            :func:`check_streamable`), a missing weight, or no safetensors.
     """
+    from transformers import AutoConfig
+
     source = resolve_model_spec(spec)
     if source.kind == "hub":
         raise ModelError(f"out-of-core loading needs local files; download '{source.location}' "
                          "first (huggingface-cli download) and pass its directory")
-    directory = Path(build_gguf_cache(source.location, cache_dir) if source.kind == "gguf" else source.location)
     dtype = _as_dtype(dtype)
-    config = load_config(directory)
-    config.use_cache = False
-    model = meta_model(directory, config, dtype)
-    check_weights(directory, model)  # fill() would find a disagreement only mid-run
+    config = read_model_config(spec, cache_dir)
+    model = meta_model(config, dtype)
+    # refused here, before any weight is read, in one line naming the part that cannot stream
+    check_streamable(model, ram_available=psutil.virtual_memory().available)
+    directory = Path(source.location)
+    if source.kind == "gguf":  # dequantized once; the cache's own config matches its weight names
+        directory = Path(build_gguf_cache(source.location, cache_dir))
+        config = AutoConfig.from_pretrained(directory)
+        model = meta_model(config, dtype)
     materialize_buffers(model, config)
+    if (directory / "generation_config.json").is_file():  # as from_pretrained reads it (eos ids, sampling)
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(directory)
+    check_weights(directory, model)  # fill() would find a disagreement only mid-run
     files = _weight_files(directory)
+
+    # parameters stored in another layout (e.g. experts one tensor each, fused in the model)
+    converted = conversion_sources(model, list(files))
 
     from safetensors import safe_open
 
+    def read(key: str) -> torch.Tensor:
+        with safe_open(str(files[key]), "pt") as f:  # memory-mapped: only this tensor's pages are read
+            return f.get_tensor(key)
+
     def fill(name: str, out: torch.Tensor) -> None:
-        path = files.get(name)
-        if path is None:
+        if name in files:
+            out.copy_(read(name))
+        elif name in converted:
+            out.copy_(read_converted(name, converted[name], read, model))
+        else:
             raise ModelError(f"weight {name!r} is not in '{directory}'; the files do not match its config.json")
-        with safe_open(str(path), "pt") as f:  # memory-mapped: only this tensor's pages are read
-            out.copy_(f.get_tensor(name))
 
     tok = load_tokenizer(spec, cache_dir=cache_dir) if tokenizer else None
     check_tokenizer(model, tok, f"'{spec}'")
     return model, tok, fill
 
 
+def read_model_config(spec: str | Path, cache_dir: str | Path | None = None) -> Any:
+    """The Hugging Face config of a model spec, without reading any weight.
+
+    Args:
+        spec: as :func:`load_model` (a GGUF's config comes from its metadata, or from its
+            cache entry when there is one).
+        cache_dir: the GGUF cache location.
+
+    Returns:
+        The ``PretrainedConfig``.
+
+    Raises:
+        ModelError: the spec cannot be resolved, or its config cannot be read.
+    """
+    from transformers import AutoConfig
+
+    source = resolve_model_spec(spec)
+    try:
+        location, kwargs = pretrained_args(source, cache_dir)
+        return AutoConfig.from_pretrained(location, **kwargs)
+    except Exception as err:  # transformers raises OSError, ValueError, TypeError and its validators' own
+        raise ModelError(f"cannot read the config of '{source.location}': {_first_line(err)}; "
+                         "fix its config.json or pass the model's original directory") from None
+
+
+def meta_model(config: Any, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The causal LM of ``config`` built on the meta device (no memory), KV cache off."""
+    from transformers import AutoModelForCausalLM
+
+    config.use_cache = False
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
 def materialize_buffers(model: torch.nn.Module, config: Any) -> None:
-    """Rebuild modules whose buffers are computed, not loaded (rotary tables) on the CPU."""
-    for name, module in list(model.named_modules()):
-        if any(b.is_meta for b in module.buffers(recurse=False)):
-            try:
-                fresh = type(module)(config=config)
-            except TypeError as err:
-                raise ModelError(f"cannot rebuild {name!r} ({type(module).__name__}) off the meta device; "
-                                 "use --offload none for this model") from err
-            parent_name, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, attr, fresh)
+    """Compute on the CPU the buffers that are not loaded but computed (rotary tables, embedding
+    scales), as ``from_pretrained`` does: real storage, then the model's own ``_init_weights``.
+
+    The model's init is the one rule that knows every family's buffers (Gemma's
+    ``embed_scale``, per-layer-type rotary tables, YaRN frequencies); on the module's
+    meta-device parameters it does nothing.
+
+    Raises:
+        ModelError: the model has no ``_init_weights`` (not a transformers model).
+    """
+    init = getattr(model, "_init_weights", None)
+    if init is None:
+        raise ModelError(f"cannot compute the buffers of {type(model).__name__} ({config.model_type}) off the "
+                         "meta device (no _init_weights); use --offload none for this model")
+    with torch.no_grad():
+        for module in model.modules():
+            meta = [name for name, b in module.named_buffers(recurse=False) if b.is_meta]
+            for name in meta:
+                setattr(module, name, torch.empty_like(getattr(module, name), device="cpu"))
+            if meta:
+                init(module)

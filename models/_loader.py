@@ -161,11 +161,13 @@ def _load_source(source: ModelSource, dtype: torch.dtype, cache_dir: str | Path 
 
 
 def _load_dir(location: str, dtype: torch.dtype, what: str, quantize_4bit: bool = False, tokenizer: bool = True):
-    check_model_dir(Path(location))  # config, weights and shapes agree (from_pretrained would guess)
     try:
-        return _from_pretrained(location, dtype, quantize_4bit=quantize_4bit, tokenizer=tokenizer)
-    except (OSError, ValueError, KeyError, RuntimeError, TypeError) as err:
-        raise ModelError(f"cannot load the model in {what}: {_first_line(err)}") from err
+        loaded = _from_pretrained(location, dtype, quantize_4bit=quantize_4bit, tokenizer=tokenizer)
+    except Exception as err:  # transformers' and safetensors' many errors on a damaged directory
+        raise ModelError(f"cannot load the model in {what}: {_first_line(err)}") from None
+    # from_pretrained initializes at random what the files lack and ignores what they add: refuse both
+    check_model_dir(Path(location))
+    return loaded
 
 
 def _load_hub(repo_id: str, dtype: torch.dtype, quantize_4bit: bool = False, tokenizer: bool = True):
@@ -226,6 +228,28 @@ def load_model(spec: str | Path = "default", *, dtype: torch.dtype | str = torch
     return model, tokenizer
 
 
+def pretrained_args(source: ModelSource, cache_dir: str | Path | None = None) -> tuple[str, dict[str, Any]]:
+    """Where ``from_pretrained`` reads a source's config and tokenizer, without its weights.
+
+    Args:
+        source: a resolved model spec.
+        cache_dir: the GGUF cache location.
+
+    Returns:
+        ``(location, kwargs)``: a GGUF's complete cache entry, else the GGUF's folder with
+        ``gguf_file`` (its metadata); a directory; a hub id (offline: local files only).
+    """
+    if source.kind == "gguf":
+        entry = gguf_cache_path(source.location, cache_dir)
+        if is_complete(entry):
+            return str(entry), {}
+        path = Path(source.location)
+        return str(path.parent), {"gguf_file": path.name}
+    if source.kind == "hf_dir":
+        return source.location, {}
+    return source.location, {"local_files_only": hub_offline()}
+
+
 def load_tokenizer(spec: str | Path = "default", *, cache_dir: str | Path | None = None):
     """Load only the tokenizer of a model spec (cheaper than :func:`load_model`).
 
@@ -247,15 +271,8 @@ def load_tokenizer(spec: str | Path = "default", *, cache_dir: str | Path | None
 
     source = resolve_model_spec(spec)
     try:
-        if source.kind == "gguf":
-            entry = gguf_cache_path(source.location, cache_dir)
-            if is_complete(entry):
-                return AutoTokenizer.from_pretrained(entry)
-            path = Path(source.location)
-            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        if source.kind == "hf_dir":
-            return AutoTokenizer.from_pretrained(source.location)
-        return AutoTokenizer.from_pretrained(source.location, local_files_only=hub_offline())
+        location, kwargs = pretrained_args(source, cache_dir)
+        return AutoTokenizer.from_pretrained(location, **kwargs)
     except (OSError, ValueError, KeyError) as err:
         raise ModelError(f"cannot load the tokenizer of '{source.location}': "
                          f"{_first_line(err)}") from err

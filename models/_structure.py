@@ -16,8 +16,11 @@ from torch import nn
 
 from ..errors import ConfigError, ModelError
 
-#: ``config.model_type`` values whose layout :func:`model_parts` understands.
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "gemma3_text", "gemma3")
+#: ``config.model_type`` of the families that train out of core exactly as in memory, as
+#: tested (full, LoRA, lazy loading, export) by tests/models/test_families.py, which
+#: checks that this list is its matrix
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3_text", "phi3", "olmo2",
+                         "mixtral", "qwen3_moe", "gpt_oss")
 
 
 @dataclass
@@ -128,6 +131,65 @@ def model_parts(model: nn.Module) -> ModelParts:
     tied = lm_head.weight is embed.weight
     return ModelParts(embed=embed, layers=decoder_layers(model), final_norm=decoder.norm,
                       lm_head=lm_head, rotary=getattr(decoder, "rotary_emb", None), tied=tied)
+
+
+def check_streamable(model: nn.Module, ram_available: int | None = None) -> ModelParts:
+    """Check that the out-of-core engine can stream ``model``, before any work is done.
+
+    Streaming needs every parameter in the embed, a decoder block, the final norm or the
+    LM head (the units); a model with other parts (a vision tower, an audio encoder) or
+    another layout cannot stream. Works on a meta-device model: no weight is read.
+
+    Args:
+        model: a causal LM (or a peft wrapper of one), possibly on the meta device.
+        ram_available: bytes of RAM available; when given, the error advises
+            ``--offload none`` only if the model's weights fit in it.
+
+    Returns:
+        The model's :class:`ModelParts`.
+
+    Raises:
+        ModelError: one line naming the family, the class and the part that cannot stream.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    family = getattr(getattr(base, "config", None), "model_type", None) or "?"
+    what = f"{family} ({type(base).__name__}) cannot stream out of core"
+    try:
+        parts = model_parts(base)
+    except ModelError as err:
+        raise ModelError(f"{what}: {err}{_in_memory_advice(base, ram_available)}") from err
+    streamed = {id(p) for m in (parts.embed, parts.layers, parts.final_norm, parts.lm_head)
+                for p in m.parameters()}
+    outside = [n for n, p in base.named_parameters() if id(p) not in streamed]
+    if outside:
+        part = _outermost_outside(base, outside[0], streamed)
+        raise ModelError(f"{what}: its part {part!r} ({len(outside)} tensors outside the embed, blocks, final "
+                         f"norm and head){_in_memory_advice(base, ram_available)}")
+    return parts
+
+
+def _outermost_outside(model: nn.Module, name: str, streamed: set[int]) -> str:
+    """The largest module holding parameter ``name`` with nothing streamed in it
+    (``model.vision_tower``, not its first patch embedding)."""
+    path = name.split(".")[:-1]
+    part = ".".join(path)
+    for i in range(len(path) - 1, 0, -1):
+        prefix = ".".join(path[:i])
+        if any(id(p) in streamed for p in model.get_submodule(prefix).parameters()):
+            break
+        part = prefix
+    return part
+
+
+def _in_memory_advice(model: nn.Module, ram_available: int | None) -> str:
+    """``--offload none`` where the weights fit in RAM; otherwise say that they do not."""
+    if ram_available is None:
+        return ""
+    need = parameter_bytes(model)
+    sizes = f"{need / 2**30:.2f} GiB of weights, {ram_available / 2**30:.1f} GiB of RAM available"
+    if need < ram_available:
+        return f"; train it in memory with --offload none ({sizes})"
+    return f"; it does not fit in memory either ({sizes}): use a smaller model"
 
 
 def max_positions(model: nn.Module) -> int:

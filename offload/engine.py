@@ -23,8 +23,9 @@ unit's buffer, fetched again for the backward. No model code changes.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -67,7 +68,8 @@ class OutOfCoreEngine:
         optimizer: an ``outcore.optim.OutcoreOptimizer`` (``state_spec`` /
             ``update``) built over ``model``'s trainable parameters; when those stay
             resident (no unit lays them out: LoRA adapters), any torch optimizer,
-            stepped after the backward.
+            stepped after the backward; None for a forward-only engine (inference: no
+            parameter requires a gradient).
         memory: factory ``(units, optimizer) -> StoreUnitMemory`` that registers the
             unit buffers (and initial contents) with the store.
         prefetch: how many units ahead to prefetch (k).
@@ -98,11 +100,13 @@ class OutOfCoreEngine:
         self.step_in_backward = max_grad_norm <= 0 and grad_accum == 1 and not self.resident
         spill = spill_grads and not self.step_in_backward and not self.resident
         self._micro, self._n_micro = 0, 1  # which micro-batch of the step is running
+        self._clipped = False  # this step's gradients clipped (clip() ran)
         self.mem = memory(self.units, optimizer)
         # optimizer state passes through the HOST window rather than living there
         self._state_streams = any(h.home is Tier.NVME for u in self.units
                                   for part, h in u.handles.items() if part.kind != WEIGHTS)
-        self.updater = UnitUpdater(self.mem, optimizer, self.prefetch_depth, max_grad_norm, spill)
+        self.updater = None if optimizer is None else UnitUpdater(self.mem, optimizer, self.prefetch_depth,
+                                                                  max_grad_norm, spill)
         self._frozen_in_backward: list[Unit] = []  # frozen units bound for their backward, newest last
         self._phase = "forward"
         self.last_grad_norm: torch.Tensor | None = None
@@ -117,7 +121,7 @@ class OutOfCoreEngine:
     @property
     def spill(self) -> bool:
         """Do gradients leave memory as each unit's completes (clipping / accumulation out of core)?"""
-        return self.updater.spill
+        return self.updater is not None and self.updater.spill
 
     def _resident_trainables(self) -> list[nn.Parameter]:
         """Trainable parameters outside every unit (LoRA adapters): they stay resident and
@@ -186,6 +190,10 @@ class OutOfCoreEngine:
 
     def _needs(self, index: int) -> list[int]:
         return [index, *self.units[index].borrows]
+
+    def prefetch_first(self) -> None:
+        """Start fetching the first k units, which every forward begins with (no wait)."""
+        self._prefetch(range(min(len(self.units), self.prefetch_depth)))
 
     def _prefetch(self, indices: range) -> None:
         for j in indices:
@@ -310,30 +318,58 @@ class OutOfCoreEngine:
         Returns:
             The summed (accumulation-scaled) loss, still a tensor: no host sync here.
         """
+        self.begin_step(lr, len(micro_batches))
+        total = torch.zeros(())
+        for batch in micro_batches:
+            with self.micro_batch():
+                loss = loss_fn(self.model, batch) / len(micro_batches)
+                loss.backward()
+            total += loss.detach()
+        self.end_step()
+        return total
+
+    # A caller that runs its own loop (a transformers Trainer: integrations/trainer.py) calls
+    # the three parts of train_step itself: begin_step, micro_batch per forward + backward,
+    # end_step (clip first, with clip(), to read the norm before the update).
+    def begin_step(self, lr: float, n_micro: int) -> None:
+        """Start an optimizer step of ``n_micro`` micro-batches at learning rate ``lr``."""
         self.updater.lr = lr
         if self._state_streams:
             # The HOST window holds optimizer state only while units update (the backward);
             # through the forward and the loss — the step's RSS peak — its pages are idle:
             # return them (~1% of a step to fault them back on a CPU-only machine).
             self.store.discard_free(Tier.HOST)
-        self._prefetch(range(min(len(self.units), self.prefetch_depth)))
-        total = torch.zeros(())
-        self._n_micro = len(micro_batches)
-        for self._micro, batch in enumerate(micro_batches):
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                loss = loss_fn(self.model, batch) / len(micro_batches)
-                loss.backward()
-            self._release_frozen()  # the first units' backward has no later one to end it
-            total += loss.detach()
-        if self.resident:  # adapters: clipped and stepped the usual way
-            self.last_grad_norm = step_in_memory(self.params, self.optimizer, self.max_grad_norm, lr)
-        elif not self.step_in_backward:
-            self._update_after_backward()
-        return total
+        self.prefetch_first()
+        self._micro, self._n_micro = 0, n_micro
+        self._clipped = False
 
-    def _update_after_backward(self) -> None:
-        """Clip by the global norm, then update every unit, its weights and state prefetched."""
-        self.last_grad_norm = self.updater.clip(self.params, self.units)
+    @contextmanager
+    def micro_batch(self) -> Iterator[None]:
+        """Run one micro-batch's forward and backward inside (saved weights kept by reference)."""
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+        self._release_frozen()  # the first units' backward has no later one to end it
+        self._micro += 1
+
+    def clip(self) -> torch.Tensor | None:
+        """Clip the step's gradients by their global norm (``end_step`` does it if not done);
+        returns the norm (None without clipping, or when updates ran in the backward)."""
+        if not self.resident and not self.step_in_backward and not self._clipped:
+            self.last_grad_norm = self.updater.clip(self.params, self.units)
+            self._clipped = True
+        return self.last_grad_norm
+
+    def end_step(self) -> None:
+        """Finish the step: the updates that wait for the whole backward (clipping, accumulation,
+        resident adapters); with step-in-backward they are done already."""
+        if self.resident:  # adapters: clipped and stepped the usual way
+            self.last_grad_norm = step_in_memory(self.params, self.optimizer, self.max_grad_norm, self.updater.lr)
+        elif not self.step_in_backward:
+            self.clip()
+            self._update_units()
+
+    def _update_units(self) -> None:
+        """Update every unit after the backward (gradients clipped), its weights and state prefetched."""
         trainable = [u for u in self.units if u.trainable]
         for at, unit in enumerate(trainable):
             for ahead in trainable[at:at + self.prefetch_depth]:

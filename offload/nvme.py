@@ -32,7 +32,16 @@ from .swapdir import SwapDir
 from ._futures import chain as _chain
 
 DATA_FILE, INDEX_FILE = "extents.bin", "extents.idx"
-GROW_BYTES = 1 << 30  # an unbounded swap file grows (and is preallocated) 1 GiB at a time
+
+
+JOURNAL_ROOM = 4 << 20  # left free beside the swap file for the journal's appends
+
+
+def reserve_margin(nbytes: int) -> int:
+    """Room an unbounded swap file reserves beyond what is asked: 1/16 of it, at least 16 MiB
+    (so a run whose need grows a little, e.g. with offloaded activations, does not
+    preallocate at every extent, nor hold gigabytes a small model never uses)."""
+    return max(16 << 20, align_up(nbytes // 16))
 
 
 @dataclass(eq=False)
@@ -72,12 +81,13 @@ class NvmeBackend:
     Args:
         swap: the (locked) swap directory.
         capacity: bytes to preallocate now (``posix_fallocate``): the NVMe tier's
-            budget. ``None`` = unbounded; the file then grows 1 GiB at a time.
+            budget. ``None`` = unbounded: :meth:`reserve` what the run needs up front;
+            beyond it the file grows by each request plus :func:`reserve_margin`.
         pool: the I/O pool (default: a fresh ``IOPool()``; closed with the backend).
         direct: use ``O_DIRECT`` when the file system allows it.
 
     Raises:
-        SwapDirError: the swap dir has not enough free space for ``capacity``.
+        DiskFullError: the swap dir has not enough free space for ``capacity``.
     """
 
     def __init__(self, swap: SwapDir, capacity: int | None = None, pool: IOPool | None = None,
@@ -112,6 +122,20 @@ class NvmeBackend:
             self.swap.reserve(self.fd, capacity, name=f"the NVMe tier ({self.path.name})")
             self._free.grow(capacity)
 
+    def reserve(self, nbytes: int) -> None:
+        """Preallocate room for ``nbytes`` of extents now, plus :func:`reserve_margin` where the
+        disk has it: what the plan says the tier will hold, so a disk too small fails before training.
+
+        Raises:
+            DiskFullError: the swap dir's disk has not the room (free and needed bytes named).
+        """
+        if self.budget is None and nbytes > 0:
+            with self._lock:
+                # the margin is a cushion, not a need: it shrinks to the room there is, less
+                # what the journal (a line per write) and the lock file take beside the swap file
+                room = self.swap.free_bytes + self._free.capacity - JOURNAL_ROOM
+                self._grow_to(nbytes + min(reserve_margin(nbytes), max(0, room - align_up(nbytes))))
+
     @property
     def held(self) -> int:
         """Bytes in allocated extents."""
@@ -127,7 +151,8 @@ class NvmeBackend:
         with self._lock:
             off = self._free.alloc(nbytes)
             if off is None and self.budget is None:
-                self._grow_to(self._free.capacity + max(GROW_BYTES, align_up(nbytes)))
+                grown = self._free.capacity + align_up(max(nbytes, 1))  # room at the end, whatever the holes
+                self._grow_to(grown + reserve_margin(grown))
                 off = self._free.alloc(nbytes)
         return None if off is None else Extent(key, off, align_up(max(nbytes, 1)))
 

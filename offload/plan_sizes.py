@@ -21,6 +21,7 @@ from typing import Any, Mapping
 
 from ..dtypes import DTYPE_BYTES
 from ..errors import ConfigError, ModelError
+from .unit_sizes import piece_size
 
 NF4_BLOCK = 64  # QLoRA NF4: 4-bit codes, one fp32 absmax per 64 weights (no double quantization)
 
@@ -99,6 +100,9 @@ class ModelSpec:
     vocab: int
     layers: int
     tied: bool
+    #: of a mixture-of-experts block's expert weights, the share one token multiplies by
+    #: (experts per token / experts); 1.0 for a dense model
+    expert_share: float = 1.0
 
     @property
     def numel(self) -> int:
@@ -144,7 +148,23 @@ def model_spec_from_model(model: Any) -> ModelSpec:
         units.append(UnitSpec(u.index, u.name, kind, params, tuple(u.borrows)))
     dims = _dims(base.config)
     return ModelSpec(model_type=str(getattr(base.config, "model_type", "unknown")), units=tuple(units),
-                     tied=any(u.borrows for u in units), **dims)
+                     tied=any(u.borrows for u in units), expert_share=_expert_share(base.config), **dims)
+
+
+def _expert_share(cfg: Any) -> float:
+    """Experts per token / experts of a mixture-of-experts config (1.0 without experts)."""
+    cfg = getattr(cfg, "text_config", None) or cfg
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None)
+    per_token = getattr(cfg, "num_experts_per_tok", None)
+    return per_token / experts if experts and per_token else 1.0
+
+
+def _matmul_elements(p: ParamInfo, expert_share: float) -> float:
+    """Elements of ``p`` each token multiplies by: a matrix, or a stack of experts' matrices
+    (``experts.*``, fused 3-D or one per expert) of which a token uses ``expert_share``."""
+    if ".experts." in p.name and len(p.shape) in (2, 3) and not p.name.endswith("bias"):
+        return p.numel * expert_share
+    return p.numel if len(p.shape) == 2 else 0
 
 
 def model_spec_from_config(config: Any) -> ModelSpec:
@@ -230,9 +250,10 @@ class OptimizerState:
         """Bytes of state of a parameter of ``shape`` (no padding: the plan counts that apart)."""
         return sum(n * size for n, size in self.spec(shape).values())
 
-    def elementwise(self, shape: tuple[int, ...]) -> bool:
-        """Whether the update is element-wise, so the engine may stream the state in pieces."""
-        return self.optimizer.elementwise_state(self._param(shape), self._group) is not None
+    def ratios(self, shape: tuple[int, ...]) -> dict[str, int] | None:
+        """How the state lines up with the elements (``elementwise_state``); None when the
+        update mixes elements (the engine then never streams the state in pieces)."""
+        return self.optimizer.elementwise_state(self._param(shape), self._group)
 
 
 def _lora_shapes(unit: UnitSpec, targets: tuple[str, ...], r: int) -> list[tuple[int, int]]:
@@ -292,7 +313,7 @@ def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str,
     master = 4 if (c != 4 and state is not None) else 0  # ZO updates in place in the compute dtype
     out = []
     for u in spec.units:
-        matmul = sum(p.numel for p in u.params if len(p.shape) == 2 and u.kind != "embed")
+        matmul = 0 if u.kind == "embed" else round(sum(_matmul_elements(p, spec.expert_share) for p in u.params))
         if u.kind == "head" and spec.tied:
             matmul += spec.vocab * spec.hidden  # the tied head multiplies by the embedding matrix
         if traits.trains_weights:
@@ -301,7 +322,10 @@ def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str,
             out.append(_adapter_unit(u, c, traits, state, matmul, lora_r, tuple(lora_targets)))
     if not traits.trains_weights or state is None:
         return out
-    piecable = [len(u.params) == 1 and state.elementwise(u.params[0].shape) for u in spec.units]
+    piecable = []
+    for u in spec.units:  # every parameter element-wise, alike (``unit_sizes.state_pieces``)
+        ratios = [state.ratios(p.shape) for p in u.params]
+        piecable.append(bool(ratios) and ratios[0] is not None and all(r == ratios[0] for r in ratios))
     return _with_state_pieces(out, piecable)
 
 
@@ -340,13 +364,12 @@ def _adapter_unit(u: UnitSpec, c: int, traits: MethodTraits, state: OptimizerSta
 
 
 def _with_state_pieces(units: list[UnitBytes], piecable: list[bool]) -> list[UnitBytes]:
-    """Mark the units whose state the engine streams in block-sized pieces: a single tensor
-    (the embedding) updated element-wise (``OutcoreOptimizer.elementwise_state``) whose
-    state is over 1.5 x the second-largest unit's (``unit_sizes.state_pieces``)."""
-    sizes = sorted(u.state for u in units)
-    if len(sizes) < 2:
+    """Mark the units whose state the engine streams in block-sized pieces: updated
+    element-wise (``OutcoreOptimizer.elementwise_state``), with a state over 1.5 x the
+    piece size (``unit_sizes.piece_size``, ``unit_sizes.state_pieces``)."""
+    piece = piece_size([u.state for u in units], [u.kind == "block" for u in units])
+    if piece is None:
         return units
-    piece = sizes[-2]
     return [replace(u, state_piece=piece) if ok and u.state > 1.5 * piece else u
             for u, ok in zip(units, piecable)]
 

@@ -57,6 +57,9 @@ class TieredStore:
         host_bytes: HOST budget (pinned RAM on CUDA).
         nvme_bytes: NVME budget, preallocated in the swap dir now; ``None`` =
             grow on demand.
+        nvme_reserve: with ``nvme_bytes=None``, what the NVME tier will hold (the plan's
+            figure), preallocated now with a margin (``nvme.reserve_margin``), so a disk
+            too small is refused before training.
         swap_dir: the swap directory (required for handles whose home is NVME).
         device: a :class:`Device`, ``"cuda"``/``"cpu"``, or None (CUDA if available).
         queue_depth: NVMe syscalls in flight.
@@ -66,13 +69,14 @@ class TieredStore:
 
     Raises:
         BudgetError: a negative budget.
-        SwapDirError: the swap dir cannot be used or is too small for ``nvme_bytes``.
+        SwapDirError: the swap dir cannot be used.
+        DiskFullError: the swap dir's disk is too small for ``nvme_bytes`` / ``nvme_reserve``.
     """
 
     def __init__(self, device_bytes: int, host_bytes: int, nvme_bytes: int | None = None,
                  swap_dir: str | Path | SwapDir | None = None, device: Device | str | None = None,
                  queue_depth: int = DEFAULT_QUEUE_DEPTH, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 slab_bytes: int | None = None, direct: bool = True):
+                 slab_bytes: int | None = None, direct: bool = True, nvme_reserve: int = 0):
         self.device = device if isinstance(device, Device) else Device(device)
         try:
             self.space = TierSpace(self.device, device_bytes, host_bytes, nvme_bytes, swap_dir,
@@ -88,6 +92,12 @@ class TieredStore:
         self.stall_s = 0.0  # time consumers waited in wait() for transfers not yet done
         self.nvme: NvmeBackend | None = self.space.nvme  # None without a swap dir
         self.swap: SwapDir | None = self.space.swap
+        if self.nvme is not None and nvme_reserve:
+            try:
+                self.nvme.reserve(nvme_reserve)
+            except BaseException:  # leave no swap dir behind
+                self.close()
+                raise
 
     # -- budgets -----------------------------------------------------------------
     def budget(self, tier: Tier) -> int | None:

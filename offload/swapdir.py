@@ -5,7 +5,12 @@ Lifecycle:
   takes an advisory ``flock`` on ``path/.outcore-swap.lock`` so a second run on the
   same directory fails at once with the pid of the first, and writes the pid there.
 - ``reserve(file, nbytes)`` preallocates with ``posix_fallocate``: a disk that is
-  too small fails *before* training, not in the middle of a step.
+  too small fails *before* training, not in the middle of a step, with the free
+  space measured before the attempt (a failed ``posix_fallocate`` may keep what it
+  took; the file is cut back to its size) and the bytes still needed.
+- A directory another user could swap files in is refused: one reached through a
+  symlink owned by, or pointing to a directory owned by, another user, or a
+  world-writable directory without the sticky bit (``/tmp`` has it: fine).
 - ``close()`` removes what this run created (the whole directory if it made it);
   a crashed run leaves its directory behind, which ``find_leftover_swap_dirs``
   reports (``outcore doctor`` lists them).
@@ -19,13 +24,32 @@ import shutil
 import stat
 from pathlib import Path
 
-from ..errors import SwapDirError
+from ..errors import DiskFullError, SwapDirError
+from .plan_budget import format_bytes
 
 LOCK_NAME = ".outcore-swap.lock"  # marks a directory as an outcore swap dir
 
 
-def _fmt(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def _check_safe(path: Path) -> None:
+    """Refuse a swap directory (or its parent) that another user can tamper with.
+
+    Raises:
+        SwapDirError: a symlink not ours or to a directory not ours, or a world-writable
+            directory without the sticky bit.
+    """
+    me = os.geteuid()
+    for p in (path, path.parent):
+        try:
+            link = os.lstat(p)
+            st = os.stat(p)
+        except OSError:  # missing or not accessible: the checks that follow say which
+            continue
+        if stat.S_ISLNK(link.st_mode) and not {link.st_uid, st.st_uid} <= {me, 0}:  # root may do anything anyway
+            raise SwapDirError(f"swap dir {p} is a symlink to a directory owned by another user "
+                               f"(uid {st.st_uid}); pass a directory of your own as swap_dir")
+        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            raise SwapDirError(f"swap dir {p} is writable by every user without the sticky bit, so "
+                               "another user could replace its files; chmod o-w it or choose another swap_dir")
 
 
 class SwapDir:
@@ -43,6 +67,7 @@ class SwapDir:
     def __init__(self, path: str | Path, keep: bool = False):
         self.path = Path(path).expanduser().absolute()
         self.keep = keep
+        _check_safe(self.path)
         self._files: list[Path] = []
         self._lock_fd = -1
         self._created = False
@@ -68,6 +93,9 @@ class SwapDir:
 
     def _lock(self) -> None:
         lock_path = self.path / LOCK_NAME
+        # a killed run's directory (its lock file left, unlocked) is this run's to remove once
+        # empty, so leftovers do not pile up; a directory the user made is never removed
+        self._leftover = not self._created and lock_path.exists()
         try:
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as e:
@@ -102,23 +130,31 @@ class SwapDir:
         """Preallocate ``nbytes`` of an open file so later writes cannot hit ENOSPC.
 
         Raises:
-            SwapDirError: not enough free space (names the request and what is free).
+            DiskFullError: not enough free space, naming what was free before the
+                attempt and what the file still needs.
+            SwapDirError: another I/O error.
         """
         if nbytes <= 0:
             return
+        st = os.fstat(fd)
+        need = max(0, nbytes - st.st_blocks * 512)  # what the file does not hold on disk yet
+        free = self.free_bytes  # before: a failed fallocate may keep the space it took
+
+        def full() -> DiskFullError:
+            return DiskFullError(f"swap dir {self.path} has {format_bytes(free)} free but {name} needs "
+                                 f"{format_bytes(need)} more ({format_bytes(nbytes)} in all); free space or "
+                                 "choose another swap_dir")
+        if need > free:
+            raise full()
         try:
             os.posix_fallocate(fd, 0, nbytes)
         except OSError as e:
-            free = shutil.disk_usage(self.path).free
             if e.errno == errno.ENOSPC:
-                raise SwapDirError(f"swap dir {self.path} has {_fmt(free)} free but {name} needs "
-                                   f"{_fmt(nbytes)}; free space or choose another swap_dir") from e
-            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # file system without fallocate
-                if free < nbytes:
-                    raise SwapDirError(f"swap dir {self.path} has {_fmt(free)} free but {name} needs "
-                                       f"{_fmt(nbytes)}; free space or choose another swap_dir") from e
+                os.ftruncate(fd, st.st_size)  # give back what the failed attempt took
+                raise full() from e
+            if e.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # file system without fallocate: checked above
                 return
-            raise SwapDirError(f"cannot reserve {_fmt(nbytes)} in {self.path}: {e.strerror}") from e
+            raise SwapDirError(f"cannot reserve {format_bytes(nbytes)} in {self.path}: {e.strerror}") from e
 
     @property
     def free_bytes(self) -> int:
@@ -141,6 +177,11 @@ class SwapDir:
                 pass
             if self._created:
                 shutil.rmtree(self.path, ignore_errors=True)
+            elif self._leftover:
+                try:
+                    self.path.rmdir()  # only if empty: the killed run's files, never the user's
+                except OSError:
+                    pass
         os.close(self._lock_fd)  # releases the flock
         self._lock_fd = -1
 

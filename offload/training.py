@@ -33,7 +33,7 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                   init_weights: Callable[[Any, torch.Tensor], None] | None = None,
                   resident_trainable: bool = False, master_weights: bool = True,
                   quantize_frozen: bool = False, spill_grads: bool | None = None,
-                  split_state: bool = True) -> OutOfCoreEngine:
+                  split_state: bool = True, nvme_reserve: int = 0) -> OutOfCoreEngine:
     """Move ``model``'s weights and ``optimizer``'s state into tiers and wrap it for training.
 
     Args:
@@ -64,6 +64,7 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
             in block-sized pieces when the optimizer updates element-wise (see
             ``unit_sizes.state_pieces``), so the HOST window is a few blocks, not the
             embedding's whole state. Bit-identical either way.
+        nvme_reserve: bytes the plan puts on NVMe, preallocated now (0: grow on demand).
 
     Returns:
         The :class:`OutOfCoreEngine`, owning the store (``close()`` it when done).
@@ -71,7 +72,7 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
     Raises:
         ConfigError: an unknown ``offload`` or ``nvme`` without a swap dir.
         BudgetError: a cap smaller than one unit needs.
-        SwapDirError: the swap dir cannot be used.
+        SwapDirError: the swap dir cannot be used (``DiskFullError``: too small for ``nvme_reserve``).
     """
     if offload not in STREAMED_MODES:
         raise ConfigError(f"offload={offload!r}: the out-of-core engine takes 'cpu' or 'nvme'")
@@ -81,7 +82,6 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
     uses_nvme = any(Tier.NVME in h for h in homes)
     if uses_nvme and swap_dir is None:
         raise ConfigError("offload=nvme needs a swap directory; pass --swap-dir DIR on a fast disk")
-
     k = max(1, prefetch)
     if spill_grads is None:
         spill_grads = any(s is Tier.NVME for _, s in homes)
@@ -90,7 +90,8 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                        quantize_frozen=quantize_frozen, split_state=split_state)
     device = min(device_bytes, need.device) if device_bytes else need.device
     host = min(host_bytes, need.host) if host_bytes else need.host
-    store = TieredStore(device_bytes=device, host_bytes=max(host, 4096), swap_dir=swap_dir if uses_nvme else None)
+    store = TieredStore(device_bytes=device, host_bytes=max(host, 4096), swap_dir=swap_dir if uses_nvme else None,
+                        nvme_reserve=nvme_reserve)
     try:
         engine = OutOfCoreEngine(model, optimizer,
                                  lambda us, opt: StoreUnitMemory(store, us, opt, homes=homes,

@@ -48,7 +48,7 @@ def store_unit(store: TieredStore, unit: Unit, optimizer: Any, homes: tuple[Tier
     if s_home is Tier.NVME and optimizer is not None:
         split = state_pieces(unit, optimizer, state_piece_bytes, master_weights)
         if split is not None:
-            unit.pieces, unit.ratios = split.ranges, split.ratios
+            unit.pieces, unit.segments, unit.spans, unit.ratios = split.ranges, split.segments, split.spans, split.ratios
     w, masters = _initial_weights(unit, init_weights, master_weights)
     if quantize_frozen and NF4Layout.any_quantized(unit):
         unit.nf4 = NF4Layout(unit, w.dtype)

@@ -200,22 +200,25 @@ class StoreUnitMemory:
         return flat
 
     def _spill_pieces(self, unit: Unit, grads: dict[int, torch.Tensor], first: bool) -> None:
-        """``spill_grads`` of a pieced unit: its one gradient written a piece at a time. A later
-        micro-batch adds each spilled piece into the gradient in place first (``old + new``,
-        autograd's order), so the gradient holds the total the caller takes the norm of."""
-        (g,) = grads.values()
-        flat = g.view(-1)
-        for i, (a, b) in enumerate(unit.pieces):
+        """``spill_grads`` of a pieced unit: its gradients written a piece at a time, each piece
+        the segments it covers back to back. A later micro-batch adds each spilled segment into
+        the gradient in place first (``old + new``, autograd's order), so the gradients hold the
+        totals the caller takes the norms of."""
+        dtype = next(iter(grads.values())).dtype
+        for i, ((a, b), segments) in enumerate(zip(unit.pieces, unit.segments)):
             part = Part(GRADS, i)
             if first:
-                unit.handles[part] = self.store.register(f"{unit.name}:{part}", shape=(b - a,), dtype=g.dtype,
+                unit.handles[part] = self.store.register(f"{unit.name}:{part}", shape=(b - a,), dtype=dtype,
                                                          home=unit.homes[1])
             elif i + 1 < len(unit.pieces):
                 self.prefetch(unit.index, Part(GRADS, i + 1))
-            piece = self.acquire(unit.index, part)
-            if not first:
-                torch.add(piece, flat[a:b], out=flat[a:b])
-            piece.copy_(flat[a:b])
+            piece, at = self.acquire(unit.index, part), 0
+            for k, lo, hi in segments:
+                flat = grads[k].view(-1)[lo:hi]
+                if not first:
+                    torch.add(piece[at:at + hi - lo], flat, out=flat)
+                piece[at:at + hi - lo].copy_(flat)
+                at += hi - lo
             self.release(unit.index, part, dirty=True)  # written home and evicted, asynchronously
 
     def drop_grads(self, index: int) -> None:

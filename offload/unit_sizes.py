@@ -28,7 +28,9 @@ PIECE_ALIGN = 4096
 class StatePieces:
     """How a unit's optimizer state is split (see :func:`state_pieces`)."""
 
-    ranges: list[tuple[int, int]]  # element ranges [a, b) of the unit's trainable parameter
+    ranges: list[tuple[int, int]]  # element ranges [a, b) of the unit's trainable elements, in slot order
+    segments: list[list[tuple[int, int, int]]]  # per piece: (slot index, lo, hi) of the slots it covers
+    spans: dict[str, list[tuple[int, int]]]  # pieced kind -> per piece, its range of the kind's flat buffer
     ratios: dict[str, int]  # kind -> parameter elements per state element; 0: kept whole
     handle_bytes: dict[str, int]  # kind -> bytes of its largest handle (a piece, or the whole)
 
@@ -37,41 +39,83 @@ def state_pieces(unit: Unit, optimizer, piece_bytes: int | None, master_weights:
                  ) -> StatePieces | None:
     """How to split ``unit``'s optimizer state into pieces of about ``piece_bytes``, if at all.
 
-    A unit is split when it has one trainable parameter, its state is over 1.5 x
-    ``piece_bytes`` and the optimizer updates element-wise
-    (``OutcoreOptimizer.elementwise_state``): updating elements [a, b) with the state
-    of [a, b) then gives the same bits as updating the whole.
+    A unit is split when its state is over 1.5 x ``piece_bytes`` and the optimizer updates
+    every trainable parameter of it element-wise, alike (``OutcoreOptimizer.elementwise_state``
+    gives each the same ratios): updating elements [a, b) with the state of [a, b) then gives
+    the same bits as updating the whole. The pieces are ranges of the unit's trainable
+    elements, the slots taken in order (an embedding's one matrix; a mixture-of-experts
+    block's experts, attention and norms); a piece ends inside a slot only on a multiple of
+    ``PIECE_ALIGN`` of it, so each piece's state is one contiguous range of each flat buffer.
     """
-    train = [s for s in unit.slots if s.param.requires_grad]
+    train = [k for k, s in enumerate(unit.slots) if s.param.requires_grad]
     ratios_of = getattr(optimizer, "elementwise_state", None)
-    if not piece_bytes or len(train) != 1 or ratios_of is None:
+    if not piece_bytes or not train or ratios_of is None:
         return None
-    slot = train[0]
     state = unit_state_bytes([unit], optimizer, master_weights)[0]
     total = sum(state.values())
     if total <= 1.5 * piece_bytes:
         return None
     group = optimizer.param_groups[0]
-    target = slot.param
-    if master_weights and needs_master(slot.param):
-        target = torch.empty(slot.shape, dtype=MASTER_DTYPE, device="meta")
-    ratios = ratios_of(target, group)
-    if ratios is None:
-        return None
-    if master_weights and needs_master(slot.param):
+    specs, ratios = [], None
+    for k in train:
+        target, param = unit.slots[k].param, unit.slots[k].param
+        if master_weights and needs_master(param):
+            target = torch.empty(unit.slots[k].shape, dtype=MASTER_DTYPE, device="meta")
+        mine = ratios_of(target, group)
+        if mine is None or (ratios is not None and mine != ratios):
+            return None
+        ratios = mine
+        spec = optimizer.state_spec(target, group)
+        if master_weights and needs_master(param):
+            spec = {"master": (unit.slots[k].shape, MASTER_DTYPE), **spec}
+        specs.append(spec)
+    if master_weights and needs_master(unit.slots[train[0]].param):
         ratios = {"master": 1, **ratios}
     if set(ratios) != set(state) or any(r and PIECE_ALIGN % r for r in ratios.values()):
         return None
-    n = slot.numel
+    n = sum(unit.slots[k].numel for k in train)
     count = -(-total // piece_bytes)
-    step = -(-n // count // PIECE_ALIGN) * PIECE_ALIGN
-    bounds = list(range(0, n, step)) + [n]
-    ranges = list(zip(bounds, bounds[1:]))
-    spec = optimizer.state_spec(target, group)
-    itemsize = {"master": MASTER_DTYPE.itemsize, **{k: dtype.itemsize for k, (_, dtype) in spec.items()}}
-    handle_bytes = {k: state[k] if not r else max(-(-b // r) - a // r for a, b in ranges) * itemsize[k]
-                    for k, r in ratios.items()}
-    return StatePieces(ranges, ratios, handle_bytes)
+    ranges, segments = _cut(unit, train, -(-n // count // PIECE_ALIGN) * PIECE_ALIGN)
+    spans, handle_bytes = {}, {}
+    for kind, r in ratios.items():
+        dtype = specs[0][kind][1]
+        if not r:
+            handle_bytes[kind] = state[kind]
+            continue
+        offsets, at = {}, 0
+        for k, spec in zip(train, specs):
+            offsets[k] = at
+            at += _pad(max(torch.Size(spec[kind][0]).numel(), 1), dtype.itemsize)
+        spans[kind] = [(offsets[seg[0][0]] + seg[0][1] // r, offsets[seg[-1][0]] + -(-seg[-1][2] // r))
+                       for seg in segments]
+        handle_bytes[kind] = max(hi - lo for lo, hi in spans[kind]) * dtype.itemsize
+    return StatePieces(ranges, segments, spans, ratios, handle_bytes)
+
+
+def _cut(unit: Unit, train: list[int], step: int
+         ) -> tuple[list[tuple[int, int]], list[list[tuple[int, int, int]]]]:
+    """Pieces of about ``step`` trainable elements: their ranges, and the (slot, lo, hi) each
+    covers. A piece takes slots whole while they fit; it cuts a slot only at a multiple of
+    ``PIECE_ALIGN`` of it (so one large slot, the embedding, is cut every ``step``)."""
+    ranges, segments = [], []
+    a, current, filled, base = 0, [], 0, 0
+    for k in train:
+        n, e = unit.slots[k].numel, 0
+        while e < n:
+            room = step - filled
+            take = n - e if n - e <= room else room // PIECE_ALIGN * PIECE_ALIGN
+            if take:
+                current.append((k, e, e + take))
+                e, filled = e + take, filled + take
+            if e < n or filled >= step:  # the slot goes on past this piece, or the piece is full
+                ranges.append((a, base + e))
+                segments.append(current)
+                a, current, filled = base + e, [], 0
+        base += n
+    if current:
+        ranges.append((a, base))
+        segments.append(current)
+    return ranges, segments
 
 
 def needs_master(param: torch.Tensor) -> bool:
@@ -130,6 +174,22 @@ def window_bytes(sizes: list[int], count: int) -> int:
     return top[0] + count * top[1]
 
 
+def piece_size(states: list[int], blocks: list[bool]) -> int | None:
+    """The size of a state piece: the second-largest block's state (a unit's state over 1.5 x
+    this streams in pieces: the embedding, an untied head, a mixture-of-experts block among
+    dense ones), or the second-largest unit's without blocks; None for a single unit.
+
+    Args:
+        states: each unit's state bytes.
+        blocks: which units are decoder blocks.
+    """
+    of_blocks = sorted(s for s, b in zip(states, blocks) if b)
+    sizes = of_blocks if of_blocks else sorted(states)
+    if len(states) < 2:
+        return None
+    return sizes[-2] if len(sizes) >= 2 else sizes[-1]
+
+
 @dataclass
 class WorkingSet:
     """The arenas a run needs (see :func:`working_set`)."""
@@ -165,12 +225,12 @@ def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier]], k:
     HOST, and the optimizer state streaming through: the unit updating and k prefetched (a
     copy still writing back is evicted when its write lands; the arena allocates large
     blocks from the top, so the embedding's state and the blocks' do not fragment each
-    other). A unit whose streamed state dwarfs a block's (the embedding) streams it in
-    block-sized pieces when the optimizer is element-wise (its spilled gradient too).
+    other). A unit whose streamed state dwarfs a block's (the embedding, an untied head) streams
+    it in block-sized pieces when the optimizer is element-wise (its spilled gradient too).
     """
     w_sizes = [weights_arena_bytes(u, quantize_frozen) for u in units]
     s_sizes = [_arena_bytes(kinds) for kinds in unit_state_bytes(units, optimizer, master_weights, spill_grads)]
-    piece_bytes = None if not split_state or len(s_sizes) < 2 else sorted(s_sizes)[-2]
+    piece_bytes = piece_size(s_sizes, [u.name.startswith("block.") for u in units]) if split_state else None
     window_sizes = list(s_sizes)
     for i, unit in enumerate(units):
         split = state_pieces(unit, optimizer, piece_bytes, master_weights) if homes[i][1] is Tier.NVME else None

@@ -98,7 +98,9 @@ class Unit:
     handles: "dict[Part, TensorHandle]" = field(default_factory=dict)
     layout: list[dict[str, StateSlot]] = field(default_factory=list)  # per slot: its state, by kind
     flat: dict[str, tuple[int, torch.dtype]] = field(default_factory=dict)  # kind -> (numel, dtype)
-    pieces: list[tuple[int, int]] = field(default_factory=list)  # element ranges of a pieced state
+    pieces: list[tuple[int, int]] = field(default_factory=list)  # ranges of a pieced state's trainable elements
+    segments: list[list[tuple[int, int, int]]] = field(default_factory=list)  # per piece: (slot, lo, hi)
+    spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # pieced kind -> per piece, its flat range
     ratios: dict[str, int] = field(default_factory=dict)  # pieced kind -> param elements per element
     nf4: "NF4Layout | None" = None  # frozen weights stored in NF4 (QLoRA)
     decoded: torch.Tensor | None = None  # the NF4 weights dequantized, while fetched
@@ -138,23 +140,28 @@ class Unit:
 
     def kind_parts(self, kind: str) -> list[tuple[Part, int, int]]:
         """(part, first, end) of the elements of ``kind``'s flat buffer: one part, or one per piece."""
-        ratio = self.ratios.get(kind)
-        if not ratio:
+        if not self.ratios.get(kind):
             return [(Part(kind), 0, self.flat[kind][0])]
-        return [(Part(kind, i), a // ratio, -(-b // ratio)) for i, (a, b) in enumerate(self.pieces)]
+        return [(Part(kind, i), lo, hi) for i, (lo, hi) in enumerate(self.spans[kind])]
 
     def state_views(self, flats: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
         """Optimizer state of the ``k``-th parameter as views into the fetched flats (by kind)."""
         return {kind: flats[kind][s.offset:s.offset + s.shape.numel()].view(s.shape)
                 for kind, s in self.layout[k].items()}
 
-    def piece_state(self, k: int, piece: int, whole: dict[str, torch.Tensor],
-                    part: dict[Part, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The optimizer state of elements ``pieces[piece]`` of the ``k``-th parameter: its own
-        pieces (``part``) and views into the kinds kept whole (``whole``)."""
-        return {kind: part[Part(kind, piece)] if self.ratios.get(kind)
-                else whole[kind][s.offset:s.offset + s.shape.numel()].view(s.shape)
-                for kind, s in self.layout[k].items()}
+    def segment_state(self, piece: int, k: int, lo: int, hi: int, whole: dict[str, torch.Tensor],
+                      part: dict[Part, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The optimizer state of elements [lo, hi) of slot ``k``, a segment of piece ``piece``:
+        slices of the piece's parts (``part``) and views into the kinds kept whole (``whole``)."""
+        state = {}
+        for kind, s in self.layout[k].items():
+            ratio = self.ratios.get(kind)
+            if ratio:
+                first = s.offset + lo // ratio - self.spans[kind][piece][0]
+                state[kind] = part[Part(kind, piece)][first:first + -(-(hi - lo) // ratio)]
+            else:
+                state[kind] = whole[kind][s.offset:s.offset + s.shape.numel()].view(s.shape)
+        return state
 
 
 def _pad(n: int, itemsize: int) -> int:
@@ -167,8 +174,8 @@ def causal_lm_units(model: nn.Module, resident_trainable: bool = False,
     """Cut a Hugging Face causal LM into ``[embed, blocks..., head]`` units.
 
     Args:
-        model: a Llama / Qwen2 / Mistral / Gemma3-style ``*ForCausalLM`` (or a peft
-            wrapper of one).
+        model: a causal LM whose parts ``models.model_parts`` finds (the families of
+            ``models.SUPPORTED_MODEL_TYPES``), or a peft wrapper of one.
         resident_trainable: lay out only the frozen parameters; those that train
             stay where they are, resident (LoRA: the base streams, the adapters stay).
         head_modules: modules that compute with the head after ``lm_head`` (or instead
@@ -215,5 +222,5 @@ def causal_lm_units(model: nn.Module, resident_trainable: bool = False,
     missing = [n for n, p in model.named_parameters() if id(p) not in owner]
     if missing:
         raise ModelError(f"parameter {missing[0]!r} belongs to no embed/block/head unit; "
-                         "outcore's out-of-core mode supports Llama/Qwen2/Mistral/Gemma3-style models")
+                         "only such models stream out of core (`outcore doctor --model M` tells)")
     return units

@@ -7,7 +7,8 @@ are freed at once. With global-norm clipping or gradient accumulation the update
 for every gradient: gradients are kept, or *spilled* to the state's home tier as each
 unit's completes (:meth:`UnitUpdater.spill_grads`), and :meth:`UnitUpdater.update_all` updates
 unit by unit once the norm is known. A unit whose state dwarfs a block's (the
-embedding) updates a block-sized piece at a time (``unit_sizes.state_pieces``). All of
+embedding, an untied head, an MoE block among dense ones) updates a block-sized piece at a
+time (``unit_sizes.state_pieces``). All of
 it is exact: fp32 and the same seed give the in-memory run's weights bit for bit.
 """
 from __future__ import annotations
@@ -98,7 +99,7 @@ class UnitUpdater:
         train = unit.train_slots
         self.mem.before_update(unit.index, WEIGHTS)
         if unit.pieces:
-            self._update_pieces(unit, train[0])
+            self._update_pieces(unit)
         else:
             self._update_whole(unit, train)
         for k in train:
@@ -123,26 +124,34 @@ class UnitUpdater:
         if self.spill:
             self.mem.release(unit.index, GRADS, dirty=False)
 
-    def _update_pieces(self, unit: Unit, k: int) -> None:
-        """Update the one trainable parameter (slot ``k``) of a pieced unit a piece at a time,
-        each piece's state fetched while the one before is updated (see ``state_pieces``)."""
+    def _update_pieces(self, unit: Unit) -> None:
+        """Update a pieced unit a piece at a time, each piece's state fetched while the one
+        before is updated (see ``state_pieces``). A piece covers ranges of one or more slots
+        (``unit.segments``); a slot's whole-kept state (the step count) is set back before
+        each piece that covers it, so it advances once, as for the whole."""
         whole = {kind: self.mem.acquire(unit.index, kind) for kind in unit.whole_kinds}
-        start = {kind: t.clone() for kind, t in whole.items()}  # the step count every piece advances
-        param = unit.view(unit.bound, unit.slots[k]).view(-1)
-        grad = None if self.spill else unit.slots[k].param.grad.reshape(-1)
+        start = {kind: t.clone() for kind, t in whole.items()}  # the step counts every piece advances
         coef = None if self.clip_norm is None else _clip_coef(self.max_grad_norm, self.clip_norm)
         pieces = unit.pieces
-        for i, (a, b) in enumerate(pieces):
+        for i, segments in enumerate(unit.segments):
             for j in range(i + 1, min(len(pieces), i + 1 + self.prefetch_depth)):
                 for part in unit.piece_parts(j):
                     self.mem.prefetch(unit.index, part)
             parts = {part: self.mem.acquire(unit.index, part) for part in unit.piece_parts(i)}
-            for kind, t in whole.items():
-                t.copy_(start[kind])
-            g = parts.pop(Part(GRADS, i)) if self.spill else grad[a:b]
-            if coef is not None:
-                g.mul_(coef)  # clip_grads_with_norm_'s arithmetic, on this piece
-            self._step([param[a:b]], [g], [unit.piece_state(k, i, whole, parts)])
+            spilled = parts.pop(Part(GRADS, i)) if self.spill else None
+            params, grads, states, at = [], [], [], 0
+            for k, lo, hi in segments:
+                for kind, t in whole.items():
+                    s = unit.layout[k][kind]
+                    t[s.offset:s.offset + s.shape.numel()].copy_(start[kind][s.offset:s.offset + s.shape.numel()])
+                params.append(unit.view(unit.bound, unit.slots[k]).view(-1)[lo:hi])
+                g = spilled[at:at + hi - lo] if self.spill else unit.slots[k].param.grad.reshape(-1)[lo:hi]
+                at += hi - lo
+                if coef is not None:
+                    g.mul_(coef)  # clip_grads_with_norm_'s arithmetic, on this segment
+                grads.append(g)
+                states.append(unit.segment_state(i, k, lo, hi, whole, parts))
+            self._step(params, grads, states)
             if self.spill:
                 self.mem.release(unit.index, Part(GRADS, i), dirty=False)
             for part in parts:

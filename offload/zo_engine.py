@@ -287,7 +287,17 @@ class ZOBlockTrainer:
             self.weights.release(b, False)
         return out
 
-    def close(self) -> None:
-        """Flush, finish I/O and close the weights' store."""
-        self.flush()
-        self.weights.close()
+    def close(self, flush: bool = True) -> None:
+        """Finish I/O and close the weights' store (removing a swap directory).
+
+        Args:
+            flush: apply the pending update first. Pass False when a step was cut short
+                (an interrupt, an I/O error): its blocks were visited out of the step's
+                order and some already hold the pending update, so flushing would apply
+                it twice; the run log, not these weights, is what a resume replays.
+        """
+        try:
+            if flush:
+                self.flush()
+        finally:
+            self.weights.close()

@@ -15,11 +15,11 @@ the same index in both, so both see the same perturbation.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import ConfigError
 from .units import ParamSlot, Unit, causal_lm_units
@@ -38,6 +38,28 @@ class ZOParam:
 def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """``(name, parameter)`` of every trainable parameter, tied ones once, in index order."""
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def _layer_types(config, n_layers: int) -> list[str]:
+    """Each decoder layer's attention type, as the model's own forward reads it.
+
+    Raises:
+        ConfigError: a model whose loss the block-wise forward would not reproduce (the
+            routers' auxiliary loss, bidirectional attention).
+    """
+    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0):
+        raise ConfigError(
+            f"{config.model_type}: zeroth-order training does not add the routers' auxiliary loss "
+            f"(output_router_logits=True, router_aux_loss_coef={config.router_aux_loss_coef}); "
+            "set output_router_logits=False in the model's config.json, or use --method full or lora")
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ConfigError(f"{config.model_type} with use_bidirectional_attention=True: zeroth-order "
+                          "training runs causal LMs only; use --method full or lora")
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types[:n_layers])
+    sliding = getattr(config, "sliding_window", None) is not None
+    return ["sliding_attention" if sliding else "full_attention"] * n_layers
 
 
 class CausalLMBlocks:
@@ -61,6 +83,7 @@ class CausalLMBlocks:
             raise ConfigError(f"{type(model).__name__} has no parameter with requires_grad=True; "
                               "unfreeze what ZO should train")
         self.names = [n for n, _ in trainable]
+        self.layer_types = _layer_types(model.config, len(self.parts.layers))
         index = {id(p): j for j, (_, p) in enumerate(trainable)}  # transient: built once, then dropped
         owner = {id(s.param): (u.index, s) for u in self.units for s in u.slots}
         self.blocks: list[list[ZOParam]] = []
@@ -102,17 +125,29 @@ class CausalLMBlocks:
                 "attention_mask": batch.get("attention_mask"),
                 "position_ids": torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)}
 
-    def _layer_extras(self, h: torch.Tensor, ctx: dict[str, Any]) -> dict[str, Any]:
+    def _layer_extras(self, layer: int, h: torch.Tensor, ctx: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments decoder layer ``layer`` takes, as the model's own forward builds
+        them: the mask and rotary table of the layer's attention type (full, or sliding-window:
+        ``config.layer_types``, else every layer sliding when ``config.sliding_window`` is set)."""
         if "extras" not in ctx:  # built once per batch from the first hidden state
-            from transformers.masking_utils import create_causal_mask
+            from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-            mask = ctx["attention_mask"]
-            causal = create_causal_mask(config=self.model.config, inputs_embeds=h, attention_mask=mask,
-                                        past_key_values=None, position_ids=ctx["position_ids"])
-            pe = self.parts.rotary(h, position_ids=ctx["position_ids"]) if self.parts.rotary else None
-            ctx["extras"] = {"attention_mask": causal, "position_ids": ctx["position_ids"],
-                             "position_embeddings": pe}
-        return ctx["extras"]
+            config, pos = self.model.config, ctx["position_ids"]
+            kw = {"config": config, "inputs_embeds": h, "attention_mask": ctx["attention_mask"],
+                  "past_key_values": None, "position_ids": pos}
+            by_type = {}
+            for kind in set(self.layer_types):
+                make = create_sliding_window_causal_mask if kind == "sliding_attention" else create_causal_mask
+                rotary = self.parts.rotary
+                if rotary is None:
+                    pe = None
+                elif "layer_type" in inspect.signature(rotary.forward).parameters:  # Gemma 3: a table per type
+                    pe = rotary(h, pos, kind)
+                else:
+                    pe = rotary(h, position_ids=pos)
+                by_type[kind] = {"attention_mask": make(**kw), "position_ids": pos, "position_embeddings": pe}
+            ctx["extras"] = [by_type[kind] for kind in self.layer_types]
+        return ctx["extras"][layer]
 
     @torch.no_grad()
     def run(self, b: int, h: torch.Tensor | None, ctx: dict[str, Any]) -> torch.Tensor:
@@ -132,10 +167,13 @@ class CausalLMBlocks:
             return p.embed(ctx["input_ids"])
         if b == len(self.blocks) - 1:
             logits = p.lm_head(p.final_norm(h)).float()  # [B, T, V]
-            labels = ctx["labels"]
-            return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                   labels[:, 1:].reshape(-1), ignore_index=-100)
-        out = p.layers[b - 1](h, **self._layer_extras(h, ctx))
+            cap = getattr(self.model.config, "final_logit_softcapping", None)
+            if cap:  # Gemma 2 / 3: the model's logits are soft-capped before its loss
+                logits = torch.tanh(logits / cap) * cap
+            # the model's own loss (transformers' ForCausalLMLoss): the same shift and
+            # reduction order, so the loss is the model's to the bit
+            return self.model.loss_function(logits, ctx["labels"], vocab_size=logits.shape[-1])
+        out = p.layers[b - 1](h, **self._layer_extras(b - 1, h, ctx))
         return out[0] if isinstance(out, tuple) else out
 
     @torch.no_grad()

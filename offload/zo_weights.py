@@ -86,8 +86,9 @@ class StoreWeights:
         window = window_bytes(sizes, self.depth + 3)
         kind = blocks.device.type
         # on CUDA, disk -> GPU is staged in pinned HOST memory: the same window again
+        # the swap file holds every unit's weights once (updates are written in place)
         self.store = TieredStore(device_bytes=window, host_bytes=window if kind == "cuda" else 4096,
-                                 nvme_bytes=None, swap_dir=swap_dir, device=kind)
+                                 nvme_bytes=None, swap_dir=swap_dir, device=kind, nvme_reserve=sum(sizes))
         try:
             # no optimizer state, and no fp32 masters: ZO updates the weights themselves
             self.mem = StoreUnitMemory(self.store, self.units, None,

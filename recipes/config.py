@@ -28,8 +28,9 @@ ADAPTER_METHODS = (LORA, QLORA)  # train low-rank adapters beside a frozen base
 OPTIMIZERS = optimizer_names()  # outcore.optim's registry: gradient-based, then zeroth-order
 ZO_OPTIMIZERS = tuple(_ZO_REGISTRY)  # the only optimizers of method "zo" (and only of it)
 UI_MODES = ("auto", "rich", "plain", "none")
+TRACKERS = ("tensorboard", "wandb", "mlflow")  # report_to: experiment trackers (tui/trackers.py)
 __all__ = ["METHODS", "ADAPTER_METHODS", "OPTIMIZERS", "ZO_OPTIMIZERS", "DTYPES", "OFFLOAD_MODES",
-           "ACTIVATION_POLICIES", "UI_MODES", "FinetuneConfig", "load_config", "save_config"]
+           "ACTIVATION_POLICIES", "UI_MODES", "TRACKERS", "FinetuneConfig", "load_config", "save_config"]
 
 
 @dataclass
@@ -75,11 +76,14 @@ class FinetuneConfig:
     eval_batches: int = 8  # micro-batches per validation pass (0 = the whole validation set)
     log_every: int = 1  # steps between metrics rows
     save_every: int = 0  # steps between checkpoints (0 = only at the end)
+    keep_checkpoints: int = 2  # newest checkpoints kept; older ones are removed once a new one is complete
     output: str = "runs/default"  # output directory
     overwrite: bool = False  # allow reusing an output directory that holds another run
     resume: str | None = None  # resume from this output directory's last checkpoint
     export: bool = True  # write OUTPUT/final as a Hugging Face directory at the end
     ui: str = "auto"  # auto (rich on a TTY, else plain) | rich | plain | none
+    report_to: list[str] = field(default_factory=list)  # experiment trackers, any of TRACKERS (a list allowed)
+    push_to_hub: str | None = None  # after the export, upload OUTPUT/final to this Hugging Face repo id
     threads: int = 0  # torch CPU threads (0 = all cores)
 
     def __post_init__(self) -> None:
@@ -94,7 +98,8 @@ class FinetuneConfig:
         _choice("offload", self.offload, OFFLOAD_MODES)
         _choice("activations", self.activations, ACTIVATION_POLICIES)
         _choice("ui", self.ui, UI_MODES)
-        for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "lora_r"):
+        for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "lora_r",
+                     "keep_checkpoints"):
             if int(getattr(self, name)) < 1:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 1")
         for name in ("warmup_steps", "eval_every", "eval_batches", "save_every", "threads",
@@ -116,6 +121,10 @@ class FinetuneConfig:
                 f"method 'zo' needs optim {' or '.join(ZO_OPTIMIZERS)}, and those need method 'zo'")
         if not isinstance(self.optim_args, dict):
             raise ConfigError(f"optim_args={self.optim_args!r} must be a mapping")
+        for tracker in self.report_to:
+            _choice("report_to", tracker, TRACKERS)
+        if self.push_to_hub is not None and not self.export:
+            raise ConfigError(f"push_to_hub={self.push_to_hub!r} uploads OUTPUT/final: set export=true")
 
     def _validate_numbers(self) -> None:
         """The checks of the optimizer's, LoRA's and the memory budgets' numbers (bad values

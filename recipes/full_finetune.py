@@ -13,6 +13,7 @@ and ``outcore finetune`` give it the dashboard or plain log and ``metrics.jsonl`
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,15 +24,19 @@ import torch
 from ..activations.policy import OFFLOAD, ActivationPolicy
 from .._faults import fault_point
 from ..dtypes import torch_dtype
-from ..errors import CheckpointError, ConfigError
+from ..errors import ConfigError, Interrupted
 from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent
 from ..offload.device import device_memory
 from . import checkpoint as ckpt
-from ._common import (evaluate, lr_lambda, peak_rss_bytes, prepare_output_dir, ram_total_bytes, rss_bytes,
-                      set_threads, with_lora)
+from ._common import (StopOnSignal, evaluate, lr_lambda, peak_rss_bytes, prepare_output_dir, ram_total_bytes,
+                      rss_bytes, set_threads, with_lora)
 from .config import FinetuneConfig
 from .export import export_hf, export_offloaded
 from .in_memory import InMemoryModel
+
+# A run stopped by a signal writes a checkpoint unless its newest one is younger than
+# this: a few seconds of steps are cheaper to redo than a large model's checkpoint to write.
+RECENT_CHECKPOINT_S = 10.0
 
 
 @dataclass
@@ -115,12 +120,12 @@ class Recipe:
             self._restore()
 
     def _setup_loss(self) -> None:
-        from ..kernels.linear_cross_entropy import CausalLMHeadLoss
+        from ..kernels.linear_cross_entropy import CausalLMHeadLoss, head_loss_covers
         from ..models import model_parts, unwrap_peft
 
         base = unwrap_peft(self.model)
         self.decoder, self.head_loss = base.model, None
-        if getattr(base.config, "final_logit_softcapping", None) is None:
+        if head_loss_covers(base.config):
             self.head_loss = CausalLMHeadLoss(model_parts(base).lm_head)
 
     def _setup_trainer(self, fill: Callable[[str, torch.Tensor], None] | None) -> None:
@@ -159,11 +164,10 @@ class Recipe:
                                                        keep_last=self.cfg.activations_keep_last)
 
     def _restore(self) -> None:
-        last = ckpt.latest_checkpoint(self.out)
-        if last is None:
-            raise CheckpointError(f"--resume {self.cfg.resume!r}: the run has no complete checkpoint; "
-                                  "start over with --overwrite")
-        model_state, optim_state, trainer = ckpt.load_checkpoint(last)
+        """Continue from the newest checkpoint that verifies, saying which newer ones were skipped."""
+        last, (model_state, optim_state, trainer), skipped = ckpt.load_newest_valid(self.out)
+        for why in skipped:  # before the dashboard starts: a plain line on stderr
+            print(f"outcore: warning: {why}; resuming from {last.name} instead", file=sys.stderr)
         if self.units_in_store:
             ckpt.load_units(self.trainer, last / "units")
         else:
@@ -178,6 +182,7 @@ class Recipe:
         ckpt.set_rng_state(trainer["rng"])
         self.step = trainer["step"]
         self.base_eval_loss = trainer["base_eval_loss"]
+        self._saved = (self.step, 0.0)  # a checkpoint of this step exists (its age unknown: old)
 
     # ------------------------------------------------------------------ train
     def loss(self, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -186,7 +191,7 @@ class Recipe:
         The head goes through ``CausalLMHeadLoss``: the loss without the
         [tokens, vocab] logits (at vocab 49152 they are the largest activation).
         """
-        if self.head_loss is None:  # a head the chunked loss does not cover (e.g. logit soft-capping)
+        if self.head_loss is None:  # a loss the chunked head does not cover (soft-capping, router aux loss)
             return model(**batch).loss
         hidden = self.decoder(input_ids=batch["input_ids"],
                               attention_mask=batch["attention_mask"]).last_hidden_state
@@ -206,6 +211,7 @@ class Recipe:
         tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
         t_start = time.perf_counter()
         while self.step < cfg.max_steps:
+            self.stop.check()  # a signal during the last step: stop here, the step whole
             t0, stall0 = time.perf_counter(), self.trainer.stall_s
             lr = cfg.lr * self.lr_at(self.step)  # linear warmup, then cosine decay
             # forward, backward and the update (out of core: every unit's, streamed through the tiers)
@@ -233,6 +239,7 @@ class Recipe:
                     tiers=self.trainer.tier_stats(), **device_memory()))
             if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
                 self.save()
+        self.stop.check()
 
     def _emit_started(self) -> None:
         cfg = self.cfg
@@ -260,11 +267,16 @@ class Recipe:
         """Checkpoint everything needed to continue bit-identically."""
         trainer_state = {"step": self.step, "loader": self.loader.state_dict(), "rng": ckpt.rng_state(),
                          "base_eval_loss": self.base_eval_loss}
+        keep = self.cfg.keep_checkpoints
         if self.units_in_store:  # streamed out of the store, unit by unit
-            return ckpt.save_checkpoint(self.out, self.step, {}, {}, trainer_state,
-                                        write_extra=lambda d: ckpt.save_units(self.trainer, d / "units"))
-        return ckpt.save_checkpoint(self.out, self.step, ckpt.trainable_state(self.model),
-                                    self.optimizer.state_dict(), trainer_state)
+            path = ckpt.save_checkpoint(self.out, self.step, {}, {}, trainer_state, keep=keep,
+                                        write_extra=lambda d: ckpt.save_units(self.trainer, d / "units"),
+                                        extra_bytes=ckpt.units_bytes(self.trainer))
+        else:
+            path = ckpt.save_checkpoint(self.out, self.step, ckpt.trainable_state(self.model),
+                                        self.optimizer.state_dict(), trainer_state, keep=keep)
+        self._saved = (self.step, time.monotonic())
+        return path
 
     # ---------------------------------------------------------------- cleanup
     def cleanup(self, interrupted: bool = False) -> FinetuneResult:
@@ -286,6 +298,7 @@ class Recipe:
                                    interrupted=interrupted,
                                    final_dir=None if final_dir is None else str(final_dir)))
         self.sink.close()
+        self._reported = True
         return FinetuneResult(self.out, self.step, final_dir, self.base_eval_loss, final_eval,
                               getattr(self, "losses", []), interrupted)
 
@@ -296,28 +309,41 @@ class Recipe:
         return export_hf(self.model, self.tokenizer, out_dir)
 
     def run(self) -> FinetuneResult:
-        """setup → train → cleanup; on Ctrl-C the run is reported as interrupted and re-raised.
+        """setup → train → cleanup. SIGINT / SIGTERM stop the run at the end of its step with a
+        checkpoint (see :meth:`_stopped`); a bare Ctrl-C (no handler: not the main thread)
+        keeps the last checkpoint as it is. Either is reported as interrupted and re-raised.
 
         Returns:
             The run's FinetuneResult.
         """
-        self._t0 = time.perf_counter()
-        try:
-            self.setup()
-        except BaseException:
-            self._abort()  # e.g. a bad model after the store was made: remove its swap dir
-            raise
-        try:
-            self.train()
-        except KeyboardInterrupt:
-            # The last complete checkpoint stays as it is (checkpoints are
-            # written atomically); report and re-raise so the CLI exits 130.
-            self.cleanup(interrupted=True)
-            raise
-        except BaseException:
-            self._abort()
-            raise
-        return self.cleanup()
+        self._t0, self._saved, self._reported = time.perf_counter(), (0, 0.0), False
+        with StopOnSignal() as self.stop:
+            try:
+                self.setup()
+                self.stop.deferring = True  # signals wait for the end of the step
+                try:
+                    self.train()
+                except KeyboardInterrupt as e:
+                    self.stop.deferring = False
+                    self._stopped(e)
+                    raise
+                self.stop.deferring = False
+                return self.cleanup()
+            except BaseException:
+                if not self._reported:  # e.g. a bad model after the store was made: remove its swap dir
+                    self._abort()
+                raise
+
+    def _stopped(self, stop: KeyboardInterrupt) -> None:
+        """Checkpoint a run stopped between steps (unless its newest checkpoint is seconds old),
+        then report it interrupted. A bare KeyboardInterrupt may have cut a step in half: no save."""
+        if isinstance(stop, Interrupted):
+            step, at = self._saved
+            if self.step > step and time.monotonic() - at >= RECENT_CHECKPOINT_S:
+                self.save()
+            stop.step = self._saved[0]
+            stop.output = str(self.out) if stop.step else None  # no checkpoint: nothing to resume
+        self.cleanup(interrupted=True)
 
     def _abort(self) -> None:
         """Release what setup built and close the sink, reporting nothing more (a failed run)."""
@@ -401,6 +427,7 @@ def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: An
                          spill_grads=any(u.grads is Tier.NVME for u in plan.units),
                          device_bytes=parse_bytes(cfg.device_mem) if cfg.device_mem else None,
                          host_bytes=parse_bytes(cfg.host_mem) if cfg.host_mem else None,
+                         nvme_reserve=plan.tier_total(Tier.NVME) if mode == NVME else 0,
                          init_weights=None if fill is None else (lambda slot, t: fill(plain_name(slot.name), t)))
 
 

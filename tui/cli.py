@@ -2,13 +2,16 @@
 
 Subcommands are listed once, in :func:`commands`; each is a module with
 ``HELP``, ``DESCRIPTION``, ``add_arguments(parser)`` and ``run(args) -> int``
-(``finetune_cmd.py``, ``plan_cmd.py``, ``doctor.py``). ``bench`` and ``export``
-are added there when their engines exist.
+(``finetune_cmd.py``, ``plan_cmd.py``, ``doctor.py``, ...).
 
-Exit codes: 0 success; 2 bad input (any :class:`outcore.errors.OutcoreError`,
-printed as exactly one line ``outcore: error: <message>``, or an argparse usage
-error); 130 interrupted (Ctrl-C); 141 stdout closed by its reader (a pipe). Other exceptions are bugs and keep their
-traceback.
+Exit codes (defined once, in :mod:`outcore.errors`): 0 success; 2 bad input (an
+:class:`outcore.errors.OutcoreError`, printed as exactly one line ``outcore: error:
+<message>``, or an argparse usage error); 3 a disk is full (``DiskFullError``: the
+last checkpoint is intact, free space and ``--resume``); 4 corrupt bytes read back
+(``IntegrityError``: the file and unit are named); 130 interrupted by SIGINT (Ctrl-C)
+and 143 by SIGTERM (one line ``outcore: interrupted: ...``; a run stops at the end of
+its step and checkpoints first, a second signal exits at once); 141 stdout closed by
+its reader (a pipe). Other exceptions are bugs and keep their traceback.
 
 Importing this module imports neither torch nor transformers (``--help`` is
 instant); a command imports what it needs when it runs.
@@ -16,14 +19,14 @@ instant); a command imports what it needs when it runs.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..errors import OutcoreError
+from ..errors import EXIT_BROKEN_PIPE, EXIT_OK, EXIT_USAGE, Interrupted, OutcoreError
 
 PROG = "outcore"
-EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 2, 130, 141
 
 
 @dataclass(frozen=True)
@@ -40,15 +43,21 @@ class Command:
 
 def commands() -> list[Command]:
     """Every subcommand, in the order ``--help`` lists them (add new ones here)."""
-    from . import doctor, export_cmd, finetune_cmd, plan_cmd
+    from . import (chat_cmd, doctor, export_cmd, finetune_cmd, generate_cmd, plan_cmd,
+                   runs_cmd)
+
+    def command(name, module, accepts_overrides=False):
+        return Command(name, module.HELP, module.DESCRIPTION, module.add_arguments, module.run,
+                       accepts_overrides)
 
     return [
-        Command("finetune", finetune_cmd.HELP, finetune_cmd.DESCRIPTION, finetune_cmd.add_arguments,
-                finetune_cmd.run, accepts_overrides=True),
-        Command("plan", plan_cmd.HELP, plan_cmd.DESCRIPTION, plan_cmd.add_arguments, plan_cmd.run,
-                accepts_overrides=True),
-        Command("doctor", doctor.HELP, doctor.DESCRIPTION, doctor.add_arguments, doctor.run),
-        Command("export", export_cmd.HELP, export_cmd.DESCRIPTION, export_cmd.add_arguments, export_cmd.run),
+        command("finetune", finetune_cmd, accepts_overrides=True),
+        command("plan", plan_cmd, accepts_overrides=True),
+        command("doctor", doctor),
+        command("export", export_cmd),
+        command("generate", generate_cmd),
+        command("chat", chat_cmd),
+        command("runs", runs_cmd),
     ]
 
 
@@ -105,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         argv: the arguments after the program name (default ``sys.argv[1:]``).
 
     Returns:
-        The exit code: 0 success, 2 bad input or usage, 130 interrupted.
+        The exit code (see the module docstring): 0 success, 2 bad input or usage, 3 disk
+        full, 4 corrupt data, 130 / 143 interrupted by SIGINT / SIGTERM.
     """
     try:
         args = parse_args(argv)
@@ -119,12 +129,13 @@ def main(argv: list[str] | None = None) -> int:
         return int(cmd.run(args) or EXIT_OK)
     except OutcoreError as e:
         print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
+        return e.exit_code
+    except KeyboardInterrupt as e:
         # The trainer has already closed its sink and kept its last checkpoint;
         # say so in one line instead of a traceback.
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        stop = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
+        print(f"{PROG}: interrupted: {stop}", file=sys.stderr)
+        return stop.exit_code
     except BrokenPipeError:
         # stdout was closed by the reader (``outcore doctor --json | head``): not an error
         # of ours; silence the flush at exit that would raise again.

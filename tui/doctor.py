@@ -1,4 +1,5 @@
-"""``outcore doctor``: what this machine offers a run -- devices, RAM, the swap disk, backends.
+"""``outcore doctor``: what this machine offers a run -- devices, RAM, the swap disk, backends --
+and, with ``--model M``, whether that model's family streams out of core (and why not).
 
 It renders ``outcore.offload.probe.probe_hardware(swap_dir, measure=...)``
 (``HardwareProbe.to_dict()``) as a table a person reads before a long run, with
@@ -17,13 +18,14 @@ DESCRIPTION = """\
 Probe this machine: compute devices and their memory, RAM, CPU threads, the
 swap directory's free space, filesystem and measured O_DIRECT read/write
 bandwidth (a few seconds), host<->device copy bandwidth, optional backends, and
-the warnings a run would hit.
+the warnings a run would hit. With --model, also whether that model streams out
+of core: read from its config alone (built on the meta device, no weight read).
 """
 
 # keys rendered in their own section; anything else the probe adds goes under "other"
 _KNOWN = {"cpu_threads", "ram_total_bytes", "ram_available_bytes", "devices", "swap_dir",
           "swap_free_bytes", "swap_fs_type", "o_direct", "disk_read_gbps", "disk_write_gbps",
-          "h2d_gbps", "d2h_gbps", "backends", "warnings", "leftover_swap_dirs"}
+          "h2d_gbps", "d2h_gbps", "backends", "warnings", "leftover_swap_dirs", "model"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--no-measure", action="store_true",
                         help="skip the bandwidth measurements (instant)")
+    parser.add_argument("--model", metavar="M", default=None,
+                        help="also say whether this model (directory, .gguf, hub id) streams out of core")
 
 
 def probe(swap_dir: str | None, measure: bool) -> dict[str, Any]:
@@ -46,9 +50,42 @@ def probe(swap_dir: str | None, measure: bool) -> dict[str, Any]:
     return probe_hardware(swap_dir, measure=measure).to_dict()
 
 
+def model_report(spec: str, ram_available: int | None) -> dict[str, Any]:
+    """Whether the model ``spec`` streams out of core, from its config alone (no weight read).
+
+    Args:
+        spec: a model spec (as ``--model``).
+        ram_available: bytes of RAM available (says whether ``--offload none`` would fit).
+
+    Returns:
+        ``{"spec", "family", "class", "parameters", "blocks", "tested", "streams", "reason"}``.
+
+    Raises:
+        ModelError: the spec or its config cannot be read.
+    """
+    from ..errors import ModelError
+    from ..models import SUPPORTED_MODEL_TYPES, check_streamable, count_parameters, meta_model, read_model_config
+
+    model = meta_model(read_model_config(spec))
+    family = model.config.model_type
+    report = {"spec": spec, "family": family, "class": type(model).__name__,
+              "parameters": count_parameters(model), "tested": family in SUPPORTED_MODEL_TYPES}
+    try:
+        parts = check_streamable(model, ram_available)
+    except ModelError as err:
+        return {**report, "blocks": None, "streams": False, "reason": str(err)}
+    layout = f"embed, {len(parts.layers)} blocks, final norm, {'tied' if parts.tied else 'own'} head"
+    reason = ("a tested family" if report["tested"] else
+              f"its layout is understood, but {family} is not among the tested families "
+              f"({', '.join(SUPPORTED_MODEL_TYPES)})")
+    return {**report, "blocks": len(parts.layers), "streams": True, "reason": f"{reason}: {layout}"}
+
+
 def run(args: argparse.Namespace) -> int:
     """Probe, then print a table (or JSON with ``--json``). Returns 0."""
     data = probe(args.swap_dir, measure=not args.no_measure)
+    if args.model:
+        data["model"] = model_report(args.model, data.get("ram_available_bytes"))
     if args.json:
         print(json.dumps(data, indent=2, default=str))
         return 0
@@ -99,9 +136,20 @@ def _bandwidth(read: Any, write: Any, what: tuple[str, str], measured: bool) -> 
     return f"{what[0]} {fmt_gbps(read)}   {what[1]} {fmt_gbps(write)}"
 
 
+def _model_rows(table: Any, report: dict[str, Any], section: Any) -> None:
+    from rich.markup import escape
+
+    section("Model")
+    table.add_row("  model", escape(str(report.get("spec"))))
+    table.add_row("  family", escape(f"{report.get('family')} ({report.get('class')}), "
+                                     f"{report.get('parameters', 0):,} parameters"))
+    verdict = "[green]yes[/]" if report.get("streams") else "[yellow]no[/]"
+    table.add_row("  out of core", f"{verdict}: {escape(str(report.get('reason')))}")
+
+
 def render(data: dict[str, Any], measured: bool = True) -> Any:
     """The probe as a rich renderable: sections System, Devices, Swap directory, Backends,
-    Leftover swap directories, Warnings (yellow).
+    Leftover swap directories, Model (with ``--model``), Warnings (yellow).
 
     Args:
         data: ``HardwareProbe.to_dict()``.
@@ -159,6 +207,9 @@ def render(data: dict[str, Any], measured: bool = True) -> Any:
         section("Leftover swap directories")
         for path in leftovers:
             table.add_row("", f"[yellow]{escape(str(path))}[/]")
+
+    if data.get("model"):
+        _model_rows(table, data["model"], section)
 
     other = {k: v for k, v in data.items() if k not in _KNOWN}
     if other:

@@ -26,6 +26,7 @@ from .metrics import MetricsWriter, read_metrics
 from .plot import LOSS_CURVE_FILENAME, curves_from_rows, plot_loss_curve
 from .state import RunState
 from .summary import RunSummary, summary_paths
+from .trackers import Trackers
 
 class NullView:
     """The ``ui="none"`` view: shows nothing."""
@@ -48,10 +49,12 @@ class RunSink:
             ``show_summary`` and ``close``.
         output_dir: where ``metrics.jsonl`` and ``loss_curve.png`` go; None = the
             directory named by RunStarted (no files if neither is known).
+        trackers: experiment trackers fed every event (``report_to``; default none).
     """
 
-    def __init__(self, view: Any, output_dir: str | Path | None = None) -> None:
+    def __init__(self, view: Any, output_dir: str | Path | None = None, trackers: Trackers | None = None) -> None:
         self.view = view
+        self.trackers = trackers or Trackers()
         self.metrics = MetricsWriter(output_dir)
         self.state = RunState()
         self.summary: RunSummary | None = None
@@ -71,6 +74,7 @@ class RunSink:
         self.state.update(event)
         self.metrics.emit(event)  # first: the row is on disk before anything can fail in the view
         self.view.emit(event)
+        self.trackers.emit(event)
         if isinstance(event, RunFinished):
             self._finish(event)
 
@@ -121,6 +125,7 @@ class RunSink:
         self._closed = True
         try:
             self.view.close()
+            self.trackers.close()
         finally:
             self.metrics.close()
 
@@ -151,7 +156,7 @@ def resolve_ui(ui: str, stream: IO[str] | None = None) -> str:
 
 
 def make_sink(ui: str = "auto", output_dir: str | Path | None = None, *,
-              stream: IO[str] | None = None) -> EventSink:
+              stream: IO[str] | None = None, report_to: list[str] | tuple[str, ...] = ()) -> EventSink:
     """Build the sink a trainer emits its events to.
 
     Args:
@@ -161,13 +166,15 @@ def make_sink(ui: str = "auto", output_dir: str | Path | None = None, *,
         output_dir: the run's output directory for ``metrics.jsonl`` and
             ``loss_curve.png``; None = the one named by the RunStarted event.
         stream: where the view writes (default ``sys.stdout``).
+        report_to: experiment trackers to feed too (``tui/trackers.py``).
 
     Returns:
         A :class:`RunSink` (``emit(event)``, ``close()``).
 
     Raises:
-        ConfigError: ``ui`` is not one of the choices.
+        ConfigError: ``ui`` is not one of the choices, or a tracker is unknown or not installed.
     """
+    trackers = Trackers(report_to)  # first: a missing tracker library fails before any view starts
     mode = resolve_ui(ui, stream)
     view: Any
     if mode == "rich":
@@ -182,7 +189,7 @@ def make_sink(ui: str = "auto", output_dir: str | Path | None = None, *,
         view = PlainView(stream)
     else:
         view = NullView()
-    return RunSink(view, output_dir)
+    return RunSink(view, output_dir, trackers)
 
 
 __all__ = ["RunSink", "NullView", "make_sink", "resolve_ui"]

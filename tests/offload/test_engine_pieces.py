@@ -42,7 +42,7 @@ def _embed_state_bytes(om) -> int:
 
 @pytest.mark.parametrize("offload,clip,tie", [
     ("nvme", 0.0, True),  # step-in-backward; the tied head's gradient joins the embedding's
-    ("nvme", 0.0, False),  # an untied head (norm + lm_head) is as large and not split: neither is the embedding
+    ("nvme", 0.0, False),  # an untied head (final norm + lm_head: two tensors) is split like the embedding
     ("nvme", 1.0, True),  # clipping with gradients kept in memory: updates after the backward
     ("nvme-spill", 1.0, True),  # clipping with gradients spilled to NVMe, in pieces too
 ])
@@ -53,13 +53,14 @@ def test_pieced_embedding_is_bit_identical(tiny_llama_factory, tmp_path, offload
     om = offload_model(ooc, AdamW(ooc.parameters(), lr=LR, weight_decay=WD), offload="nvme",
                        swap_dir=tmp_path / "swap", prefetch=1, max_grad_norm=clip, spill_grads=spill)
     assert om.spill == spill
-    if tie:
-        assert len(om.mem.units[0].pieces) >= 4, "the embedding's state should be split"
-        assert all(a % PIECE_ALIGN == 0 for a, _ in om.mem.units[0].pieces)
-        # the HOST window is sized by blocks: it cannot hold the embedding's state whole
-        assert om.store.budget(Tier.HOST) < _embed_state_bytes(om)
-    else:
-        assert not any(u.pieces for u in om.mem.units)  # the window must hold the head's state whole anyway
+    assert len(om.mem.units[0].pieces) >= 4, "the embedding's state should be split"
+    assert all(a % PIECE_ALIGN == 0 for a, _ in om.mem.units[0].pieces)
+    # the HOST window is sized by blocks: it cannot hold the embedding's state whole
+    assert om.store.budget(Tier.HOST) < _embed_state_bytes(om)
+    head = om.mem.units[-1]
+    assert bool(head.pieces) == (not tie)
+    if not tie:  # the final norm's 64 elements and the first rows of lm_head share the first piece
+        assert [seg[:2] for seg in head.segments[0]] == [(0, 0), (1, 0)] and len(head.slots) == 2
     g = torch.Generator().manual_seed(1)
     for _ in range(8):
         ids = torch.randint(0, VOCAB, (2, 24), generator=g)
@@ -147,7 +148,9 @@ def test_only_elementwise_optimizers_split(tiny_llama_factory):
     assert state_pieces(units[0], AdamW(m.parameters()), 64 << 10) is not None
     assert state_pieces(units[0], GaLore(m.parameters(), rank=4), 64 << 10) is None
     assert state_pieces(units[0], AdamW(m.parameters()), 64 << 20) is None  # already small enough
-    assert state_pieces(units[1], AdamW(m.parameters()), 1024) is None  # a block: many tensors
+    block = state_pieces(units[1], AdamW(m.parameters()), 1024)  # a block: its tensors in order
+    assert [k for seg in block.segments for k, _, _ in seg] == sorted(k for seg in block.segments for k, _, _ in seg)
+    assert {k for seg in block.segments for k, _, _ in seg} == set(range(len(units[1].slots)))
 
 
 def test_pieced_adamw8bit_is_bit_identical(tiny_llama_factory, tmp_path):
@@ -195,4 +198,59 @@ def test_pieced_spill_with_accumulation_is_bit_identical(tiny_llama_factory, tmp
         for name, w in unit_weights(om, unit).items():
             assert torch.equal(w, params[name].detach()), name
     assert not any(part.kind == "g" for u in om.mem.units for part in u.handles)  # spilled pieces dropped
+    om.close()
+
+
+def _moe_model(seed=0):
+    """A Qwen3-MoE whose middle block is mixture-of-experts (8 experts) between dense ones
+    (``mlp_only_layers``): its state dwarfs theirs, so it streams in pieces."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=64, moe_intermediate_size=64,
+                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0, 2], use_cache=False,
+                         output_router_logits=True, router_aux_loss_coef=0.05, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(cfg).train()
+
+
+@pytest.mark.parametrize("clip,spill", [(0.0, False), (1.0, True)])
+def test_pieced_moe_block_is_bit_identical(tmp_path, clip, spill):
+    """A mixture-of-experts block (fused experts, router, attention, norms: many tensors) is a
+    unit like any other: its state streams in pieces that cut across its tensors, bit-identical."""
+    ref, ooc = _moe_model(), _moe_model()
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
+    om = offload_model(ooc, AdamW(ooc.parameters(), lr=LR, weight_decay=WD), offload="nvme",
+                       swap_dir=tmp_path / "swap", prefetch=1, max_grad_norm=clip, spill_grads=spill)
+    moe = om.mem.units[2]
+    assert moe.name == "block.1" and len(moe.pieces) >= 3 and not om.mem.units[1].pieces
+    assert any(len(seg) > 1 for seg in moe.segments)  # a piece spans several of its tensors
+    g = torch.Generator().manual_seed(7)
+    for _ in range(4):
+        ids = torch.randint(0, 256, (2, 16), generator=g)
+        assert torch.equal(_reference_step(ref, opt, ids, clip), om.train_step(_loss, [ids], LR))
+    params = dict(ref.named_parameters())
+    for unit in om.units:
+        for name, w in unit_weights(om, unit).items():
+            assert torch.equal(w, params[name].detach()), name
+    for k, slot in enumerate(moe.slots):  # each tensor's state, and its step advanced once per step
+        state = opt.state[params[slot.name]]
+        for kind in ("exp_avg", "exp_avg_sq", "step"):
+            s = moe.layout[k][kind]
+            got = om.mem.state(moe.index, kind)[s.offset:s.offset + s.shape.numel()].view(s.shape)
+            assert torch.equal(got, state[kind].view(s.shape)), (slot.name, kind)
+    om.close()
+
+
+@pytest.mark.parametrize("which", ["moe", "untied"])
+def test_the_plan_pieces_what_the_engine_pieces(tiny_llama_factory, tmp_path, which):
+    """The planner marks the same units as streaming their state in pieces as the engine does."""
+    from outcore.offload.plan_sizes import model_spec, unit_bytes
+
+    model = _moe_model() if which == "moe" else _model(tiny_llama_factory, tie=False)
+    planned = [u.state_piece > 0 for u in unit_bytes(model_spec(model), method="full", optim="adamw",
+                                                      dtype="float32")]
+    om = offload_model(model, AdamW(model.parameters(), lr=LR), offload="nvme", swap_dir=tmp_path / "swap",
+                       prefetch=1)
+    assert planned == [bool(u.pieces) for u in om.mem.units] and any(planned)
     om.close()

@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from outcore.errors import IntegrityError, SwapDirError
-from outcore.offload import directio, swapdir as swapdir_mod
+from outcore.errors import EXIT_DISK_FULL, DiskFullError, IntegrityError, SwapDirError
+from outcore.offload import directio, nvme as nvme_mod, swapdir as swapdir_mod
 from outcore.offload.directio import aligned_empty
 from outcore.offload.handle import Residency, Tier
 from outcore.offload.nvme import DATA_FILE, NvmeBackend
@@ -262,3 +262,92 @@ def test_recover_rebuilds_extents_and_ignores_a_torn_journal_line(tmp_path):
         assert all(new.offset >= e.offset + e.length or new.offset + new.length <= e.offset
                    for e in table.values())
         nv2.close()
+
+
+class _SmallDisk:
+    """A fake file system with ``free`` bytes: posix_fallocate takes what it can, then fails."""
+
+    def __init__(self, monkeypatch, free: int):
+        self.free = free
+        monkeypatch.setattr(swapdir_mod.os, "posix_fallocate", self.fallocate)
+        monkeypatch.setattr(swapdir_mod.shutil, "disk_usage",
+                            lambda p: shutil._ntuple_diskusage(1 << 40, 0, self.free))
+
+    def fallocate(self, fd, off, n):
+        grow = n - os.fstat(fd).st_blocks * 512
+        if grow > self.free:
+            self.free = 0  # like a real file system: the failed attempt keeps what it took
+            raise OSError(errno.ENOSPC, "No space left on device")
+        self.free -= max(grow, 0)
+        os.ftruncate(fd, max(n, os.fstat(fd).st_size))
+
+
+def test_unbounded_tier_reserves_what_it_needs_not_a_gibibyte(tmp_path, monkeypatch):
+    """Found: on a 250 MB disk a 120 MB swap was refused: the tier grew in 1 GiB steps."""
+    disk = _SmallDisk(monkeypatch, free=100 * MiB)
+    with TieredStore(MiB, MiB, swap_dir=tmp_path / "s", device="cpu") as s:
+        h = s.register("w", data=torch.ones(MiB))  # 4 MiB of weights
+        assert torch.equal(s.load(h), torch.ones(MiB))
+        assert s.nvme.capacity <= 4 * MiB + nvme_mod.reserve_margin(4 * MiB)
+    assert disk.free > 70 * MiB
+
+
+def test_a_planned_reservation_that_does_not_fit_names_the_true_free_space(tmp_path, monkeypatch):
+    """Found: the refusal said "0.00 GiB free" (measured after the failed fallocate took the space)."""
+    _SmallDisk(monkeypatch, free=100 * MiB)
+    with pytest.raises(DiskFullError, match=r"has 100.00 MiB free but the NVMe tier \(extents.bin\) needs "
+                                            r"118.00 MiB more") as e:
+        TieredStore(MiB, MiB, swap_dir=tmp_path / "s", device="cpu", nvme_reserve=118 * MiB)
+    assert e.value.exit_code == EXIT_DISK_FULL
+    assert not (tmp_path / "s").exists()
+    disk = _SmallDisk(monkeypatch, free=50 * MiB)  # the check before fallocate: nothing taken
+    with pytest.raises(DiskFullError, match="has 50.00 MiB free"):
+        TieredStore(MiB, MiB, swap_dir=tmp_path / "s", device="cpu", nvme_reserve=118 * MiB)
+    assert disk.free == 50 * MiB
+    disk = _SmallDisk(monkeypatch, free=120 * MiB)  # fits, with less than the margin to spare
+    with TieredStore(MiB, MiB, swap_dir=tmp_path / "s", device="cpu", nvme_reserve=118 * MiB) as s:
+        assert s.nvme.capacity == 118 * MiB and disk.free == 2 * MiB  # room for the journal
+
+
+def test_swap_files_are_private(tmp_path):
+    with TieredStore(MiB, MiB, swap_dir=tmp_path / "s", device="cpu") as s:
+        s.register("w", data=torch.ones(10))
+        for f in (tmp_path / "s").iterdir():
+            assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+
+
+def test_swap_dir_others_can_tamper_with_is_refused(tmp_path, monkeypatch):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    if os.geteuid() == 0:
+        os.chown(theirs, 65534, 65534)
+    else:  # pretend to be someone else: then the directory (and the link) are another user's
+        monkeypatch.setattr(swapdir_mod.os, "geteuid", lambda: os.getuid() + 1)
+    (tmp_path / "link").symlink_to(theirs)
+    with pytest.raises(SwapDirError, match=r"link is a symlink to a directory owned by another user"):
+        SwapDir(tmp_path / "link")
+    monkeypatch.undo()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(SwapDirError, match="writable by every user without the sticky bit"):
+        SwapDir(shared / "swap")
+    os.chmod(shared, 0o1777)  # like /tmp: others cannot remove or rename our files
+    with SwapDir(shared / "swap"):
+        pass
+
+
+def test_a_killed_runs_swap_dir_is_removed_by_the_next_run_but_never_user_files(tmp_path):
+    left = tmp_path / "left"
+    left.mkdir()
+    (left / LOCK_NAME).write_text("12345\n")  # a killed run's: its lock file, no lock held
+    (left / DATA_FILE).write_bytes(b"x" * 4096)
+    with TieredStore(MiB, MiB, swap_dir=left, device="cpu") as s:
+        s.register("w", data=torch.ones(10))
+    assert not left.exists()
+    (left).mkdir()
+    (left / LOCK_NAME).write_text("12345\n")
+    (left / "notes.txt").write_text("the user's")
+    with SwapDir(left):
+        pass
+    assert (left / "notes.txt").read_text() == "the user's"

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from outcore.errors import CheckpointError, ConfigError, OutcoreError
+from outcore.errors import CheckpointError, ConfigError, IntegrityError, OutcoreError
 from outcore.recipes.config import load_config
 from outcore.recipes.full_finetune import finetune
 
@@ -251,3 +251,50 @@ def test_export_command_and_its_errors(tiny_run_inputs, tmp_path, capsys):
         assert torch.equal(exported[k], t), k
     assert main(["export", str(tmp_path / "nowhere")]) == 2
     assert "holds no outcore run" in capsys.readouterr().err
+
+
+class _CorruptSwap(_Collect):
+    """Flips one byte in every 4 KiB page of the swap file after step ``at``: the next read of
+    any extent finds its checksum wrong."""
+
+    def __init__(self, swap: Path, at: int):
+        super().__init__()
+        self.swap, self.at = swap, at
+
+    def emit(self, event):
+        super().emit(event)
+        if type(event).__name__ == "StepEvent" and event.step == self.at:
+            with open(self.swap / "extents.bin", "r+b") as f:
+                size = f.seek(0, 2)
+                for off in range(100, size, 4096):
+                    f.seek(off)
+                    b = f.read(1)
+                    f.seek(off)
+                    f.write(bytes([b[0] ^ 0x01]))
+
+
+def test_a_corrupt_swap_file_stops_the_run_naming_file_and_unit(tiny_run_inputs, tmp_path):
+    out = tmp_path / "run"
+    sink = _CorruptSwap(out / "swap", at=3)
+    with pytest.raises(IntegrityError, match=r"checksum mismatch in swap file .*/swap/extents.bin, "
+                                             r"extent '(embed|block\.\d|head):\w+'") as e:
+        finetune(_cfg(tiny_run_inputs, out, offload="nvme", max_steps=5, save_every=2, eval_every=0), sink=sink)
+    assert e.value.exit_code == 4 and sink.closed
+    assert not (out / "swap").exists()
+    from outcore.recipes import checkpoint as ckpt
+    assert ckpt.load_newest_valid(out)[0].name == "step_000002"  # the last checkpoint, intact
+
+
+def test_resume_falls_back_to_the_newest_valid_checkpoint_and_says_so(tiny_run_inputs, tmp_path, capsys):
+    out = tmp_path / "run"
+    finetune(_cfg(tiny_run_inputs, out, max_steps=4, save_every=2, eval_every=0, keep_checkpoints=3,
+                  export=False), sink=_Collect())
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_000002", "step_000004"]
+    f = out / "checkpoints" / "step_000004" / "optimizer.pt"
+    f.write_bytes(f.read_bytes()[:-10])  # truncated
+    capsys.readouterr()
+    res = finetune(load_config(overrides={"resume": str(out), "max_steps": 5, "ui": "none"}), sink=_Collect())
+    assert res.steps_done == 5
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("outcore")]
+    assert err == [f"outcore: warning: checkpoint file {str(f)!r} is corrupt or truncated (checksum mismatch); "
+                   "delete its directory to resume from the previous checkpoint; resuming from step_000002 instead"]

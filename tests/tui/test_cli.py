@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -9,7 +10,7 @@ import time
 import pytest
 
 import outcore
-from outcore.errors import DataError, ModelError
+from outcore.errors import DataError, DiskFullError, IntegrityError, Interrupted, ModelError
 from outcore.recipes.config import METHODS, OPTIMIZERS, FinetuneConfig
 from outcore.tui.cli import main
 
@@ -155,7 +156,24 @@ def test_ctrl_c_exits_130_with_one_line(monkeypatch, capsys):
 
     monkeypatch.setattr(outcore, "finetune", interrupted, raising=False)
     assert main(["finetune"]) == 130
-    assert _one_error_line(capsys) == "outcore: interrupted"
+    assert _one_error_line(capsys) == "outcore: interrupted: stopped by SIGINT"
+
+
+@pytest.mark.parametrize("exc, code, line", [
+    (DiskFullError("checkpoint directory /o/checkpoints needs 5.00 MiB but its disk has 1.00 MiB free; free space"),
+     3, "outcore: error: checkpoint directory /o/checkpoints needs 5.00 MiB but its disk has 1.00 MiB free; free space"),
+    (IntegrityError("checksum mismatch in swap file /s/extents.bin, extent 'block1.w'"),
+     4, "outcore: error: checksum mismatch in swap file /s/extents.bin, extent 'block1.w'"),
+    (Interrupted(signal.SIGTERM, 7, "/o"),
+     143, "outcore: interrupted: stopped by SIGTERM after step 7; continue with --resume /o"),
+])
+def test_each_kind_of_failure_has_its_exit_code_and_one_line(exc, code, line, monkeypatch, capsys):
+    def fail(config):
+        raise exc
+
+    monkeypatch.setattr(outcore, "finetune", fail, raising=False)
+    assert main(["finetune"]) == code == getattr(exc, "exit_code")
+    assert _one_error_line(capsys) == line
 
 
 def test_bugs_keep_their_traceback(monkeypatch):
