@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 from ..errors import ModelError
 
@@ -40,8 +41,6 @@ def weight_headers(directory: Path) -> dict[str, tuple[Path, tuple[int, ...], st
     Raises:
         ModelError: a damaged index, a missing shard, or a file that is truncated or not safetensors.
     """
-    from safetensors import safe_open
-
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:
