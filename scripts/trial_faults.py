@@ -19,8 +19,9 @@ kill
 disk
     The swap or output directory on a small real file system (a loop-mounted ext4 image:
     needs root and ``mount``; where it cannot be had the kind reports 0 tried and why).
-    Full before the run: refused before training (no checkpoint, no metrics row), exit
-    code 2, one line ``outcore: error: ...`` on stderr, no traceback. Filled during the
+    Full before the run: refused (before training, or at the first checkpoint) with one
+    line ``outcore: error: ...`` on stderr, no traceback, an exit code other than 0, 1
+    and a signal's, and no ``*.tmp`` left in ``checkpoints/``. Filled during the
     run: either the run finishes with the reference weights, or it stops with one line,
     no traceback, an exit code other than 0, 1 and a signal's, no ``*.tmp`` left in
     ``checkpoints/``, and ``--resume`` (space freed) gives the reference weights.

@@ -34,7 +34,7 @@ def check_refusal(rc: int, err: str, words: list[str]) -> None:
     assert "Traceback" not in err, err
     if rc == 0:
         return
-    lines = [ln for ln in err.splitlines() if ln.strip()]
+    lines = [ln for ln in err.split("\n") if ln.strip()]  # (a word may hold a \r: not a line break here)
     assert lines and LINE.match(lines[-1]), err
     if lines[-1].startswith("outcore: error: "):
         assert len(lines) == 1, err

@@ -1,8 +1,8 @@
 """The CI subset of ``scripts/trial_faults.py``: the real CLI in subprocesses, out of core.
 
 Each test runs a few trials of one kind and asserts that every one lost nothing (see the
-script's docstring for what that means per kind). The kinds whose fixes are the faults
-branch's are marked ``xfail(strict=True)``: they fail here, and must pass once it lands.
+script's docstring for what that means per kind). What the trials found and is not
+fixed yet is marked ``xfail(strict=True)``.
 ~20 CLI runs in all: about two minutes on two quiet cores.
 """
 from __future__ import annotations
@@ -14,7 +14,6 @@ import pytest
 
 from .conftest import trial_module
 
-NEEDS_FAULTS = pytest.mark.xfail(strict=True, reason="needs faults branch")
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +55,6 @@ def test_full_disk_before_the_run_is_refused_in_one_line(trial_inputs, tmp_path)
         disk.unmount_all()
 
 
-@NEEDS_FAULTS
 @pytest.mark.slow(ci=True)
 def test_full_output_disk_in_memory_is_refused_in_one_line(trial_inputs, tmp_path):
     """In memory no swap reservation stands guard: the first checkpoint meets the full disk."""
@@ -70,13 +68,11 @@ def test_full_output_disk_in_memory_is_refused_in_one_line(trial_inputs, tmp_pat
         disk.unmount_all()
 
 
-@NEEDS_FAULTS
 @pytest.mark.slow(ci=True)
 def test_damaged_checkpoint_falls_back_to_the_previous_one(kinds, trial_inputs, tmp_path):
     _all_ok(kinds._checkpoint_trials(trial_inputs, tmp_path, "nvme", True, random.Random(0)))
 
 
-@NEEDS_FAULTS
 @pytest.mark.slow(ci=True)
 def test_sigterm_checkpoints_removes_the_swap_dir_and_exits_distinctly(kinds, trial_inputs, tmp_path):
     _all_ok([kinds._signal_trial(trial_inputs, tmp_path, "nvme", signal.SIGTERM, False, ())])
