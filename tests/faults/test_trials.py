@@ -43,29 +43,26 @@ def test_second_run_on_a_live_runs_output_or_swap_dir_is_refused(kinds, trial_in
     _all_ok(kinds.two_runs_trials(trial_inputs, tmp_path, ("nvme",), True, random.Random(0)))
 
 
-@pytest.mark.slow(ci=True)
-def test_full_disk_before_the_run_is_refused_in_one_line(trial_inputs, tmp_path):
-    disk = trial_module("_trial_disk")
-    why = disk.unavailable("disk")
+@pytest.fixture
+def disk():
+    """The disk trials' module, where this machine can loop-mount small file systems."""
+    module = trial_module("_trial_disk")
+    why = module.unavailable("disk")
     if why:
         pytest.skip(why)
-    try:
-        _all_ok(disk.disk_trials(trial_inputs, tmp_path, ("nvme",), True, random.Random(0)))
-    finally:
-        disk.unmount_all()
+    yield module
+    module.unmount_all()
 
 
 @pytest.mark.slow(ci=True)
-def test_full_output_disk_in_memory_is_refused_in_one_line(trial_inputs, tmp_path):
+def test_full_disk_before_the_run_is_refused_in_one_line(disk, trial_inputs, tmp_path):
+    _all_ok(disk.disk_trials(trial_inputs, tmp_path, ("nvme",), True, random.Random(0)))
+
+
+@pytest.mark.slow(ci=True)
+def test_full_output_disk_in_memory_is_refused_in_one_line(disk, trial_inputs, tmp_path):
     """In memory no swap reservation stands guard: the first checkpoint meets the full disk."""
-    disk = trial_module("_trial_disk")
-    why = disk.unavailable("disk")
-    if why:
-        pytest.skip(why)
-    try:
-        _all_ok([disk._full_before(trial_inputs, tmp_path, "none", "output")])
-    finally:
-        disk.unmount_all()
+    _all_ok([disk._full_before(trial_inputs, tmp_path, "none", "output")])
 
 
 @pytest.mark.slow(ci=True)
