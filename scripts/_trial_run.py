@@ -187,11 +187,17 @@ def error_problem(done: Done, codes: tuple[int, ...] | None = (2,)) -> str:
 
 
 def latest_step(out: Path) -> int | None:
-    """The step of the newest complete checkpoint of the run in ``out`` (None: none)."""
+    """The step of the newest complete checkpoint of the run in ``out`` (None: none). A ZO
+    run's checkpoint is its log of (seed, scalar) records: a header line, then one per step."""
+    from outcore.optim.zo_replay import LOG_NAME
     from outcore.recipes.checkpoint import latest_checkpoint
 
     last = latest_checkpoint(out)
-    return None if last is None else int(last.name.split("_")[1])
+    if last is not None:
+        return int(last.name.split("_")[1])
+    log = out / LOG_NAME
+    steps = len([ln for ln in log.read_text().splitlines() if ln.strip()]) - 1 if log.is_file() else 0
+    return steps or None
 
 
 def checkpoint_age(out: Path, at: float) -> float:
