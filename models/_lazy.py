@@ -17,6 +17,7 @@ import psutil
 import torch
 
 from ..errors import ModelError
+from ._check import _first_line, check_tokenizer, check_weights
 from ._converted import conversion_sources, read_converted
 from ._gguf_cache import build_gguf_cache
 from ._loader import _as_dtype, load_tokenizer, pretrained_args, resolve_model_spec
@@ -81,6 +82,7 @@ def load_model_lazily(spec: str | Path = "default", *, dtype: torch.dtype | str 
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(directory)
+    check_weights(directory, model)  # fill() would find a disagreement only mid-run
     files = _weight_files(directory)
 
     # parameters stored in another layout (e.g. experts one tensor each, fused in the model)
@@ -100,7 +102,9 @@ def load_model_lazily(spec: str | Path = "default", *, dtype: torch.dtype | str 
         else:
             raise ModelError(f"weight {name!r} is not in '{directory}'; the files do not match its config.json")
 
-    return model, load_tokenizer(spec, cache_dir=cache_dir) if tokenizer else None, fill
+    tok = load_tokenizer(spec, cache_dir=cache_dir) if tokenizer else None
+    check_tokenizer(model, tok, f"'{spec}'")
+    return model, tok, fill
 
 
 def read_model_config(spec: str | Path, cache_dir: str | Path | None = None) -> Any:
@@ -123,8 +127,9 @@ def read_model_config(spec: str | Path, cache_dir: str | Path | None = None) -> 
     try:
         location, kwargs = pretrained_args(source, cache_dir)
         return AutoConfig.from_pretrained(location, **kwargs)
-    except (OSError, ValueError, KeyError) as err:
-        raise ModelError(f"cannot read the config of '{source.location}': {err}".splitlines()[0]) from err
+    except Exception as err:  # transformers raises OSError, ValueError, TypeError and its validators' own
+        raise ModelError(f"cannot read the config of '{source.location}': {_first_line(err)}; "
+                         "fix its config.json or pass the model's original directory") from None
 
 
 def meta_model(config: Any, dtype: torch.dtype = torch.float32) -> torch.nn.Module:

@@ -25,6 +25,7 @@ import torch
 
 from ..dtypes import DTYPES, torch_dtype
 from ..errors import ConfigError, ModelError
+from ._check import _first_line, check_model_dir, check_tokenizer
 from ._gguf_cache import build_gguf_cache, gguf_cache_path, is_complete
 from ._structure import SUPPORTED_MODEL_TYPES
 
@@ -132,11 +133,6 @@ def hub_offline() -> bool:
     return False
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
 def _from_pretrained(location: str, dtype: torch.dtype, quantize_4bit: bool = False, tokenizer: bool = True,
                      **kwargs: Any):
     """``AutoModelForCausalLM`` + ``AutoTokenizer`` (or None) from a directory or hub id."""
@@ -166,9 +162,12 @@ def _load_source(source: ModelSource, dtype: torch.dtype, cache_dir: str | Path 
 
 def _load_dir(location: str, dtype: torch.dtype, what: str, quantize_4bit: bool = False, tokenizer: bool = True):
     try:
-        return _from_pretrained(location, dtype, quantize_4bit=quantize_4bit, tokenizer=tokenizer)
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
-        raise ModelError(f"cannot load the model in {what}: {_first_line(err)}") from err
+        loaded = _from_pretrained(location, dtype, quantize_4bit=quantize_4bit, tokenizer=tokenizer)
+    except Exception as err:  # transformers' and safetensors' many errors on a damaged directory
+        raise ModelError(f"cannot load the model in {what}: {_first_line(err)}") from None
+    # from_pretrained initializes at random what the files lack and ignores what they add: refuse both
+    check_model_dir(Path(location))
+    return loaded
 
 
 def _load_hub(repo_id: str, dtype: torch.dtype, quantize_4bit: bool = False, tokenizer: bool = True):
@@ -219,6 +218,7 @@ def load_model(spec: str | Path = "default", *, dtype: torch.dtype | str = torch
     dtype = _as_dtype(dtype)
     source = resolve_model_spec(spec)
     model, tokenizer = _load_source(source, dtype, cache_dir, quantize_4bit, tokenizer)
+    check_tokenizer(model, tokenizer, f"'{spec}'")
     model_type = getattr(model.config, "model_type", "?")
     if model_type not in SUPPORTED_MODEL_TYPES:
         log.warning("model type %r is outside the tested families (%s); the out-of-core "

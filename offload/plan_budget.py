@@ -55,9 +55,10 @@ def parse_bytes(value: str | int | float, what: str = "size") -> int:
         if not m or m.group(2).lower() not in _UNITS:
             raise ConfigError(f"{what}={value!r} is not a byte size; write e.g. 2GiB, 512MB or 1.5G")
         number, unit = float(m.group(1)), m.group(2).lower()
-    if not number >= 0 or number == float("inf"):
-        raise ConfigError(f"{what}={value!r} must be a non-negative byte size")
-    return int(number * _UNITS[unit])
+    size = number * _UNITS[unit]  # a huge number times its unit may overflow to inf
+    if not number >= 0 or size == float("inf"):
+        raise ConfigError(f"{what}={value!r} must be a non-negative byte size, e.g. 2GiB")
+    return int(size)
 
 
 def format_bytes(n: int | float | None) -> str:

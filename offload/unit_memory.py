@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from .._faults import fault_point
 from ..errors import BudgetError
 from .handle import Tier
 from .store import TieredStore
@@ -123,6 +124,7 @@ class StoreUnitMemory:
         if tier is h.home:
             return
         if h.dirty_tier is tier:
+            fault_point("unit_write_back")
             self._writes.append(self.store.write_back(h))
         if keep:
             unit.kept[part] = next(self._tick)

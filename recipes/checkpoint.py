@@ -44,6 +44,7 @@ import torch
 import xxhash
 from safetensors.torch import load_file, save_file
 
+from .._faults import fault_point
 from ..errors import CheckpointError, DiskFullError
 from ..offload.device import cuda_rng_state, set_cuda_rng_state
 from ..offload.plan_budget import format_bytes
@@ -174,6 +175,7 @@ def _publish(root: Path, tmp: Path, final: Path) -> None:
     if final.exists():  # re-saving the same step (e.g. final save after a periodic one)
         _discard(final)
     os.replace(tmp, final)
+    fault_point("checkpoint_commit")
     latest_tmp = root / (_LATEST + _TMP)
     latest_tmp.write_text(final.name)
     os.chmod(latest_tmp, stat.S_IRUSR | stat.S_IWUSR)
@@ -232,8 +234,11 @@ def save_checkpoint(output_dir: str | Path, step: int, model_state: dict[str, to
     try:
         _private_dir(tmp)
         save_file(model_state, str(tmp / "model.safetensors"))
+        fault_point("checkpoint_file")
         torch.save(optimizer_state, tmp / "optimizer.pt")
+        fault_point("checkpoint_file")
         torch.save(trainer_state, tmp / "trainer.pt")
+        fault_point("checkpoint_file")
         if write_extra is not None:
             write_extra(tmp)
         _seal(tmp, step)
@@ -366,6 +371,7 @@ def save_units(om: Any, directory: str | Path) -> None:
     for unit in om.units:
         tensors = {kind: mem.state(unit.index, kind) for kind in (WEIGHTS, *mem.kinds(unit.index))}
         save_file({k: t.contiguous() for k, t in tensors.items()}, str(d / f"{unit.name}.safetensors"))
+        fault_point("checkpoint_file")
     (d / "units.json").write_text(json.dumps([u.name for u in om.units]))
 
 

@@ -113,8 +113,9 @@ class FinetuneConfig:
             raise ConfigError(f"val_fraction={self.val_fraction!r} must be in [0, 0.5)")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"min_lr_ratio={self.min_lr_ratio!r} must be in [0, 1]")
-        if self.max_grad_norm < 0:
+        if not (self.max_grad_norm >= 0 and math.isfinite(self.max_grad_norm)):
             raise ConfigError(f"max_grad_norm={self.max_grad_norm!r} must be >= 0 (0 disables clipping)")
+        self._validate_numbers()
         if self.zeroth_order != (self.optim in ZO_OPTIMIZERS):
             raise ConfigError(
                 f"method={self.method!r} does not go with optim={self.optim!r}: "
@@ -128,6 +129,31 @@ class FinetuneConfig:
             _choice("report_to", tracker, TRACKERS)
         if self.push_to_hub is not None and not self.export:
             raise ConfigError(f"push_to_hub={self.push_to_hub!r} uploads OUTPUT/final: set export=true")
+
+    def _validate_numbers(self) -> None:
+        """The checks of the optimizer's, LoRA's and the memory budgets' numbers (bad values
+        would otherwise surface as a traceback deep in torch, peft or the planner)."""
+        from ..offload.plan_budget import parse_bytes
+
+        if self.seed < 0:
+            raise ConfigError(f"seed={self.seed!r} must be >= 0")
+        for name in ("weight_decay", "eps"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a finite number >= 0")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"betas={list(self.betas)!r} must be two numbers in [0, 1), e.g. betas=0.9,0.999")
+        if not self.lora_alpha > 0:
+            raise ConfigError(f"lora_alpha={self.lora_alpha!r} must be > 0")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise ConfigError(f"lora_dropout={self.lora_dropout!r} must be in [0, 1)")
+        if not self.lora_targets or not all(isinstance(t, str) and t for t in self.lora_targets):
+            raise ConfigError(f"lora_targets={self.lora_targets!r} must name modules, e.g. lora_targets=q_proj,v_proj")
+        for name in ("model", "data", "output"):
+            if not str(getattr(self, name)).strip():
+                raise ConfigError(f"{name}={getattr(self, name)!r} is empty; pass a path (or 'default')")
+        for name in ("device_mem", "host_mem"):
+            if getattr(self, name) is not None:
+                parse_bytes(getattr(self, name), name)
 
     @property
     def uses_adapters(self) -> bool:
@@ -235,7 +261,10 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | l
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist; pass an existing YAML file to --config")
         try:
-            loaded = yaml.safe_load(p.read_text()) or {}
+            loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except (UnicodeDecodeError, OSError) as e:
+            raise ConfigError(f"config file {str(p)!r} cannot be read as UTF-8 text ({e}); "
+                              "pass a YAML file saved as UTF-8") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f"{p}:{mark.line + 1}" if mark is not None else str(p)

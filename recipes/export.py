@@ -26,6 +26,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from safetensors.torch import load_file, save_file
 
+from .._faults import fault_point
 from ..errors import CheckpointError
 from . import checkpoint as ckpt
 from .config import load_config
@@ -63,6 +64,7 @@ def write_hf_dir(out_dir: str | Path, shards: Iterable[Shard], model: torch.nn.M
     for i, tensors in enumerate(shards):
         save_file({n: t.contiguous() for n, t in tensors.items()}, str(tmp / f"shard-{i}"), metadata={"format": "pt"})
         names.append(list(tensors))
+        fault_point("export_shard")
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         dtype = dtype or next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
     weight_map: dict[str, str] = {}
@@ -81,6 +83,7 @@ def write_hf_dir(out_dir: str | Path, shards: Iterable[Shard], model: torch.nn.M
         if part is not None:
             part.save_pretrained(tmp)
     shutil.rmtree(out, ignore_errors=True)
+    fault_point("export_commit")
     os.replace(tmp, out)
     return out
 

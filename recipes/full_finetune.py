@@ -22,6 +22,7 @@ from typing import Any, Callable
 import torch
 
 from ..activations.policy import OFFLOAD, ActivationPolicy
+from .._faults import fault_point
 from ..dtypes import torch_dtype
 from ..errors import ConfigError, Interrupted
 from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent, TaskEvalEvent
@@ -249,6 +250,7 @@ class Recipe:
 
     def _eval(self, step: int) -> float:
         self.model.eval()
+        fault_point("eval")
         loss = evaluate(lambda batch: self.loss(self.model, batch), self.val_set, self.cfg.batch_size,
                         self.cfg.eval_batches)
         task = None if self.task is None else score_task(self.scorer, self.tokenizer, self.task,
