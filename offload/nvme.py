@@ -4,7 +4,10 @@ Layout of a swap directory::
 
     extents.bin   4 KiB-aligned extents, O_DIRECT (buffered where the FS refuses it)
     extents.idx   append-only journal: one line per completed write
-                  "key offset length checksum\\t<xxh32 of the line>"
+                  "key offset length checksum\\t<xxh32 of the line>"; rewritten
+                  (atomically: a new file renamed over it) with one line per live
+                  extent when it grows JOURNAL_COMPACT_RATIO times that, so it stays
+                  bounded however long the run
 
 A write is reported complete only after its data is written *and* its journal
 line is appended; with ``durable=True`` both files are ``fdatasync``-ed first.
@@ -35,6 +38,9 @@ DATA_FILE, INDEX_FILE = "extents.bin", "extents.idx"
 
 
 JOURNAL_ROOM = 4 << 20  # left free beside the swap file for the journal's appends
+#: the journal is rewritten with one line per live extent once it holds this many times as
+#: many lines (and at least JOURNAL_COMPACT_MIN): a long run's journal stays bounded
+JOURNAL_COMPACT_RATIO, JOURNAL_COMPACT_MIN = 4, 1024
 
 
 def reserve_margin(nbytes: int) -> int:
@@ -106,6 +112,11 @@ class NvmeBackend:
                             | (0 if _recover else os.O_TRUNC), 0o600)
         self.budget = align_up(capacity) if capacity is not None else None
         self._lock = threading.Lock()
+        # the journal's live lines (key -> its newest line: what a compacted journal holds)
+        # and how many lines the file has; guarded by _journal_lock, taken on I/O threads
+        self._journal_lock = threading.Lock()
+        self._journal_lines: dict[str, bytes] = {}
+        self._journal_count = 0
         self.read_bytes = self.written_bytes = 0
         size = os.fstat(self.fd).st_size // ALIGN * ALIGN if _recover else 0
         self._free = FreeList(0)
@@ -160,6 +171,8 @@ class NvmeBackend:
         """Return an extent's space (its bytes stay on disk until overwritten)."""
         with self._lock:
             self._free.free(ext.offset, ext.length)
+        with self._journal_lock:
+            self._journal_lines.pop(ext.key, None)  # a compacted journal forgets it
 
     # -- I/O -------------------------------------------------------------------
     def _io_error(self, ext: Extent, op: str):
@@ -195,16 +208,43 @@ class NvmeBackend:
             h = _combine(values)  # of what was written (src is unchanged while in flight)
             if durable:
                 os.fdatasync(self.fd)  # the data is on the disk before the journal says so
-            line = f"{ext.key}\t{ext.offset}\t{ext.length}\t{h}"
-            os.write(self._ifd, f"{line}\t{xxhash.xxh32_intdigest(line.encode())}\n".encode())
-            if durable:
-                os.fdatasync(self._ifd)
+            self._journal(ext, h, durable)
             with self._lock:
                 ext.checksum = h
                 self.written_bytes += ext.length
             return h
         f = self.pool.write(self.fd, src, ext.offset, on_done=finish, chunk_hook=_block_digests)
         return _chain(f, self._io_error(ext, "write"))
+
+    def _journal(self, ext: Extent, h: int, durable: bool) -> None:
+        """Append ``ext``'s completed write to the journal (compacting it when it has grown)."""
+        line = f"{ext.key}\t{ext.offset}\t{ext.length}\t{h}"
+        entry = f"{line}\t{xxhash.xxh32_intdigest(line.encode())}\n".encode()
+        with self._journal_lock:
+            os.write(self._ifd, entry)
+            self._journal_lines[ext.key] = entry
+            self._journal_count += 1
+            if self._journal_count > max(JOURNAL_COMPACT_MIN, JOURNAL_COMPACT_RATIO * len(self._journal_lines)):
+                self._compact_journal()
+            if durable:
+                os.fdatasync(self._ifd)
+
+    def _compact_journal(self) -> None:
+        """Rewrite the journal as one line per live extent: written beside it, synced, then
+        renamed over it, so a crash leaves the old journal or the new one, never half of one."""
+        tmp = self.index_path.with_name(INDEX_FILE + ".tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        try:
+            data = memoryview(b"".join(self._journal_lines.values()))
+            while data:
+                data = data[os.write(fd, data):]
+            os.fdatasync(fd)
+            os.replace(tmp, self.index_path)
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(self._ifd)
+        self._ifd, self._journal_count = fd, len(self._journal_lines)
 
     def read(self, ext: Extent, dst: torch.Tensor) -> Future:
         """Read the extent into ``dst`` (uint8 ``[ext.length]``, aligned) and verify its checksum.
@@ -262,6 +302,8 @@ class NvmeBackend:
                     continue  # torn or corrupt journal line
                 key, off, length, h = parts[0], int(parts[1]), int(parts[2]), int(parts[3])
                 table[key] = Extent(key, off, length, h)
+                backend._journal_lines[key] = raw if raw.endswith(b"\n") else raw + b"\n"
+                backend._journal_count += 1
         backend._grow_to(max((e.offset + e.length for e in table.values()), default=0))
         for e in table.values():
             backend._free.take(e.offset, e.length)

@@ -97,21 +97,14 @@ class SwapDir:
         # empty, so leftovers do not pile up; a directory the user made is never removed
         self._leftover = not self._created and lock_path.exists()
         try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            self._lock_fd = hold_lock(lock_path)
+        except LockHeld as e:
+            raise SwapDirError(f"swap dir {self.path} is in use by another outcore run (pid {e.pid}); "
+                               "wait for it to finish or choose another swap_dir") from e
         except OSError as e:
             self._cleanup_created()
             what = "is on a read-only file system" if e.errno == errno.EROFS else f"is not writable ({e.strerror})"
             raise SwapDirError(f"swap dir {self.path} {what}; choose a writable swap_dir") from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            other = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise SwapDirError(f"swap dir {self.path} is in use by another outcore run (pid {other}); "
-                               "wait for it to finish or choose another swap_dir") from e
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._lock_fd = fd
 
     def _cleanup_created(self) -> None:
         if self._created:
@@ -195,7 +188,37 @@ class SwapDir:
         return f"SwapDir({str(self.path)!r}, locked={self._lock_fd >= 0})"
 
 
-def _is_locked(lock_path: Path) -> bool:
+class LockHeld(Exception):
+    """Another process holds the lock (``pid``: what it wrote there, or ``?``)."""
+
+    def __init__(self, pid: str):
+        super().__init__(pid)
+        self.pid = pid
+
+
+def hold_lock(lock_path: Path) -> int:
+    """Take an exclusive advisory ``flock`` on ``lock_path`` (created 0600) and write our pid
+    there; the lock lasts until the returned descriptor is closed (or the process ends,
+    killed or not: the kernel drops it, so a crash never leaves a run locked out).
+
+    Raises:
+        LockHeld: another live process holds it.
+        OSError: the file cannot be opened (read-only file system, permissions).
+    """
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        other = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise LockHeld(other) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def is_locked(lock_path: Path) -> bool:
+    """Does a live process hold ``lock_path``'s lock (see :func:`hold_lock`)?"""
     try:
         fd = os.open(lock_path, os.O_RDONLY)
     except OSError:
@@ -227,6 +250,6 @@ def find_leftover_swap_dirs(root: str | Path) -> list[str]:
     out = []
     for d in candidates:
         lock = d / LOCK_NAME
-        if lock.exists() and not _is_locked(lock):
+        if lock.exists() and not is_locked(lock):
             out.append(str(d))
     return sorted(out)

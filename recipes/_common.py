@@ -12,6 +12,8 @@ import shutil
 import signal
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,6 +23,7 @@ import torch
 from ..errors import CheckpointError, ConfigError, Interrupted
 from .config import FinetuneConfig, load_config, save_config
 
+RUN_LOCK = ".outcore-run.lock"  # held by the live run of an output directory
 _RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 # Fields a resumed run must share with the run it continues (others, such as
 # max_steps or eval_every, may change).
@@ -76,15 +79,67 @@ class StopOnSignal:
             raise Interrupted(self.signum)
 
 
-def prepare_output_dir(config: FinetuneConfig) -> Path:
-    """Create (or, for a resume, check) the output directory and write config.yaml.
+def prepare_output_dir(config: FinetuneConfig) -> tuple[Path, int]:
+    """Create (or, for a resume, check) the output directory, lock it and write config.yaml.
+
+    Returns:
+        ``(path, lock)``: the directory and the descriptor holding its run lock (close it
+        when the run ends; the kernel drops it if the process dies).
 
     Raises:
-        ConfigError: the directory holds another run and neither resume nor overwrite was asked.
+        ConfigError: the directory holds another run and neither resume nor overwrite was
+            asked, or a live run holds it.
         CheckpointError: resume was asked but the directory has no run to resume.
     """
     out = Path(config.output)
-    holds_run = out.is_dir() and any((out / m).exists() for m in _RUN_MARKERS)
+    if config.resume and not out.is_dir():
+        raise CheckpointError(f"--resume {config.resume!r}: no run found there (no such directory); check the path")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create output directory {str(out)!r} ({e.strerror}); choose another --output") from e
+    lock = _lock_output_dir(out)  # before anything in it is read or removed
+    try:
+        _check_or_clear(config, out)
+    except BaseException:
+        os.close(lock)
+        raise
+    save_config(config, out / "config.yaml")
+    return out, lock
+
+
+@contextmanager
+def holding_output_dir(recipe: Any) -> Iterator[None]:
+    """For the length of a recipe's ``run()``: the output-directory lock its setup takes
+    (``recipe.out_lock``, from :func:`prepare_output_dir`) is released when the run ends,
+    however it ends, so the same process may start another run there."""
+    recipe.out_lock = None
+    try:
+        yield
+    finally:
+        if recipe.out_lock is not None:
+            os.close(recipe.out_lock)
+            recipe.out_lock = None
+
+
+def _lock_output_dir(out: Path) -> int:
+    """Hold ``OUTPUT/.outcore-run.lock`` for the run: a second run on the same output
+    directory — even with ``--overwrite`` — is refused before it touches the first's files."""
+    from ..offload.swapdir import LockHeld, hold_lock
+
+    try:
+        return hold_lock(out / RUN_LOCK)
+    except LockHeld as e:
+        raise ConfigError(f"output directory {str(out)!r} is in use by another outcore run (pid {e.pid}); "
+                          "wait for it to finish or choose another --output") from e
+    except OSError as e:
+        raise ConfigError(f"output directory {str(out)!r} is not writable ({e.strerror}); "
+                          "choose another --output") from e
+
+
+def _check_or_clear(config: FinetuneConfig, out: Path) -> None:
+    """Check a resumed run agrees with the one it continues; clear a run being overwritten."""
+    holds_run = any((out / m).exists() for m in _RUN_MARKERS)
     if config.resume:
         if not holds_run or not (out / "config.yaml").is_file():
             raise CheckpointError(f"--resume {config.resume!r}: no run found there "
@@ -105,9 +160,6 @@ def prepare_output_dir(config: FinetuneConfig) -> Path:
                 shutil.rmtree(p)
             elif p.exists():
                 p.unlink()
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(config, out / "config.yaml")
-    return out
 
 
 def set_threads(threads: int) -> None:

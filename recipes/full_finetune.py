@@ -28,8 +28,8 @@ from ..errors import ConfigError, Interrupted
 from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent, TaskEvalEvent
 from ..offload.device import device_memory
 from . import checkpoint as ckpt
-from ._common import (StopOnSignal, evaluate, lr_lambda, peak_rss_bytes, prepare_output_dir, ram_total_bytes,
-                      rss_bytes, set_threads, with_lora)
+from ._common import (StopOnSignal, evaluate, holding_output_dir, lr_lambda, peak_rss_bytes, prepare_output_dir,
+                      ram_total_bytes, rss_bytes, set_threads, with_lora)
 from .config import FinetuneConfig
 from .evaluate import CausalLMScorer, score_task
 from .export import export_hf, export_offloaded
@@ -85,7 +85,7 @@ class Recipe:
         set_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         self.task = load_task(cfg.eval_task) if cfg.eval_task else None  # a bad file fails before any work
-        self.out = prepare_output_dir(cfg)
+        self.out, self.out_lock = prepare_output_dir(cfg)
 
         self.plan, fill = None, None
         self.lora = cfg.uses_adapters
@@ -315,7 +315,7 @@ class Recipe:
             The run's FinetuneResult.
         """
         self._t0, self._saved, self._reported = time.perf_counter(), (0, 0.0), False
-        with StopOnSignal() as self.stop:
+        with StopOnSignal() as self.stop, holding_output_dir(self):
             try:
                 self.setup()
                 self.stop.deferring = True  # signals wait for the end of the step

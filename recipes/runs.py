@@ -11,9 +11,8 @@ What else it holds tells how far it went:
   caller: it is the UI's file, so it comes in as rows).
 
 Statuses: **finished** — a checkpoint at ``max_steps`` and ``final/`` (or ``export=false``);
-**running** — an out-of-core run whose swap directory a live process holds locked;
-**interrupted** — a checkpoint to resume from (a Ctrl-C, a crash, a kill — or a run held
-in memory that is still going: nothing on disk tells those apart); **failed** — nothing
+**running** — a live process holds the output directory's run lock (or its swap directory's);
+**interrupted** — a checkpoint to resume from (a Ctrl-C, a crash, a kill); **failed** — nothing
 to resume from (it stopped before its first checkpoint, or its config is unreadable).
 """
 from __future__ import annotations
@@ -117,7 +116,7 @@ def describe_run(run_dir: str | Path, metrics_rows: Iterable[dict[str, Any]] = (
     steps = max(logged, saved)
     if saved >= cfg.max_steps and ((path / "final" / "config.json").is_file() or not cfg.export):
         return RunInfo(path, FINISHED, steps, cfg.max_steps, None, eval_loss, method, cfg.model)
-    if _swap_in_use(Path(cfg.swap_dir) if cfg.swap_dir else path / "swap"):
+    if _run_in_progress(path, Path(cfg.swap_dir) if cfg.swap_dir else path / "swap"):
         return RunInfo(path, RUNNING, steps, cfg.max_steps, None, eval_loss, method, cfg.model)
     if saved > 0:
         return RunInfo(path, INTERRUPTED, steps, cfg.max_steps, saved, eval_loss, method, cfg.model,
@@ -126,11 +125,13 @@ def describe_run(run_dir: str | Path, metrics_rows: Iterable[dict[str, Any]] = (
     return RunInfo(path, FAILED, steps, cfg.max_steps, None, eval_loss, method, cfg.model, note=why)
 
 
-def _swap_in_use(swap: Path) -> bool:
-    """A live run holds ``swap``'s lock (a killed one leaves it unlocked: a leftover)."""
-    from ..offload.swapdir import LOCK_NAME, find_leftover_swap_dirs
+def _run_in_progress(path: Path, swap: Path) -> bool:
+    """A live run holds the output directory's lock, or its swap directory's (a killed run
+    leaves them unlocked)."""
+    from ..offload.swapdir import LOCK_NAME, is_locked
+    from ._common import RUN_LOCK
 
-    return (swap / LOCK_NAME).is_file() and str(swap.absolute()) not in find_leftover_swap_dirs(swap)
+    return is_locked(path / RUN_LOCK) or is_locked(swap / LOCK_NAME)
 
 
 def _zo_steps(log: Path) -> int:

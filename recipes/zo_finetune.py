@@ -42,8 +42,8 @@ import torch
 from ..errors import CheckpointError, ConfigError, Interrupted
 from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent
 from ..offload.modes import NVME
-from ._common import (StopOnSignal, evaluate, lr_lambda, peak_rss_bytes, prepare_output_dir, ram_total_bytes,
-                      rss_bytes, set_threads)
+from ._common import (StopOnSignal, evaluate, holding_output_dir, lr_lambda, peak_rss_bytes, prepare_output_dir,
+                      ram_total_bytes, rss_bytes, set_threads)
 from .config import FinetuneConfig, load_config
 from .export import export_hf
 from .full_finetune import FinetuneResult
@@ -112,7 +112,7 @@ class ZORecipe:
         cfg = self.cfg
         set_threads(cfg.threads)
         self.hyper, opts = zo_options(cfg)
-        self.out = prepare_output_dir(cfg)
+        self.out, self.out_lock = prepare_output_dir(cfg)
         self.sink = self._sink or NullSink()
         lora = ({"r": cfg.lora_r, "alpha": cfg.lora_alpha, "targets": list(cfg.lora_targets)}
                 if opts["lora"] else None)
@@ -222,7 +222,7 @@ class ZORecipe:
         """setup → train → cleanup. SIGINT / SIGTERM stop the run at the end of its step (every
         finished step is already in the log, the run's checkpoint); reported and re-raised."""
         self._t0 = time.perf_counter()
-        with StopOnSignal() as self.stop:
+        with StopOnSignal() as self.stop, holding_output_dir(self):
             try:
                 self.setup()
             except BaseException:

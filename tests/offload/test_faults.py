@@ -264,6 +264,38 @@ def test_recover_rebuilds_extents_and_ignores_a_torn_journal_line(tmp_path):
         nv2.close()
 
 
+def test_journal_is_compacted_and_recovers_the_newest_writes(tmp_path, monkeypatch):
+    """A long run rewrites an extent many times: the journal is compacted to one line per
+    live extent as it fills (bounded, not a line per write forever), atomically, and
+    recovery from it gives each extent's newest write; a freed extent is forgotten."""
+    monkeypatch.setattr(nvme_mod, "JOURNAL_COMPACT_MIN", 8)
+    p = tmp_path / "swap"
+    sd = SwapDir(p, keep=True)
+    nv = NvmeBackend(sd, capacity=MiB)
+    exts = [nv.alloc(f"k{i}", 4096) for i in range(3)]
+    gone = nv.alloc("gone", 4096)
+    b = aligned_empty(4096)
+    nv.write(gone, b).result()
+    nv.free(gone)
+    lines = []
+    for round_ in range(20):
+        for i, e in enumerate(exts):
+            b.fill_(round_ * 3 + i)
+            nv.write(e, b).result()
+        lines.append(len(nv.index_path.read_bytes().splitlines()))
+    assert max(lines) <= max(8, 4 * 3) + 1 and min(lines) < max(lines)  # compacted, more than once
+    assert not (p / "extents.idx.tmp").exists()
+    nv.close()
+    sd.close()
+    with SwapDir(p) as sd2:
+        nv2, table = NvmeBackend.recover(sd2)
+        assert sorted(table) == ["k0", "k1", "k2"]
+        for i, k in enumerate(["k0", "k1", "k2"]):
+            nv2.read(table[k], b).result()
+            assert torch.all(b == 19 * 3 + i)
+        nv2.close()
+
+
 class _SmallDisk:
     """A fake file system with ``free`` bytes: posix_fallocate takes what it can, then fails."""
 
