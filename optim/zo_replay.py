@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+import xxhash
 
 from ..errors import CheckpointError
 from .zo_core import StepRecord, ZOHyper, ZOState, apply_update_, mask_for, perturb_
@@ -40,16 +41,17 @@ class ZOLog:
 
     header: dict[str, Any]
     records: list[StepRecord] = field(default_factory=list)
+    damaged: str | None = None  # set by load: what a damaged or torn tail cost (None: nothing)
 
     def save(self, path: str | Path) -> Path:
         """Write the whole log to ``path`` (a file, or a directory to hold ``zo_log.jsonl``)."""
         p = Path(path)
         if p.is_dir():
             p = p / LOG_NAME
-        lines = [json.dumps({"format": FORMAT, "header": self.header})]
-        lines += [json.dumps(r.to_json()) for r in self.records]
+        lines = [_line({"format": FORMAT, "header": self.header})]
+        lines += [_line(r.to_json()) for r in self.records]
         tmp = p.with_suffix(".tmp")
-        tmp.write_text("\n".join(lines) + "\n")
+        tmp.write_text("".join(lines))
         tmp.replace(p)  # atomic: a crash never leaves half a log
         return p
 
@@ -57,27 +59,37 @@ class ZOLog:
     def load(cls, path: str | Path) -> "ZOLog":
         """Read a log written by :meth:`save` or :class:`ZOLogWriter`.
 
+        Every line carries the xxh32 of its content (``"xxh"``; a log from before has none).
+        A step line that is torn (a kill mid-write) or damaged ends the log there: the steps
+        before it are the newest valid checkpoint, and :attr:`damaged` says what was dropped.
+
         Raises:
-            CheckpointError: a missing file, a foreign format or a malformed line.
+            CheckpointError: a missing file, a foreign format, or a damaged header.
         """
         p = Path(path)
         if p.is_dir():
             p = p / LOG_NAME
         if not p.is_file():
             raise CheckpointError(f"ZO log {str(p)!r} does not exist; pass a ZO run directory or its {LOG_NAME}")
-        lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
+        lines = [ln for ln in p.read_text(errors="replace").splitlines() if ln.strip()]
         try:
-            first = json.loads(lines[0])
+            first = _parse(lines[0])
             if first.get("format") != FORMAT:
                 raise ValueError(f"format {first.get('format')!r}")
-            records = [StepRecord.from_json(json.loads(ln)) for ln in lines[1:]]
         except (ValueError, KeyError, IndexError) as e:
             raise CheckpointError(f"ZO log {str(p)!r} is malformed ({e}); it must start with a "
                                   f"{FORMAT!r} header line") from None
+        records, damaged = [], None
+        for n, ln in enumerate(lines[1:], start=2):
+            try:
+                records.append(StepRecord.from_json(_parse(ln)))
+            except (ValueError, KeyError, TypeError) as e:
+                damaged = f"ZO log {str(p)!r} line {n} is damaged ({e}): its {len(lines) - n + 1} last line(s) dropped"
+                break
         for i, r in enumerate(records):
             if r.step != i + 1:
                 raise CheckpointError(f"ZO log {str(p)!r}: record {i} has step {r.step}, expected {i + 1}")
-        return cls(first["header"], records)
+        return cls(first["header"], records, damaged)
 
 
 class ZOLogWriter:
@@ -87,15 +99,38 @@ class ZOLogWriter:
         self.path = Path(run_dir) / LOG_NAME
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "w")
-        self._f.write(json.dumps({"format": FORMAT, "header": header}) + "\n")
+        self._f.write(_line({"format": FORMAT, "header": header}))
         self._f.flush()
 
     def append(self, rec: StepRecord) -> None:
-        self._f.write(json.dumps(rec.to_json()) + "\n")
+        self._f.write(_line(rec.to_json()))
         self._f.flush()  # a crashed run keeps every finished step
 
     def close(self) -> None:
         self._f.close()
+
+
+def _line(obj: dict[str, Any]) -> str:
+    """One log line: ``obj`` as JSON with the xxh32 of that JSON added as ``"xxh"``."""
+    text = json.dumps(obj)
+    return json.dumps({**obj, "xxh": xxhash.xxh32_intdigest(text.encode())}) + "\n"
+
+
+def _parse(line: str) -> dict[str, Any]:
+    """The object of a :func:`_line` (checked against its ``"xxh"``; a line without one, from
+    an older log, is taken as it is).
+
+    Raises:
+        ValueError: not JSON, or its checksum does not match (a flipped byte, a torn line).
+    """
+    obj = json.loads(line)
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    if "xxh" in obj:
+        want = obj.pop("xxh")
+        if xxhash.xxh32_intdigest(json.dumps(obj).encode()) != want:
+            raise ValueError("checksum mismatch")
+    return obj
 
 
 def _clone_state(base: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

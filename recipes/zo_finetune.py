@@ -126,6 +126,9 @@ class ZORecipe:
         self.loader = BatchLoader(self.train_set, cfg.batch_size, seed=cfg.seed)
 
         previous = ZOLog.load(self.out) if cfg.resume else None
+        if previous is not None and previous.damaged:  # its valid steps are the newest checkpoint
+            print(f"outcore: warning: {previous.damaged}; resuming from step {len(previous.records)} instead",
+                  file=sys.stderr)
         if previous is not None:  # resume = replay the log onto the base, then go on
             replay_into_(dict(self.model.named_parameters()), previous)
             for _ in previous.records:
@@ -275,6 +278,8 @@ def export_zo_run(run_dir: str | Path, out_dir: str | Path) -> Path:
 
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     log = ZOLog.load(run_dir)
+    if log.damaged:
+        print(f"outcore: warning: {log.damaged}; exporting step {len(log.records)}", file=sys.stderr)
     base = log.header.get("base")
     if not base:
         raise CheckpointError(f"ZO log in {str(run_dir)!r} names no base weights; cannot export it")

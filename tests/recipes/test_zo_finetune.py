@@ -92,3 +92,23 @@ def test_zo_on_lora_adapters_only(tiny_run_inputs, tmp_path):
 def test_bad_zo_options(tiny_run_inputs, tmp_path, kw, match):
     with pytest.raises(ConfigError, match=match):
         finetune(_cfg(tiny_run_inputs, tmp_path / "bad", **kw), _Collect())
+
+
+@pytest.mark.slow(ci=True)
+def test_a_damaged_log_line_resumes_from_the_steps_before_it(tiny_run_inputs, tmp_path, capsys):
+    """A ZO run's checkpoint is its log: a flipped byte in a step line is detected (each line
+    carries its checksum), the steps before it are the newest valid checkpoint, and the
+    resumed run equals the uninterrupted one."""
+    full = finetune(_cfg(tiny_run_inputs, tmp_path / "full"), _Collect())
+    with pytest.raises(KeyboardInterrupt):
+        finetune(_cfg(tiny_run_inputs, tmp_path / "cut"), _Collect(interrupt_at=3))
+    log = tmp_path / "cut" / "zo_log.jsonl"
+    lines = log.read_text().splitlines(keepends=True)
+    assert len(lines) == 4  # the header and steps 1..3
+    lines[3] = lines[3].replace('"seeds": [', '"seeds": [1', 1)  # a flipped digit, still JSON
+    log.write_text("".join(lines))
+    resumed = finetune(_cfg(tiny_run_inputs, tmp_path / "cut", resume=str(tmp_path / "cut")), _Collect())
+    err = capsys.readouterr().err
+    assert "line 4 is damaged (checksum mismatch)" in err and "resuming from step 2 instead" in err
+    a, b = _final(full), _final(resumed)
+    assert resumed.steps_done == 5 and all(torch.equal(a[k], b[k]) for k in a)
