@@ -20,6 +20,7 @@ import copy
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -245,3 +246,39 @@ def _dequantized(p: torch.Tensor) -> torch.Tensor:
         if state.absmax.dim() == 2:  # the repacking stored absmax as [blocks per row, rows]
             state.absmax = state.absmax.T.reshape(-1).float()
     return F.dequantize_4bit(data, state).float()
+
+
+def resolve_model_or_run(spec: str | Path, scratch: str | Path | None = None
+                         ) -> tuple[str, tempfile.TemporaryDirectory | None]:
+    """What to load for ``spec``: a model spec as it is, or an outcore run's trained model.
+
+    A run directory (it holds ``config.yaml``) gives its ``final/`` model, unless a
+    checkpoint is newer (a run resumed after it finished, or interrupted before): then
+    that checkpoint, exported (``export_run``) into a temporary directory inside
+    ``scratch`` (default: the run).
+
+    Args:
+        spec: a model spec (see ``models.load_model``) or a run's output directory.
+        scratch: where the temporary directory goes (default: the run's directory).
+
+    Returns:
+        ``(model spec, temporary directory to remove when done, or None)``.
+
+    Raises:
+        CheckpointError: a run with no ``final/`` model and no complete checkpoint.
+    """
+    run = Path(str(spec)).expanduser()
+    if not (run / "config.yaml").is_file():
+        return str(spec), None
+    final, last = run / "final", ckpt.latest_checkpoint(run)
+    if (final / "config.json").is_file() and (last is None or final.stat().st_mtime >= last.stat().st_mtime):
+        return str(final), None
+    if last is None:
+        raise CheckpointError(f"run {str(run)!r} has no final/ model and no complete checkpoint; "
+                              "let it train to a checkpoint, or pass a model")
+    temporary = tempfile.TemporaryDirectory(prefix="checkpoint-", dir=scratch or run)
+    try:
+        return str(export_run(run, Path(temporary.name) / "model")), temporary
+    except BaseException:
+        temporary.cleanup()
+        raise

@@ -354,11 +354,8 @@ def export_run_gguf(source: str | Path, out_dir: str | Path | None = None, gguf_
         CheckpointError: a run with neither ``final/`` nor a complete checkpoint.
         ModelError: a model spec that does not resolve to local files, or that GGUF cannot hold.
     """
-    import tempfile
-
-    from . import checkpoint as ckpt
     from .config import load_config
-    from .export import export_run
+    from .export import resolve_model_or_run
 
     _check_type(gguf_type)
     path = Path(source)
@@ -367,19 +364,15 @@ def export_run_gguf(source: str | Path, out_dir: str | Path | None = None, gguf_
         pre = _base_pre(load_config(path / "config.yaml", resume=None, overwrite=True).model)
         out = Path(out_dir) if out_dir is not None else path / "gguf"
         out.mkdir(parents=True, exist_ok=True)  # the temporary directory below goes in it
-        final, last = path / "final", ckpt.latest_checkpoint(path)
-        if (final / "config.json").is_file() and (last is None or _mtime(final) >= _mtime(last)):
-            return export_gguf(final, out / f"{name}-{gguf_type}.gguf", gguf_type, pre, name)
-        with tempfile.TemporaryDirectory(dir=out) as tmp:  # the checkpoint as a Hugging Face directory
-            hf_dir = export_run(path, Path(tmp) / "hf")
+        hf_dir, temporary = resolve_model_or_run(path, scratch=out)  # final/, or a newer checkpoint
+        try:
             return export_gguf(hf_dir, out / f"{name}-{gguf_type}.gguf", gguf_type, pre, name)
+        finally:
+            if temporary is not None:
+                temporary.cleanup()
     directory, name, pre = _model_dir(source)
     out = Path(out_dir) if out_dir is not None else Path(f"{name}-gguf")
     return export_gguf(directory, out / f"{name}-{gguf_type}.gguf", gguf_type, pre, name)
-
-
-def _mtime(directory: Path) -> float:
-    return directory.stat().st_mtime
 
 
 def _model_dir(spec: str | Path) -> tuple[Path, str, str | None]:

@@ -26,8 +26,9 @@ from typing import Any, Iterator, Sequence, Union
 import torch
 
 from ..dtypes import DTYPES, torch_dtype
-from ..errors import CheckpointError, ConfigError
+from ..errors import ConfigError
 from ..offload.modes import AUTO, NONE, OFFLOAD_MODES
+from .export import resolve_model_or_run
 
 #: a prompt: plain text, or a conversation (``[{"role": "user", "content": "..."}, ...]``)
 Prompt = Union[str, Sequence[dict]]
@@ -270,43 +271,6 @@ def _generation_config(model: torch.nn.Module, tokenizer: Any, max_new_tokens: i
     if config.eos_token_id is None:
         config.eos_token_id = tokenizer.eos_token_id
     return config
-
-
-def resolve_model_or_run(spec: str | Path) -> tuple[str, tempfile.TemporaryDirectory | None]:
-    """What to load for ``spec``: a model spec as it is, or an outcore run's trained model.
-
-    A run directory (it holds ``config.yaml``) gives its ``final/`` model, unless a
-    checkpoint is newer (a run resumed after it finished, or interrupted before): then
-    that checkpoint, exported (``export_run``) into a temporary directory inside the run.
-
-    Args:
-        spec: a model spec (see ``models.load_model``) or a run's output directory.
-
-    Returns:
-        ``(model spec, temporary directory to remove when done, or None)``.
-
-    Raises:
-        CheckpointError: a run with no ``final/`` model and no complete checkpoint.
-    """
-    from . import checkpoint as ckpt
-
-    run = Path(str(spec)).expanduser()
-    if not (run / "config.yaml").is_file():
-        return str(spec), None
-    final, last = run / "final", ckpt.latest_checkpoint(run)
-    if (final / "config.json").is_file() and (last is None or final.stat().st_mtime >= last.stat().st_mtime):
-        return str(final), None
-    if last is None:
-        raise CheckpointError(f"run {str(run)!r} has no final/ model and no complete checkpoint; "
-                              "let it train to a checkpoint, or pass a model")
-    from .export import export_run
-
-    temporary = tempfile.TemporaryDirectory(prefix="generate-", dir=run)
-    try:
-        return str(export_run(run, Path(temporary.name) / "model")), temporary
-    except BaseException:
-        temporary.cleanup()
-        raise
 
 
 def load_generator(model: str | Path = "default", *, offload: str = AUTO, dtype: str = "float32",
