@@ -16,7 +16,8 @@ Two ways to split the work (:class:`~outcore.offload.zo_engine.ZOBlockTrainer`'s
   are averaged across ranks (data parallel ZO).
 
 Launch with ``torchrun --nproc-per-node N your_script.py`` (gloo on CPU, nccl on
-GPU) and build the trainer with :func:`distributed_trainer`.
+GPU), join the group with :func:`outcore.offload.ranks.join` and build the trainer
+with :func:`distributed_trainer`.
 """
 from __future__ import annotations
 
@@ -25,25 +26,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from .device import distributed_backend
 from .zo_engine import Exchange, ZOBlockTrainer
-
-
-def init_from_env(backend: str | None = None) -> tuple[int, int]:
-    """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...).
-
-    Args:
-        backend: ``gloo`` / ``nccl``; None picks nccl when CUDA is available, else gloo.
-
-    Returns:
-        ``(rank, world)``.
-    """
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        backend = backend or distributed_backend()
-        dist.init_process_group(backend)
-    return dist.get_rank(), dist.get_world_size()
 
 
 def make_exchange(split: str = "samples", group: Any = None) -> Exchange:
@@ -107,7 +90,7 @@ def distributed_trainer(model: torch.nn.Module, hyper: Any, seed: int = 0, split
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        raise ConfigError("torch.distributed is not initialized; call init_from_env() under torchrun first")
+        raise ConfigError("torch.distributed is not initialized; call outcore.offload.ranks.join() under torchrun first")
     rank, world = dist.get_rank(), dist.get_world_size()
     return ZOBlockTrainer(model, hyper, seed=seed, rank=rank, world=world,
                           exchange=make_exchange(split), split=split, **kwargs)

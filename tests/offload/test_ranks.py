@@ -1,0 +1,29 @@
+"""offload/ranks.py: the ranks the launcher describes in the environment."""
+import pytest
+
+from outcore.errors import ConfigError
+from outcore.offload.ranks import Ranks, from_env, join
+
+
+def test_no_launcher_is_one_rank(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert from_env() == Ranks(0, 1, 0)
+    assert join() == Ranks(0, 1, 0)  # nothing to join: no process group is created
+    assert not from_env().distributed and from_env().is_main
+
+
+def test_torchrun_environment(monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    r = from_env()
+    assert (r.rank, r.world, r.local_rank, r.distributed, r.is_main) == (3, 4, 1, True, False)
+
+
+@pytest.mark.parametrize("rank,world", [("2", "2"), ("x", "2"), ("0", "0")])
+def test_bad_environment_is_one_line(monkeypatch, rank, world):
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", world)
+    with pytest.raises(ConfigError, match="RANK|WORLD_SIZE"):
+        from_env()
