@@ -12,6 +12,7 @@ code  meaning
 2     bad input: config, model, data, checkpoint, budget, swap dir
 3     a disk is full (:class:`DiskFullError`): free space, then ``--resume``
 4     corrupt bytes read back (:class:`IntegrityError`): a disk or file fault
+5     another rank of a distributed run died or stopped answering (:class:`RankLostError`)
 130   interrupted by SIGINT (Ctrl-C): 128 + the signal number
 143   terminated by SIGTERM: 128 + the signal number
 141   stdout closed by its reader (a pipe)
@@ -19,7 +20,7 @@ code  meaning
 """
 import signal
 
-EXIT_OK, EXIT_USAGE, EXIT_DISK_FULL, EXIT_CORRUPT = 0, 2, 3, 4
+EXIT_OK, EXIT_USAGE, EXIT_DISK_FULL, EXIT_CORRUPT, EXIT_RANK_LOST = 0, 2, 3, 4, 5
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 
 
@@ -67,6 +68,12 @@ class DiskFullError(SwapDirError, CheckpointError):
     """
 
     exit_code = EXIT_DISK_FULL
+
+
+class RankLostError(OutcoreError):
+    """Another rank of a distributed run died or stopped answering within the collective timeout."""
+
+    exit_code = EXIT_RANK_LOST
 
 
 class Interrupted(KeyboardInterrupt):

@@ -23,6 +23,17 @@ class TierStats:
 
 
 @dataclass
+class RankStats:
+    """One rank's share of a step under torchrun (rank 0's StepEvent carries every rank's)."""
+
+    rank: int
+    step_s: float  # wall seconds of this rank's step
+    stall_s: float  # time this rank's compute waited on I/O during the step
+    rss_bytes: int
+    tiers: dict[str, TierStats] = field(default_factory=dict)  # this rank's tiers, by name
+
+
+@dataclass
 class RunStarted:
     """Sent once before the first step."""
 
@@ -57,10 +68,14 @@ class StepEvent:
     eval_loss: float | None = None  # set on steps where an eval ran
     stall_s: float = 0.0  # time compute waited on I/O during this step
     tiers: dict[str, TierStats] = field(default_factory=dict)  # by tier name
+    ranks: list[RankStats] = field(default_factory=list)  # under torchrun: every rank's, in rank order
 
     def to_json(self) -> dict[str, Any]:
-        """A flat JSON-able dict (the metrics.jsonl row)."""
-        return asdict(self)
+        """A JSON-able dict (the metrics.jsonl row; ``ranks`` only when there are several)."""
+        row = asdict(self)
+        if not self.ranks:
+            del row["ranks"]
+        return row
 
 
 @dataclass

@@ -154,7 +154,8 @@ def _check_or_clear(config: FinetuneConfig, out: Path) -> None:
         if not config.overwrite:
             raise ConfigError(f"output directory {str(out)!r} already holds a run; pass --resume "
                               f"{str(out)!r} to continue it, --overwrite to replace it, or another --output")
-        for m in (*_RUN_MARKERS, "final", "loss_curve.png", "zo_log.jsonl"):
+        for m in (*_RUN_MARKERS, "final", "loss_curve.png", "zo_log.jsonl",
+                  *(p.name for p in out.glob("metrics.rank*.jsonl"))):  # other ranks' of a torchrun run
             p = out / m
             if p.is_dir():
                 shutil.rmtree(p)

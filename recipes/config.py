@@ -85,7 +85,8 @@ class FinetuneConfig:
     ui: str = "auto"  # auto (rich on a TTY, else plain) | rich | plain | none
     report_to: list[str] = field(default_factory=list)  # experiment trackers, any of TRACKERS (a list allowed)
     push_to_hub: str | None = None  # after the export, upload OUTPUT/final to this Hugging Face repo id
-    threads: int = 0  # torch CPU threads (0 = all cores)
+    threads: int = 0  # torch CPU threads (0 = all cores; under torchrun, the cores shared among its ranks)
+    dist_timeout_s: float = 300.0  # under torchrun: longest wait of a collective for the other ranks
 
     def __post_init__(self) -> None:
         self.validate()
@@ -107,6 +108,8 @@ class FinetuneConfig:
                      "data_max_bytes", "activations_keep_last"):
             if int(getattr(self, name)) < 0:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be >= 0")
+        if not (self.dist_timeout_s > 0 and math.isfinite(self.dist_timeout_s)):
+            raise ConfigError(f"dist_timeout_s={self.dist_timeout_s!r} must be a positive number of seconds")
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ConfigError(f"lr={self.lr!r} must be a positive finite number")
         if not 0.0 <= self.val_fraction < 0.5:

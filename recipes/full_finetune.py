@@ -28,8 +28,10 @@ from ..errors import ConfigError, Interrupted
 from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent, TaskEvalEvent
 from ..offload.device import device_memory
 from . import checkpoint as ckpt
-from ._common import (StopOnSignal, evaluate, holding_output_dir, lr_lambda, peak_rss_bytes, prepare_output_dir,
-                      ram_total_bytes, rss_bytes, set_threads, with_lora)
+from . import distributed as dist
+from ._common import (StopOnSignal, evaluate, holding_output_dir, lr_lambda, peak_rss_bytes, ram_total_bytes,
+                      rss_bytes, set_threads, with_lora)
+from .checkpoint_dcp import restore_trainable, save_distributed
 from .config import FinetuneConfig
 from .evaluate import CausalLMScorer, score_task
 from .export import export_hf, export_offloaded
@@ -82,10 +84,11 @@ class Recipe:
         from ..models import load_model, load_model_lazily
 
         cfg = self.cfg
-        set_threads(cfg.threads)
+        self.ranks, self.joined = dist.join_run(cfg)  # under torchrun: this rank (recipes/distributed.py)
+        set_threads(dist.rank_threads(cfg.threads, self.ranks))
         torch.manual_seed(cfg.seed)
         self.task = load_task(cfg.eval_task) if cfg.eval_task else None  # a bad file fails before any work
-        self.out, self.out_lock = prepare_output_dir(cfg)
+        self.out, self.out_lock = dist.prepare_run_dir(cfg, self.ranks)
 
         self.plan, fill = None, None
         self.lora = cfg.uses_adapters
@@ -133,7 +136,8 @@ class Recipe:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if fill is None:
             self.optimizer = build_optimizer(cfg, self.params)
-            self.trainer = InMemoryModel(self.model, self.optimizer, self.params, cfg.max_grad_norm)
+            self.trainer = InMemoryModel(self.model, self.optimizer, self.params, cfg.max_grad_norm,
+                                         self.ranks, str(self.out))
         else:
             # Full fine-tune: the optimizer streams its state with the units. LoRA: the
             # adapters and their state stay resident; only the frozen base streams.
@@ -168,12 +172,8 @@ class Recipe:
             print(f"outcore: warning: {why}; resuming from {last.name} instead", file=sys.stderr)
         if self.units_in_store:
             ckpt.load_units(self.trainer, last / "units")
-        else:
-            named = dict(self.model.named_parameters())
-            with torch.no_grad():
-                for name, t in model_state.items():
-                    named[name].copy_(t)
-            self.optimizer.load_state_dict(optim_state)
+        else:  # the single-process format, or DCP's (from any number of ranks)
+            restore_trainable(last, model_state, optim_state, self.model, self.optimizer)
         # (checkpoints before the one training loop also hold a "scheduler" state: the
         # learning rate is a function of the step, so it is not needed)
         self.loader.load_state_dict(trainer["loader"])
@@ -202,14 +202,14 @@ class Recipe:
         if self.base_eval_loss is None:
             self.base_eval_loss = self._eval(step=0)
         self.losses: list[float] = []
-        tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
+        tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * self.ranks.world
         t_start = time.perf_counter()
         while self.step < cfg.max_steps:
-            self.stop.check()  # a signal during the last step: stop here, the step whole
+            dist.check_stop(self.stop, self.ranks)  # a signal during the last step: stop here, the step whole
             t0, stall0 = time.perf_counter(), self.trainer.stall_s
             lr = cfg.lr * self.lr_at(self.step)  # linear warmup, then cosine decay
             # forward, backward and the update (out of core: every unit's, streamed through the tiers)
-            micro = [self.loader.next_batch() for _ in range(cfg.grad_accum)]
+            micro = dist.my_micro_batches(self.loader, cfg.grad_accum, self.ranks)
             loss_sum = self.trainer.train_step(self.loss, micro, lr)
             self.step += 1
             step_s = time.perf_counter() - t0  # before any eval: tokens/s is training speed
@@ -224,16 +224,16 @@ class Recipe:
                     raise FloatingPointError(f"loss became {loss_value} at step {self.step}; "
                                              "lower --lr or use dtype=float32")
                 grad_norm = self.trainer.last_grad_norm
-                self.sink.emit(StepEvent(
+                self.sink.emit(dist.with_ranks(self.ranks, StepEvent(
                     step=self.step, total_steps=cfg.max_steps, loss=loss_value, lr=lr,
                     tokens_per_s=tokens_per_step / step_s, step_s=step_s,
                     elapsed_s=time.perf_counter() - t_start, rss_bytes=rss_bytes(),
                     ram_bytes=ram_total_bytes(), grad_norm=None if grad_norm is None else float(grad_norm),
                     eval_loss=eval_loss, stall_s=self.trainer.stall_s - stall0,
-                    tiers=self.trainer.tier_stats(), **device_memory()))
+                    tiers=self.trainer.tier_stats(), **device_memory()), str(self.out)))
             if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
                 self.save()
-        self.stop.check()
+        dist.check_stop(self.stop, self.ranks)
 
     def _emit_started(self) -> None:
         cfg = self.cfg
@@ -266,7 +266,9 @@ class Recipe:
         trainer_state = {"step": self.step, "loader": self.loader.state_dict(), "rng": ckpt.rng_state(),
                          "base_eval_loss": self.base_eval_loss}
         keep = self.cfg.keep_checkpoints
-        if self.units_in_store:  # streamed out of the store, unit by unit
+        if self.ranks.distributed:  # every rank writes its share (torch.distributed.checkpoint)
+            path = save_distributed(self.out, self.step, self.model, self.optimizer, trainer_state, keep, self.ranks)
+        elif self.units_in_store:  # streamed out of the store, unit by unit
             path = ckpt.save_checkpoint(self.out, self.step, {}, {}, trainer_state, keep=keep,
                                         write_extra=lambda d: ckpt.save_units(self.trainer, d / "units"),
                                         extra_bytes=ckpt.units_bytes(self.trainer))
@@ -287,7 +289,7 @@ class Recipe:
         if not interrupted:
             final_eval = self._eval(self.step)
             self.save()
-            if self.cfg.export:
+            if self.cfg.export and self.ranks.is_main:  # the replicas are equal: rank 0 exports
                 final_dir = self._export(self.out / "final")
         self._release_memory()
         self.sink.emit(RunFinished(steps_done=self.step, wall_s=time.perf_counter() - self._t0,
@@ -315,7 +317,7 @@ class Recipe:
             The run's FinetuneResult.
         """
         self._t0, self._saved, self._reported = time.perf_counter(), (0, 0.0), False
-        with StopOnSignal() as self.stop, holding_output_dir(self):
+        with StopOnSignal() as self.stop, holding_output_dir(self), dist.leaving_group(self):
             try:
                 self.setup()
                 self.stop.deferring = True  # signals wait for the end of the step

@@ -3,6 +3,8 @@
 So the recipe runs one loop whether the weights stream through the tiers or not.
 This is the numerical reference every out-of-core mode is checked against, bit for
 bit: per micro-batch forward and backward of ``loss / n``, then clip, step, zero.
+Under torchrun each rank runs its share of the micro-batches and the gradients are summed
+across the ranks before the step (``recipes/distributed.py``): the same step.
 """
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ from typing import Any, Callable
 import torch
 
 from ..events import TierStats
+from ..offload.ranks import Ranks
 from ..offload.update import step_in_memory
+from .distributed import SINGLE, all_reduce_grads, peer_guard
 
 
 class InMemoryModel:
@@ -22,14 +26,18 @@ class InMemoryModel:
         optimizer: any torch optimizer over ``params``.
         params: the trainable parameters, in model order (what is clipped).
         max_grad_norm: global-norm clipping before each step; 0 disables it.
+        ranks: the ranks training this model data parallel (each holds a replica).
+        output: the run's output directory (named in the error when a rank is lost).
     """
 
     store = None  # nothing streams: no tiered store (activations that go to NVMe get their own)
     stall_s = 0.0  # compute never waits for a transfer
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 params: list[torch.nn.Parameter], max_grad_norm: float) -> None:
+                 params: list[torch.nn.Parameter], max_grad_norm: float, ranks: Ranks = SINGLE,
+                 output: str | None = None) -> None:
         self.model, self.optimizer, self.params = model, optimizer, params
+        self.ranks, self.output = ranks, output
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: torch.Tensor | None = None
 
@@ -39,17 +47,22 @@ class InMemoryModel:
 
         Args:
             loss_fn: ``(model, batch) -> mean loss`` (a scalar tensor).
-            micro_batches: the step's batches; each loss is scaled by ``1 / len``.
+            micro_batches: this rank's batches of the step; each loss is scaled by
+                ``1 / (len · world)`` (the gradients are summed over the ranks).
             lr: this step's learning rate (set on every parameter group).
 
         Returns:
-            The summed (accumulation-scaled) loss, still a tensor: no host sync here.
+            The summed (accumulation-scaled) loss of the step over every rank, still a
+            tensor: no host sync here.
         """
         total = torch.zeros(())
         for batch in micro_batches:
-            loss = loss_fn(self.model, batch) / len(micro_batches)
+            loss = loss_fn(self.model, batch) / (len(micro_batches) * self.ranks.world)
             loss.backward()
             total += loss.detach()
+        if self.ranks.distributed:
+            with peer_guard(self.ranks, "the gradient all-reduce", self.output):
+                total = all_reduce_grads(self.params, total, self.ranks)
         self.last_grad_norm = step_in_memory(self.params, self.optimizer, self.max_grad_norm, lr)
         return total
 

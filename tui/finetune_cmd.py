@@ -8,6 +8,7 @@ overwritten by a flag's default.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -120,5 +121,6 @@ def run(args: argparse.Namespace) -> int:
     import outcore  # the trainer (and torch) load only now
 
     result = outcore.finetune(config)
-    print(f"outcore: output in {_output_dir(result, config.output)}")
+    if getattr(result, "final_dir", None) is not None or os.environ.get("RANK", "0") == "0":
+        print(f"outcore: output in {_output_dir(result, config.output)}")  # once under torchrun: rank 0's
     return 0

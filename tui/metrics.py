@@ -54,15 +54,24 @@ def step_row(event: StepEvent) -> dict[str, Any]:
     """
     row: dict[str, Any] = {}
     for key, value in event.to_json().items():
-        if key == "tiers":
+        if key in ("tiers", "ranks"):
             continue
         if value is not None:
             row[key] = _clean(value)
-    for tier, stats in sorted(event.tiers.items()):
+    _flatten_tiers(row, "tiers", event.tiers)
+    for stats in event.ranks:  # under torchrun (rank 0's row): ranks.R.step_s, ranks.R.tiers.NVME.read_bytes ...
+        fields = stats if isinstance(stats, dict) else vars(stats)
+        prefix = f"ranks.{fields['rank']}"
+        row.update({f"{prefix}.{k}": _clean(v) for k, v in fields.items() if k not in ("rank", "tiers")})
+        _flatten_tiers(row, f"{prefix}.tiers", fields.get("tiers") or {})
+    return row
+
+
+def _flatten_tiers(row: dict[str, Any], prefix: str, tiers: dict[str, Any]) -> None:
+    for tier, stats in sorted(tiers.items()):
         fields = stats if isinstance(stats, dict) else vars(stats)
         for key, value in fields.items():
-            row[f"tiers.{tier}.{key}"] = _clean(value)
-    return row
+            row[f"{prefix}.{tier}.{key}"] = _clean(value)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -98,10 +107,12 @@ class MetricsWriter:
     Args:
         output_dir: the run's output directory; when None, the directory named by the
             RunStarted event is used. Created if missing.
+        filename: the file in it (rank R > 0 of a torchrun run: ``metrics.rankR.jsonl``).
     """
 
-    def __init__(self, output_dir: str | Path | None = None) -> None:
+    def __init__(self, output_dir: str | Path | None = None, filename: str = METRICS_FILENAME) -> None:
         self._dir = Path(output_dir) if output_dir is not None else None
+        self._name = filename
         self._file: IO[bytes] | None = None
         self._pending_eval: EvalEvent | None = None
         self._pending_task: TaskEvalEvent | None = None
@@ -113,7 +124,7 @@ class MetricsWriter:
     @property
     def path(self) -> Path | None:
         """Where the rows go (None until an output directory is known)."""
-        return None if self._dir is None else self._dir / METRICS_FILENAME
+        return None if self._dir is None else self._dir / self._name
 
     def emit(self, event: Any) -> None:
         """Record one event; only StepEvents write rows.

@@ -157,7 +157,8 @@ def resolve_ui(ui: str, stream: IO[str] | None = None) -> str:
 
 
 def make_sink(ui: str = "auto", output_dir: str | Path | None = None, *,
-              stream: IO[str] | None = None, report_to: list[str] | tuple[str, ...] = ()) -> EventSink:
+              stream: IO[str] | None = None, report_to: list[str] | tuple[str, ...] = (),
+              rank: int = 0) -> EventSink:
     """Build the sink a trainer emits its events to.
 
     Args:
@@ -168,13 +169,18 @@ def make_sink(ui: str = "auto", output_dir: str | Path | None = None, *,
             ``loss_curve.png``; None = the one named by the RunStarted event.
         stream: where the view writes (default ``sys.stdout``).
         report_to: experiment trackers to feed too (``tui/trackers.py``).
+        rank: this process's rank under torchrun: rank 0 shows the view (with every rank's
+            tiers) and feeds the trackers; rank R > 0 only writes ``metrics.rankR.jsonl``.
 
     Returns:
-        A :class:`RunSink` (``emit(event)``, ``close()``).
+        A :class:`RunSink` (``emit(event)``, ``close()``), or rank R's :class:`MetricsWriter`.
 
     Raises:
         ConfigError: ``ui`` is not one of the choices, or a tracker is unknown or not installed.
     """
+    if rank > 0:  # no live view: rank 0's dashboard shows this rank's row
+        resolve_ui(ui, stream)  # a bad ui fails on every rank alike
+        return MetricsWriter(output_dir, f"metrics.rank{rank}.jsonl")
     trackers = Trackers(report_to)  # first: a missing tracker library fails before any view starts
     mode = resolve_ui(ui, stream)
     view: Any

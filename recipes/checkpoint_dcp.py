@@ -1,0 +1,178 @@
+"""Checkpoints of a data-parallel run with ``torch.distributed.checkpoint`` (DCP), inside
+``recipes/checkpoint.py``'s atomic protocol.
+
+A run under torchrun writes, besides ``trainer.pt`` (rank 0's: the step, the data position and
+the RNG states are the same on every rank), its model and optimizer state as one DCP
+checkpoint in ``step_X.tmp/dcp/``: ``torch.distributed.checkpoint.state_dict.get_state_dict``
+names every tensor by its parameter's name (not by ``id``), and ``dcp.save`` spreads the
+writing over the ranks (a replicated tensor is written once, by one rank). In order:
+
+1. rank 0 checks the free space, clears ``.tmp`` debris and creates ``step_X.tmp``
+   (``checkpoint.save_checkpoint``), then tells every rank where (a broadcast);
+2. every rank writes its share (``dcp.save``, collective: its last step is rank 0 writing
+   ``.metadata``);
+3. rank 0 fsyncs and digests every file into ``COMPLETE`` and renames ``step_X.tmp`` to
+   ``step_X``; every rank hears the outcome (a broadcast), so all raise together.
+
+A rank killed at any point leaves the previous checkpoint intact (``.tmp`` debris is never
+read). Loading reads the files on each rank (``no_dist``): the state is a replica, so a
+checkpoint written by 2 ranks resumes on 1 and one written by 1 rank (the single-process
+format) on 2. ``checkpoint.load_checkpoint`` reads the model part here too, so ``outcore
+export`` of a distributed run is the one-rank export.
+
+The seam for the sharded out-of-core state (``offload.training.offload_model(..., ranks=)``):
+its save/load functions go where ``app_state`` is built and loaded below.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, OutcoreError
+from ..offload.ranks import Ranks
+from . import checkpoint as ckpt
+from .distributed import broadcast_from_main
+
+DCP_DIR = "dcp"  # inside a checkpoint directory: the DCP files (``.metadata``, ``__R_0.distcp``)
+_MODEL, _OPTIM = "model", "optim"
+
+
+def _options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # only what trains (LoRA: the adapters), the frozen base is the model's own files
+    return StateDictOptions(ignore_frozen_params=True)
+
+
+def app_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The model's trainable tensors and the optimizer state, keyed by parameter name."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer, options=_options())
+    return {_MODEL: msd, _OPTIM: osd}
+
+
+def save_distributed(output_dir: str | Path, step: int, model: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer, trainer_state: dict[str, Any], keep: int,
+                     ranks: Ranks) -> Path:
+    """Write one checkpoint of a data-parallel run; every rank calls it at the same step.
+
+    Args:
+        output_dir: the run's output directory (one file system seen by every rank).
+        step: optimizer steps done.
+        model: this rank's replica.
+        optimizer: its optimizer.
+        trainer_state: step, data position, RNG states (rank 0's is written).
+        keep: complete checkpoints kept.
+        ranks: this process's ranks.
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        DiskFullError, CheckpointError: rank 0's failure, on every rank (the previous
+            checkpoint intact).
+        RankLostError: another rank died during the save.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    state = app_state(model, optimizer)
+    out = str(output_dir)
+
+    def announce(value: Any, what: str) -> Any:
+        if isinstance(value, BaseException) and not isinstance(value, OutcoreError):
+            value = CheckpointError(f"checkpoint of step {step} failed on rank 0: {type(value).__name__}: {value}")
+        return broadcast_from_main(value, ranks, what, out)
+
+    def write_dcp(tmp: Path) -> None:
+        announce(tmp, "the checkpoint's start")  # 1. every rank learns where
+        dcp.save(state, checkpoint_id=tmp / DCP_DIR)  # 2. collective
+
+    if not ranks.is_main:
+        tmp = announce(None, "the checkpoint's start")
+        if isinstance(tmp, BaseException):
+            raise tmp
+        try:
+            dcp.save(state, checkpoint_id=tmp / DCP_DIR)
+        except (Exception, CheckpointException):
+            pass  # dcp reports a failure to every rank: rank 0's verdict (or a lost rank) follows
+        outcome = announce(None, "the checkpoint's commit")
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+    started = False
+
+    def start_and_write(tmp: Path) -> None:
+        nonlocal started
+        started = True
+        write_dcp(tmp)
+
+    try:
+        path = ckpt.save_checkpoint(output_dir, step, {}, {}, trainer_state, keep=keep,
+                                    write_extra=start_and_write, extra_bytes=ckpt.tensor_bytes(state))
+    except (Exception, CheckpointException) as e:  # dcp's is a BaseException
+        announce(e, "the checkpoint's start" if not started else "the checkpoint's commit")
+        raise
+    announce(path, "the checkpoint's commit")  # 3. rank 0 sealed and renamed it
+    return path
+
+
+def is_distributed(ckpt_dir: str | Path) -> bool:
+    """Whether a checkpoint directory holds DCP state (written under torchrun)."""
+    return (Path(ckpt_dir) / DCP_DIR).is_dir()
+
+
+def dcp_model_state(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The trainable tensors of a DCP checkpoint by parameter name, read without a model
+    (``checkpoint.load_checkpoint`` returns them, so export and resume read one format)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(ckpt_dir) / DCP_DIR
+    try:
+        meta = dcp.FileSystemReader(str(path)).read_metadata()
+        prefix = _MODEL + "."
+        state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+                 if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+    except Exception as e:  # digests matched, yet unreadable: name it
+        raise CheckpointError(f"checkpoint {str(ckpt_dir)!r} has unreadable DCP state ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:160]}); delete it to resume from the previous one") from None
+    return {k[len(prefix):]: v for k, v in state.items()}
+
+
+def restore_trainable(ckpt_dir: str | Path, weights: dict[str, torch.Tensor], optim_state: dict[str, Any],
+                      model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Put a checkpoint's trainable tensors and optimizer state into ``model`` and ``optimizer``.
+
+    Args:
+        ckpt_dir: the checkpoint (DCP or the single-process format).
+        weights: its trainable tensors (``checkpoint.load_checkpoint``'s first value).
+        optim_state: its ``optimizer.pt`` (``optimizer.state_dict()``; empty for DCP).
+        model: the run's model (a fresh replica on every rank).
+        optimizer: its optimizer, with no state yet.
+
+    Raises:
+        CheckpointError: the DCP state does not match this model or optimizer.
+    """
+    if is_distributed(ckpt_dir):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        # first: building the target state steps the optimizer once with zero gradients at lr 0
+        state = {_OPTIM: app_state(model, optimizer)[_OPTIM]}
+        try:
+            dcp.load(state, checkpoint_id=Path(ckpt_dir) / DCP_DIR, no_dist=True)
+        except Exception as e:
+            raise CheckpointError(f"checkpoint {str(ckpt_dir)!r} does not hold this run's optimizer state "
+                                  f"({' '.join(str(e).split())[:160]}); resume with the same --optim") from None
+        set_optimizer_state_dict(model, optimizer, state[_OPTIM], options=_options())
+    else:
+        optimizer.load_state_dict(optim_state)
+    named = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, t in weights.items():
+            named[name].copy_(t)

@@ -1,0 +1,281 @@
+"""A recipe run across the ranks ``torchrun`` (or ``accelerate launch``) started: one place for
+everything a recipe does differently when it is one of several processes.
+
+``torchrun --nproc-per-node N -m outcore finetune ...`` starts N copies of the same command;
+each joins the process group here (:func:`join_run`, ``offload.ranks.join`` with the run's
+``dist_timeout_s``) and then:
+
+* **data** — step *s* takes ``grad_accum × world`` micro-batches from the one shuffled order
+  every rank draws alike, and rank *r* keeps micro-batches r, r + world, … (:func:`my_micro_batches`);
+  each loss is scaled by ``1 / (world · grad_accum)`` and the gradients are *summed*
+  (:func:`all_reduce_grads`), so the reduced gradient is the one-rank accumulated one (bit for
+  bit with two operands: a + b is b + a);
+* **what is written once** — rank 0 holds the output directory's lock, writes ``config.yaml``,
+  ``final/`` and commits checkpoints (:func:`prepare_run_dir`); every rank writes its own
+  metrics file (``tui.sinks.make_rank_sink``);
+* **a rank that dies** — every collective here waits at most ``dist_timeout_s``; gloo/NCCL fail
+  at once when a peer's socket closes, and :func:`peer_guard` turns that into one
+  :class:`~outcore.errors.RankLostError` line (exit 5) naming the run to ``--resume``.
+
+The transport is ``torch.distributed`` (gloo on CPUs, NCCL on GPUs); nothing here sends
+bytes of its own.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._faults import fault_point
+from ..errors import ConfigError, OutcoreError, RankLostError
+from ..offload.ranks import Ranks, from_env, join, leave
+
+SINGLE = Ranks()  # one process: what every recipe is when not launched distributed
+
+
+def join_run(cfg: Any) -> tuple[Ranks, bool]:
+    """Join the process group the launcher describes (nothing for one process).
+
+    Out of core with more than one rank waits for the sharded engine (``offload.training``'s
+    ``ranks=``): refused here, the one place that knows.
+
+    Args:
+        cfg: the run's ``FinetuneConfig`` (``dist_timeout_s``, ``offload``, ``method``).
+
+    Returns:
+        ``(ranks, joined)``: this process's :class:`~outcore.offload.ranks.Ranks`, and whether
+        this call joined the group (then the run leaves it at its end: :func:`leaving_group`).
+
+    Raises:
+        ConfigError: out of core (``offload`` other than none) with world > 1, or a bad environment.
+    """
+    import torch.distributed as tdist
+
+    ranks = from_env()
+    joined = tdist.is_available() and tdist.is_initialized()  # the caller's group (Ray Train, a notebook)
+    if joined:
+        ranks = Ranks(tdist.get_rank(), tdist.get_world_size(), ranks.local_rank)
+    if not ranks.distributed:
+        return ranks, False
+    if cfg.offload != "none" and not cfg.zeroth_order:
+        raise ConfigError(f"offload={cfg.offload!r} with {ranks.world} ranks is not supported yet; "
+                          "launch with --offload none (data parallel in memory), or one rank")
+    return (ranks, False) if joined else (join(timeout_s=cfg.dist_timeout_s), True)
+
+
+def rank_threads(threads: int, ranks: Ranks) -> int:
+    """CPU threads for this rank: ``threads``, or (0) the cores shared among the ranks of this machine."""
+    if threads or not ranks.distributed:
+        return threads
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks.world) or ranks.world)
+    return max(1, (os.cpu_count() or 1) // local)
+
+
+@contextmanager
+def peer_guard(ranks: Ranks, what: str, output: str | Path | None = None) -> Iterator[None]:
+    """Turn a failed collective (a rank died or stopped answering) into one clear error.
+
+    Args:
+        ranks: this process's ranks.
+        what: the collective, for the message (``"the gradient all-reduce"``).
+        output: the run's output directory, which ``--resume`` continues (None: say OUTPUT).
+
+    Raises:
+        RankLostError: the collective failed (gloo/NCCL closed, timed out or aborted).
+    """
+    try:
+        yield
+    except OutcoreError:
+        raise
+    except (RuntimeError, ConnectionError) as e:  # DistBackendError and gloo's errors are RuntimeErrors
+        if not ranks.distributed:
+            raise
+        peer = f"rank {1 - ranks.rank}" if ranks.world == 2 else "another rank"
+        first = " ".join(str(e).split())[:160]
+        raise RankLostError(f"rank {ranks.rank} of {ranks.world}: {peer} died or stopped answering during "
+                            f"{what} ({first}); the newest complete checkpoint is intact: launch again with "
+                            f"--resume {output or 'OUTPUT'}") from None
+
+
+def my_micro_batches(loader: Any, grad_accum: int, ranks: Ranks) -> list[Any]:
+    """This rank's micro-batches of the next step.
+
+    Every rank draws the step's ``grad_accum × world`` micro-batches from the same order (the
+    loader's position stays equal on every rank, so a checkpoint's is everyone's) and keeps
+    those at r, r + world, …: two ranks with ``grad_accum`` 1 train on the sequences one rank
+    with ``grad_accum`` 2 does.
+    """
+    step = [loader.next_batch() for _ in range(grad_accum * ranks.world)]
+    return step[ranks.rank::ranks.world]
+
+
+def all_reduce_grads(params: list[torch.nn.Parameter], loss: torch.Tensor, ranks: Ranks) -> torch.Tensor:
+    """Sum the gradients of ``params`` and the step's ``loss`` over the ranks (gradients in place).
+
+    One flat buffer per dtype, one ``all_reduce(SUM)`` each: the bucketing DDP does, without
+    its ``forward`` wrapper (the recipe's loss calls the decoder and a chunked head, not the
+    model's ``forward``). Summed, not averaged: each loss was already scaled by
+    ``1 / (world · grad_accum)``.
+
+    Returns:
+        ``loss`` summed over the ranks (the step's mean loss).
+    """
+    import torch.distributed as dist
+
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {loss.dtype: []}
+    for p in params:
+        if p.grad is not None:
+            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+    fault_point("grad_all_reduce")
+    total = loss
+    for dtype, grads in by_dtype.items():
+        tail = [loss.reshape(1)] if dtype == loss.dtype else []
+        flat = torch.cat([g.reshape(-1) for g in grads] + tail)
+        # sync point: every rank waits here for every other rank's backward
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+        if tail:
+            total = flat[offset].reshape(loss.shape)
+    return total
+
+
+def prepare_run_dir(cfg: Any, ranks: Ranks) -> tuple[Path, int | None]:
+    """``_common.prepare_output_dir`` on rank 0; the other ranks wait for its verdict.
+
+    Rank 0 alone holds the run lock and writes ``config.yaml``: the ranks of one run share
+    its directory while a second run (another launch, whose rank 0 finds the lock held) is
+    refused on every one of its ranks with rank 0's error.
+
+    Returns:
+        ``(output directory, lock descriptor)``; the lock is None on ranks other than 0.
+
+    Raises:
+        OutcoreError: rank 0's error, on every rank.
+    """
+    from ._common import prepare_output_dir
+
+    if not ranks.distributed:
+        return prepare_output_dir(cfg)
+    result: tuple[Path, int | None] = (Path(cfg.output), None)
+    verdict: Exception | None = None
+    if ranks.is_main:
+        try:
+            result = prepare_output_dir(cfg)
+        except OutcoreError as e:
+            verdict = e
+    verdict = broadcast_from_main(verdict, ranks, "the output directory check", cfg.output)
+    if verdict is not None:
+        raise verdict
+    return result
+
+
+def broadcast_from_main(obj: Any, ranks: Ranks, what: str, output: str | Path | None = None) -> Any:
+    """Rank 0's ``obj`` on every rank (a picklable object; ``obj`` itself with one rank)."""
+    if not ranks.distributed:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj if ranks.is_main else None]
+    with peer_guard(ranks, what, output):
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_rank_stats(stats: dict[str, Any], ranks: Ranks, output: str | Path | None = None) -> list[dict]:
+    """Every rank's small stats dict (tier bytes, bandwidth, stall) at a log step, in rank order.
+
+    Only at log steps (every rank logs the same steps): an ``all_gather_object`` of a few
+    hundred bytes. One rank: ``[stats]``.
+    """
+    if not ranks.distributed:
+        return [stats]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * ranks.world
+    with peer_guard(ranks, "the per-rank stats gather", output):
+        dist.all_gather_object(out, stats)
+    return out
+
+
+def barrier(ranks: Ranks, what: str, output: str | Path | None = None) -> None:
+    """Wait for every rank (no-op with one)."""
+    if ranks.distributed:
+        import torch.distributed as dist
+
+        with peer_guard(ranks, what, output):
+            dist.barrier()
+
+
+def check_stop(stop: Any, ranks: Ranks, output: str | Path | None = None) -> None:
+    """``stop.check()`` agreed by every rank: a signal any rank got stops all at the same step.
+
+    torchrun passes a Ctrl-C to every rank, but not at the same instant: without agreeing,
+    one rank could stop (and start a checkpoint's collectives) while another begins the next
+    step's all-reduce. One tiny ``all_reduce(MAX)`` per step.
+
+    Raises:
+        Interrupted: some rank got SIGINT / SIGTERM (the highest signal number wins).
+    """
+    if ranks.distributed:
+        import torch.distributed as dist
+
+        flag = torch.tensor([stop.signum or 0])
+        with peer_guard(ranks, "the step boundary", output):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if int(flag) and stop.signum is None:
+            stop.signum = int(flag)
+    stop.check()
+
+
+def with_ranks(ranks: Ranks, event: Any, output: str | Path | None = None) -> Any:
+    """``event`` (a StepEvent), on rank 0 with every rank's :class:`~outcore.events.RankStats`.
+
+    Every rank logs the same steps, so each sends its step time, stall, RSS and tiers there
+    (an ``all_gather_object`` of a small dict); one rank: ``event`` unchanged.
+    """
+    if not ranks.distributed:
+        return event
+    from ..events import RankStats
+
+    mine = RankStats(rank=ranks.rank, step_s=event.step_s, stall_s=event.stall_s, rss_bytes=event.rss_bytes,
+                     tiers=dict(event.tiers))
+    every = gather_rank_stats(mine, ranks, output)
+    if ranks.is_main:  # the others' files hold their own rows only
+        event.ranks = every
+    return event
+
+
+@contextmanager
+def leaving_group(recipe: Any) -> Iterator[None]:
+    """For a recipe's ``run()``: leave the process group its setup joined when the run ends.
+
+    Not after a lost rank: tearing down a group whose peer is gone can block, and the
+    process is about to exit with the error anyway.
+    """
+    try:
+        yield
+    except RankLostError:
+        raise
+    except BaseException:
+        _leave_if_joined(recipe)
+        raise
+    _leave_if_joined(recipe)
+
+
+def _leave_if_joined(recipe: Any) -> None:
+    ranks = getattr(recipe, "ranks", SINGLE)
+    if ranks.distributed and getattr(recipe, "joined", False):
+        leave()
+        recipe.joined = False
+
+
+def rank_swap_dir(swap: Path, ranks: Ranks) -> Path:
+    """Each rank's own swap directory: ``swap/rankR`` under torchrun (a swap dir is locked by one process)."""
+    return swap / f"rank{ranks.rank}" if ranks.distributed else swap
