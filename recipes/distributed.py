@@ -23,6 +23,7 @@ bytes of its own.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -95,7 +96,8 @@ def peer_guard(ranks: Ranks, what: str, output: str | Path | None = None) -> Ite
         if not ranks.distributed:
             raise
         peer = f"rank {1 - ranks.rank}" if ranks.world == 2 else "another rank"
-        first = " ".join(str(e).split())[:160]
+        # gloo's message, without its source location: "Read error [127.0.0.1]:52618: Connection reset by peer"
+        first = re.sub(r"\[[^\]]*\.(cc|cpp):\d+\]\s*", "", " ".join(str(e).split())).split(". ")[0][:160]
         raise RankLostError(f"rank {ranks.rank} of {ranks.world}: {peer} died or stopped answering during "
                             f"{what} ({first}); the newest complete checkpoint is intact: launch again with "
                             f"--resume {output or 'OUTPUT'}") from None
@@ -279,3 +281,25 @@ def _leave_if_joined(recipe: Any) -> None:
 def rank_swap_dir(swap: Path, ranks: Ranks) -> Path:
     """Each rank's own swap directory: ``swap/rankR`` under torchrun (a swap dir is locked by one process)."""
     return swap / f"rank{ranks.rank}" if ranks.distributed else swap
+
+
+def zo_split(ranks: Ranks, output: str | Path | None = None) -> dict[str, Any]:
+    """``ZOBlockTrainer``'s distributed arguments: sample i runs on rank i mod world.
+
+    The ``samples`` split (``offload/zo_distributed.py``): every rank on the same batch, the
+    (seed, loss) pairs exchanged — bit-identical to one process with the same ``n_samples``,
+    so the log rank 0 writes is the one-rank log, and ``--resume`` / ``outcore export`` replay it
+    at any world size. (``data`` would average losses over different batches: a log that
+    depends on the world size.) Give ``optim_args.n_samples`` a multiple of the ranks.
+    """
+    if not ranks.distributed:
+        return {}
+    from ..offload.zo_distributed import make_exchange
+
+    exchange = make_exchange("samples")
+
+    def guarded(*args: Any) -> Any:
+        with peer_guard(ranks, "the ZO loss exchange", output):
+            return exchange(*args)
+
+    return {"rank": ranks.rank, "world": ranks.world, "exchange": guarded, "split": "samples"}

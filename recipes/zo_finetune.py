@@ -42,8 +42,9 @@ import torch
 from ..errors import CheckpointError, ConfigError, Interrupted
 from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent
 from ..offload.modes import NVME
-from ._common import (StopOnSignal, evaluate, holding_output_dir, lr_lambda, peak_rss_bytes, prepare_output_dir,
-                      ram_total_bytes, rss_bytes, set_threads)
+from . import distributed as dist
+from ._common import (StopOnSignal, evaluate, holding_output_dir, lr_lambda, peak_rss_bytes, ram_total_bytes,
+                      rss_bytes, set_threads)
 from .config import FinetuneConfig, load_config
 from .export import export_hf
 from .full_finetune import FinetuneResult
@@ -110,9 +111,10 @@ class ZORecipe:
         from ..optim.zo_replay import ZOLog, ZOLogWriter, replay_into_
 
         cfg = self.cfg
-        set_threads(cfg.threads)
+        self.ranks, self.joined = dist.join_run(cfg)  # under torchrun: this rank (recipes/distributed.py)
+        set_threads(dist.rank_threads(cfg.threads, self.ranks))
         self.hyper, opts = zo_options(cfg)
-        self.out, self.out_lock = prepare_output_dir(cfg)
+        self.out, self.out_lock = dist.prepare_run_dir(cfg, self.ranks)
         self.sink = self._sink or NullSink()
         lora = ({"r": cfg.lora_r, "alpha": cfg.lora_alpha, "targets": list(cfg.lora_targets)}
                 if opts["lora"] else None)
@@ -137,11 +139,11 @@ class ZORecipe:
         if cfg.offload == NVME:
             # the store makes the swap dir (0700, locked) and removes it on close: only what it
             # created, never a directory the user named that already held files
-            self.swap = Path(cfg.swap_dir or self.out / "swap")
+            self.swap = dist.rank_swap_dir(Path(cfg.swap_dir or self.out / "swap"), self.ranks)
             self.swap.parent.mkdir(parents=True, exist_ok=True)
         self.trainer = ZOBlockTrainer(self.model, self.hyper, seed=cfg.seed,
                                       swap_dir=None if self.swap is None else str(self.swap),
-                                      prefetch=opts["prefetch"])
+                                      prefetch=opts["prefetch"], **dist.zo_split(self.ranks, self.out))
         header = {**self.trainer.header(),
                   "base": {"kind": "model", "model": cfg.model, "dtype": cfg.dtype, "lora": lora}}
         if previous is not None:
@@ -149,8 +151,9 @@ class ZORecipe:
                 raise CheckpointError(f"--resume {cfg.resume!r}: the ZO log was written by another "
                                       "model or other optim_args; start a new run")
             self.trainer.resume_from(previous.records)
-        self.writer = ZOLogWriter(self.out, header)
-        for rec in self.trainer.log:
+        dist.barrier(self.ranks, "the ZO log's reading", self.out)  # before rank 0 rewrites it
+        self.writer = ZOLogWriter(self.out, header) if self.ranks.is_main else None  # rank 0 writes the log
+        for rec in self.trainer.log if self.writer else ():
             self.writer.append(rec)
         self.lr_at = lr_lambda(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio)
         self.base_eval_loss: float | None = None
@@ -166,11 +169,12 @@ class ZORecipe:
         tokens_per_step = cfg.batch_size * cfg.seq_len
         t_start = time.perf_counter()
         while len(tr.log) < cfg.max_steps:
-            self.stop.check()  # a signal during the last step: stop here, its record logged
+            dist.check_stop(self.stop, self.ranks, self.out)  # a signal during the last step: stop here
             t = len(tr.log)
             lr = cfg.lr * self.lr_at(t)
             rec = tr.step(self.loader.next_batch(), lr=lr)
-            self.writer.append(rec)  # the (seed, scalar) record is the checkpoint
+            if self.writer:
+                self.writer.append(rec)  # the (seed, scalar) record is the checkpoint
             if not math.isfinite(rec.loss):
                 raise FloatingPointError(f"ZO loss became {rec.loss} at step {rec.step}; lower lr or eps")
             stats = tr.last_stats
@@ -180,12 +184,12 @@ class ZORecipe:
             if rec.step % cfg.log_every == 0 or rec.step == cfg.max_steps or eval_loss is not None:
                 self.losses.append(rec.loss)
                 tiers = tr.tier_stats()  # the store's counters, bandwidth since the last log line
-                self.sink.emit(StepEvent(
+                self.sink.emit(dist.with_ranks(self.ranks, StepEvent(
                     step=rec.step, total_steps=cfg.max_steps, loss=rec.loss, lr=lr,
                     tokens_per_s=tokens_per_step / stats.step_s, step_s=stats.step_s,
                     elapsed_s=time.perf_counter() - t_start, rss_bytes=rss_bytes(),
-                    ram_bytes=ram_total_bytes(), eval_loss=eval_loss, stall_s=stats.stall_s, tiers=tiers))
-        self.stop.check()
+                    ram_bytes=ram_total_bytes(), eval_loss=eval_loss, stall_s=stats.stall_s, tiers=tiers), self.out))
+        dist.check_stop(self.stop, self.ranks, self.out)
 
     def _eval(self, step: int) -> float:
         loss = evaluate(self.trainer.eval_loss, self.val_set, self.cfg.batch_size, self.cfg.eval_batches)
@@ -198,7 +202,7 @@ class ZORecipe:
         if not interrupted:
             final_eval = self._eval(len(self.trainer.log))
         self._close(flush=not interrupted)
-        if not interrupted and self.cfg.export:
+        if not interrupted and self.cfg.export and self.ranks.is_main:
             final_dir = export_zo_run(self.out, self.out / "final")
         self.sink.emit(RunFinished(steps_done=len(self.trainer.log), wall_s=time.perf_counter() - self._t0,
                                    peak_rss_bytes=peak_rss_bytes(), output_dir=str(self.out),
@@ -225,7 +229,7 @@ class ZORecipe:
         """setup → train → cleanup. SIGINT / SIGTERM stop the run at the end of its step (every
         finished step is already in the log, the run's checkpoint); reported and re-raised."""
         self._t0 = time.perf_counter()
-        with StopOnSignal() as self.stop, holding_output_dir(self):
+        with StopOnSignal() as self.stop, holding_output_dir(self), dist.leaving_group(self):
             try:
                 self.setup()
             except BaseException:

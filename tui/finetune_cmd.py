@@ -8,7 +8,6 @@ overwritten by a flag's default.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -121,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
     import outcore  # the trainer (and torch) load only now
 
     result = outcore.finetune(config)
-    if getattr(result, "final_dir", None) is not None or os.environ.get("RANK", "0") == "0":
-        print(f"outcore: output in {_output_dir(result, config.output)}")  # once under torchrun: rank 0's
+    from ..offload.ranks import from_env
+
+    if from_env().is_main:  # under torchrun: once, by rank 0
+        print(f"outcore: output in {_output_dir(result, config.output)}")
     return 0
