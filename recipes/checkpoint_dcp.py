@@ -47,11 +47,11 @@ def _options() -> Any:
 
 
 def app_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The model's trainable tensors and the optimizer state, keyed by parameter name."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    """The model's trainable tensors (``checkpoint.trainable_state``: a tied weight once, as the
+    single-process format) and the optimizer state keyed by parameter name."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    msd, osd = get_state_dict(model, optimizer, options=_options())
-    return {_MODEL: msd, _OPTIM: osd}
+    return {_MODEL: ckpt.trainable_state(model), _OPTIM: get_optimizer_state_dict(model, optimizer, options=_options())}
 
 
 def save_distributed(output_dir: str | Path, step: int, model: torch.nn.Module,
@@ -120,6 +120,17 @@ def save_distributed(output_dir: str | Path, step: int, model: torch.nn.Module,
     return path
 
 
+def _load_here(state: dict[str, Any], path: Path) -> None:
+    """``dcp.load`` in this process alone: every rank reads the replicated state itself."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # it warns that it loads in one process: what is asked
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+
+
 def is_distributed(ckpt_dir: str | Path) -> bool:
     """Whether a checkpoint directory holds DCP state (written under torchrun)."""
     return (Path(ckpt_dir) / DCP_DIR).is_dir()
@@ -137,7 +148,7 @@ def dcp_model_state(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
         prefix = _MODEL + "."
         state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
                  if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+        _load_here(state, path)
     except Exception as e:  # digests matched, yet unreadable: name it
         raise CheckpointError(f"checkpoint {str(ckpt_dir)!r} has unreadable DCP state ({type(e).__name__}: "
                               f"{' '.join(str(e).split())[:160]}); delete it to resume from the previous one") from None
@@ -159,13 +170,12 @@ def restore_trainable(ckpt_dir: str | Path, weights: dict[str, torch.Tensor], op
         CheckpointError: the DCP state does not match this model or optimizer.
     """
     if is_distributed(ckpt_dir):
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
         # first: building the target state steps the optimizer once with zero gradients at lr 0
-        state = {_OPTIM: app_state(model, optimizer)[_OPTIM]}
+        state = {_OPTIM: get_optimizer_state_dict(model, optimizer, options=_options())}
         try:
-            dcp.load(state, checkpoint_id=Path(ckpt_dir) / DCP_DIR, no_dist=True)
+            _load_here(state, Path(ckpt_dir) / DCP_DIR)
         except Exception as e:
             raise CheckpointError(f"checkpoint {str(ckpt_dir)!r} does not hold this run's optimizer state "
                                   f"({' '.join(str(e).split())[:160]}); resume with the same --optim") from None

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .._faults import fault_point
-from ..errors import ConfigError, OutcoreError, RankLostError
+from ..errors import CheckpointError, ConfigError, OutcoreError, RankLostError
 from ..offload.ranks import Ranks, from_env, join, leave
 
 SINGLE = Ranks()  # one process: what every recipe is when not launched distributed
@@ -303,3 +303,28 @@ def zo_split(ranks: Ranks, output: str | Path | None = None) -> dict[str, Any]:
             return exchange(*args)
 
     return {"rank": ranks.rank, "world": ranks.world, "exchange": guarded, "split": "samples"}
+
+
+def step_size(cfg: Any, ranks: Ranks) -> int:
+    """Micro-batches one optimizer step takes over every rank: ``grad_accum × world``."""
+    return cfg.grad_accum * ranks.world
+
+
+def restore_loader(loader: Any, trainer_state: dict[str, Any], cfg: Any, ranks: Ranks) -> None:
+    """Continue the data order of a checkpoint, at this world size.
+
+    A run may resume on another number of ranks when ``grad_accum × ranks`` stays the same
+    (2 ranks × grad_accum 1 → 1 rank × grad_accum 2): each step then takes the same
+    micro-batches, and the run goes on as if it had never changed.
+
+    Raises:
+        CheckpointError: the step would take another number of micro-batches.
+    """
+    saved = int(trainer_state.get("micro_batches", cfg.grad_accum))  # older checkpoints: one rank
+    if saved != step_size(cfg, ranks):
+        raise CheckpointError(f"--resume {cfg.resume!r}: the run's steps took {saved} micro-batches "
+                              f"(grad_accum × ranks), this launch's take {step_size(cfg, ranks)} "
+                              f"(grad_accum={cfg.grad_accum} × {ranks.world} rank(s)); "
+                              f"pass grad_accum={max(1, saved // ranks.world)} with {ranks.world} rank(s) "
+                              f"or launch {max(1, saved // cfg.grad_accum)} rank(s)")
+    loader.load_state_dict(trainer_state["loader"])

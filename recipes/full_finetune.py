@@ -176,7 +176,7 @@ class Recipe:
             restore_trainable(last, model_state, optim_state, self.model, self.optimizer)
         # (checkpoints before the one training loop also hold a "scheduler" state: the
         # learning rate is a function of the step, so it is not needed)
-        self.loader.load_state_dict(trainer["loader"])
+        dist.restore_loader(self.loader, trainer, self.cfg, self.ranks)  # grad_accum × ranks kept
         ckpt.set_rng_state(trainer["rng"])
         self.step = trainer["step"]
         self.base_eval_loss = trainer["base_eval_loss"]
@@ -264,7 +264,7 @@ class Recipe:
     def save(self) -> Path:
         """Checkpoint everything needed to continue bit-identically."""
         trainer_state = {"step": self.step, "loader": self.loader.state_dict(), "rng": ckpt.rng_state(),
-                         "base_eval_loss": self.base_eval_loss}
+                         "base_eval_loss": self.base_eval_loss, "micro_batches": dist.step_size(self.cfg, self.ranks)}
         keep = self.cfg.keep_checkpoints
         if self.ranks.distributed:  # every rank writes its share (torch.distributed.checkpoint)
             path = save_distributed(self.out, self.step, self.model, self.optimizer, trainer_state, keep, self.ranks)

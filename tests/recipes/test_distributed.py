@@ -1,0 +1,172 @@
+"""``torchrun --nproc-per-node 2 -m outcore finetune``: real 2-process gloo runs on a tiny model.
+
+2 ranks with micro-batch B == 1 rank accumulating 2 micro-batches of B over the same
+sequences, bit for bit (two gradients summed: a + b is b + a); DCP checkpoints resume at
+another world size (2 → 1, 1 → 2) with the same bits; a killed rank stops the other with
+one line; ZO exchanges (seed, loss) pairs and writes the one-rank log.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from outcore.recipes import checkpoint as ckpt
+from outcore.recipes.config import load_config
+from outcore.recipes.full_finetune import finetune
+
+# A killed rank's peer must be out well within this (gloo fails at once on a closed socket;
+# the rest is the survivor's exit and torchrun's): measured 1-3 s on the 2-core test box.
+LOST_RANK_EXIT_S = 30.0
+
+FAULT_WRAPPER = """\
+import os, sys
+if os.environ["RANK"] == "1":  # only rank 1 dies: read by outcore._faults at import
+    os.environ["OUTCORE_FAULT_AT"] = "grad_all_reduce:3"
+from outcore.tui.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _args(inputs: Path, out: Path, **kw) -> dict:
+    base = dict(model=str(inputs / "model"), data=str(inputs / "data.txt"), seq_len=32, batch_size=2,
+                max_steps=4, eval_every=0, eval_batches=2, lr=1e-3, warmup_steps=1, output=str(out),
+                ui="none", val_fraction=0.1, offload="none", save_every=2, threads=1)
+    return {**base, **kw}
+
+
+def _torchrun(args: dict, *, script: list[str] | None = None, timeout: float = 300):
+    """Run ``outcore finetune`` under ``torchrun --nproc-per-node 2`` (key=value words)."""
+    words = [f"{k}={','.join(v) if isinstance(v, list) else v}" for k, v in args.items()]
+    entry = script or ["-m", "outcore"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           *entry, "finetune", *words]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "CI": "1"})
+
+
+def _one_rank(args: dict):
+    return finetune(load_config(overrides=args))
+
+
+def _weights(run: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(run / "final" / "model.safetensors"))
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert diff == 0.0, f"max |difference| {diff}"
+
+
+@pytest.mark.slow(ci=True)
+def test_two_ranks_equal_one_rank_accumulating_and_resume_on_one(tiny_run_inputs, tmp_path):
+    """AdamW, full fine-tune in memory: the acceptance run, its files, and 2 → 1."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    res = _torchrun(_args(tiny_run_inputs, two))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.count("outcore: output in") == 1  # rank 0 alone says it
+    _one_rank(_args(tiny_run_inputs, one, grad_accum=2))
+    _assert_same(_weights(two), _weights(one))
+
+    # rank 0 writes metrics.jsonl with every rank's row; rank 1 its own file
+    rows = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and "ranks.1.step_s" in rows[0]
+    own = [json.loads(x) for x in (two / "metrics.rank1.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in own] == [1, 2, 3, 4] and own[0]["loss"] == rows[0]["loss"]
+    assert (two / "checkpoints" / "step_000002" / "dcp" / ".metadata").is_file()
+
+    # outcore export of the 2-rank run == the 1-rank run's
+    from outcore.recipes.export import export_run
+
+    _assert_same(load_file(str(export_run(two, tmp_path / "x2") / "model.safetensors")), _weights(one))
+
+    # 2 → 1: step 2's DCP checkpoint, resumed by one rank with grad_accum 2 (the same 2 micro-batches a step)
+    shutil.rmtree(two / "checkpoints" / "step_000004")
+    shutil.rmtree(two / "final")
+    _one_rank(_args(tiny_run_inputs, two, grad_accum=2, resume=str(two)))
+    _assert_same(_weights(two), _weights(one))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method,optim", [("full", "adamw8bit"), ("lora", "adamw")])
+def test_two_ranks_equal_one_rank_for_adamw8bit_and_lora(tiny_run_inputs, tmp_path, method, optim):
+    two, one = tmp_path / "two", tmp_path / "one"
+    kw = dict(method=method, optim=optim, save_every=0)
+    res = _torchrun(_args(tiny_run_inputs, two, **kw))
+    assert res.returncode == 0, res.stderr[-3000:]
+    _one_rank(_args(tiny_run_inputs, one, grad_accum=2, **kw))
+    _assert_same(_weights(two), _weights(one))
+
+
+@pytest.mark.slow
+def test_a_one_rank_checkpoint_resumes_on_two_ranks(tiny_run_inputs, tmp_path):
+    one, ref = tmp_path / "one", tmp_path / "ref"
+    _one_rank(_args(tiny_run_inputs, ref, grad_accum=2, optim="adamw8bit"))
+    _one_rank(_args(tiny_run_inputs, one, grad_accum=2, optim="adamw8bit"))
+    shutil.rmtree(one / "checkpoints" / "step_000004")
+    shutil.rmtree(one / "final")
+    res = _torchrun(_args(tiny_run_inputs, one, optim="adamw8bit", grad_accum=1, resume=str(one)))  # 1 × 2 ranks
+    assert res.returncode == 0, res.stderr[-3000:]
+    _assert_same(_weights(one), _weights(ref))
+
+
+@pytest.mark.slow(ci=True)
+def test_a_killed_rank_stops_the_other_with_one_line_and_the_checkpoint_is_intact(tiny_run_inputs, tmp_path):
+    run = tmp_path / "run"
+    wrapper = tmp_path / "fault_rank1.py"
+    wrapper.write_text(FAULT_WRAPPER)
+    t0 = time.monotonic()
+    res = _torchrun(_args(tiny_run_inputs, run), script=[str(wrapper)])  # rank 1 dies in step 3's all-reduce
+    wall = time.monotonic() - t0
+    assert res.returncode != 0
+    lines = [x for x in res.stderr.splitlines() if x.startswith("outcore: error:")]
+    assert len(lines) == 1, res.stderr[-3000:]
+    assert "rank 0 of 2: rank 1 died or stopped answering during the gradient all-reduce" in lines[0]
+    assert f"--resume {run}" in lines[0]
+    assert wall < 120  # setup + 2 steps + the stop (bounded by LOST_RANK_EXIT_S, not dist_timeout_s)
+    newest = ckpt.latest_checkpoint(run)
+    assert newest is not None and newest.name == "step_000002"
+    ckpt.verify_checkpoint(newest)
+    # resumable, here on one rank with the same 2 micro-batches a step
+    res = _one_rank(_args(tiny_run_inputs, run, grad_accum=2, resume=str(run)))
+    assert res.steps_done == 4
+
+
+@pytest.mark.slow
+def test_zo_under_torchrun_writes_the_one_rank_log(tiny_run_inputs, tmp_path):
+    two, one = tmp_path / "two", tmp_path / "one"
+    kw = dict(method="zo", optim="mezo", save_every=0, optim_args={"n_samples": 2}, lr=1e-4)
+    args = _args(tiny_run_inputs, two, **kw)
+    args["optim_args.n_samples"] = args.pop("optim_args")["n_samples"]
+    res = _torchrun(args)
+    assert res.returncode == 0, res.stderr[-3000:]
+    from outcore.recipes.zo_finetune import finetune as zo_finetune
+
+    zo_finetune(load_config(overrides=_args(tiny_run_inputs, one, **kw)))
+    assert (two / "zo_log.jsonl").read_bytes() == (one / "zo_log.jsonl").read_bytes()
+    _assert_same(_weights(two), _weights(one))
+
+
+@pytest.mark.slow
+def test_a_second_launch_on_a_live_run_is_refused_on_every_rank(tiny_run_inputs, tmp_path):
+    from outcore.offload.swapdir import hold_lock
+    from outcore.recipes._common import RUN_LOCK
+
+    run = tmp_path / "run"
+    run.mkdir()
+    lock = hold_lock(run / RUN_LOCK)  # a live run holds it
+    try:
+        res = _torchrun(_args(tiny_run_inputs, run))
+    finally:
+        os.close(lock)
+    assert res.returncode != 0
+    errors = [x for x in res.stderr.splitlines() if x.startswith("outcore: error:")]
+    assert len(errors) == 2 and all("is in use by another outcore run" in x for x in errors), res.stderr[-2000:]
