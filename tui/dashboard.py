@@ -140,6 +140,10 @@ class Dashboard:
         parts = [self._main_panel(snap)]
         if snap.tiers:
             parts.append(self._tier_panel(snap))
+        if snap.last is not None and len(snap.last.ranks) > 1:  # under torchrun: every rank's row
+            from .rank_panel import rank_panel
+
+            parts.append(rank_panel(snap.last.ranks, self._width()))
         return Group(*parts)
 
     @staticmethod
