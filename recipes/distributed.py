@@ -62,10 +62,31 @@ def join_run(cfg: Any) -> tuple[Ranks, bool]:
         ranks = Ranks(tdist.get_rank(), tdist.get_world_size(), ranks.local_rank)
     if not ranks.distributed:
         return ranks, False
-    if cfg.offload != "none" and not cfg.zeroth_order:
-        raise ConfigError(f"offload={cfg.offload!r} with {ranks.world} ranks is not supported yet; "
-                          "launch with --offload none (data parallel in memory), or one rank")
+    check_world(cfg, ranks.world)
     return (ranks, False) if joined else (join(timeout_s=cfg.dist_timeout_s), True)
+
+
+def check_world(cfg: Any, world: int) -> None:
+    """Refuse what does not run on ``world`` ranks yet: out of core (first-order) with world > 1.
+
+    The seam for the sharded out-of-core engine (``offload.training.offload_model(..., ranks=)``):
+    when it is wired into ``full_finetune.offload_from_plan``, this refusal goes.
+
+    Raises:
+        ConfigError: ``offload`` other than none with more than one rank.
+    """
+    if world > 1 and cfg.offload != "none" and not cfg.zeroth_order:
+        raise ConfigError(f"offload={cfg.offload!r} with {world} ranks is not supported yet; "
+                          "launch with --offload none (data parallel in memory), or one rank")
+
+
+def plan_note(cfg: Any, world: int) -> str:
+    """What the plan of one rank means among ``world`` (``outcore plan`` under torchrun or ``--ranks``)."""
+    check_world(cfg, world)
+    what = ("every rank holds the whole model and evaluates its share of the samples" if cfg.zeroth_order
+            else "every rank holds a replica of the model and optimizer state and trains on "
+                 f"{cfg.grad_accum} of the step's {step_size(cfg, Ranks(0, world))} micro-batches")
+    return f"plan per rank ({world} ranks, data parallel: {what})"
 
 
 def rank_threads(threads: int, ranks: Ranks) -> int:

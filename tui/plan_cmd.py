@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..errors import ModelError
+from ..errors import ConfigError, ModelError
 from .finetune_cmd import add_config_arguments, config_from_args
 
 HELP = "show where a run's tensors would live and the expected step time"
@@ -33,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the plan options (the finetune config options plus output switches)."""
     add_config_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print the plan as one JSON object")
+    parser.add_argument("--ranks", type=int, default=0, metavar="N",
+                        help="plan one rank of N data-parallel ranks (default: torchrun's WORLD_SIZE, else 1)")
     parser.add_argument("--no-measure", action="store_true",
                         help="do not measure disk and copy bandwidth (use fallback figures)")
 
@@ -76,13 +78,20 @@ def run(args: argparse.Namespace) -> int:
     """
     from ..offload.plan import plan_for_config
     from ..offload.probe import probe_hardware
+    from ..offload.ranks import from_env
+    from ..recipes.distributed import plan_note
 
     config = config_from_args(args)
     hf_config = model_config(config.model)
     probe = probe_hardware(config.swap_dir, measure=not args.no_measure)
     plan = plan_for_config(config, hf_config, probe)
+    if args.ranks < 0:
+        raise ConfigError(f"--ranks {args.ranks} must be >= 1 (or 0: torchrun's WORLD_SIZE)")
+    world = args.ranks or from_env().world  # under torchrun: its WORLD_SIZE
+    note = plan_note(config, world) if world > 1 else None
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=2, default=str))
+        print(json.dumps({**plan.to_dict(), **({"ranks": world, "per_rank": note} if note else {})},
+                         indent=2, default=str))
     else:
-        print(plan.table().rstrip("\n"))
+        print(plan.table().rstrip("\n") + (f"\n{note}" if note else ""))
     return 0

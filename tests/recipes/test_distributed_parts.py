@@ -130,3 +130,25 @@ def test_the_dashboard_shows_a_row_per_rank():
     rows = {line.split()[1]: line for line in text.splitlines() if line.split()[1:2] in (["0"], ["1"])}
     assert "800 ms" in rows["1"] and "50" in rows["1"]  # 0.4 s of 0.8 s stalled
     assert "HOST 3.0 GiB  r 1.50 GB/s  w 500 MB/s" in rows["0"]
+
+
+def test_outcore_plan_says_what_one_rank_of_n_holds(capsys):
+    from outcore.tui.cli import main
+
+    assert dist.plan_note(load_config(overrides={"offload": "none", "grad_accum": 2}), 2) == (
+        "plan per rank (2 ranks, data parallel: every rank holds a replica of the model and optimizer state "
+        "and trains on 2 of the step's 4 micro-batches)")
+    with pytest.raises(ConfigError, match="with 2 ranks is not supported yet"):
+        dist.plan_note(load_config(overrides={"offload": "cpu"}), 2)
+    assert main(["plan", "--ranks", "-1", "--no-measure"]) == 2
+    assert "--ranks -1 must be >= 1" in capsys.readouterr().err
+
+
+def test_the_ray_train_example_says_how_to_get_ray(monkeypatch):
+    import sys
+
+    from outcore.recipes.examples import ray_train
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # not installed (it is not, on the test machines)
+    with pytest.raises(ConfigError, match=r"ray is not installed; pip install 'ray\[train\]'"):
+        ray_train.main(["--workers", "2", "max_steps=2"])
