@@ -25,9 +25,9 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -67,7 +67,8 @@ def join_run(cfg: Any) -> tuple[Ranks, bool]:
 
 
 def check_world(cfg: Any, world: int) -> None:
-    """Refuse what does not run on ``world`` ranks yet: out of core (first-order) with world > 1.
+    """Refuse what does not run on ``world`` ranks yet: a full fine-tune out of core with world > 1
+    (LoRA / QLoRA out of core run: their base streams read-only on every rank).
 
     The seam for the sharded out-of-core engine (``offload.training.offload_model(..., ranks=)``):
     when it is wired into ``full_finetune.offload_from_plan``, this refusal goes.
@@ -75,9 +76,10 @@ def check_world(cfg: Any, world: int) -> None:
     Raises:
         ConfigError: ``offload`` other than none with more than one rank.
     """
-    if world > 1 and cfg.offload != "none" and not cfg.zeroth_order:
-        raise ConfigError(f"offload={cfg.offload!r} with {world} ranks is not supported yet; "
-                          "launch with --offload none (data parallel in memory), or one rank")
+    if world > 1 and cfg.offload != "none" and not cfg.zeroth_order and not cfg.uses_adapters:
+        raise ConfigError(f"offload={cfg.offload!r} with {world} ranks is not supported yet for method "
+                          f"{cfg.method!r}; launch with --offload none (data parallel in memory), method lora, "
+                          "or one rank")
 
 
 def plan_note(cfg: Any, world: int) -> str:
@@ -167,6 +169,75 @@ def all_reduce_grads(params: list[torch.nn.Parameter], loss: torch.Tensor, ranks
         if tail:
             total = flat[offset].reshape(loss.shape)
     return total
+
+
+def accumulate(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+               micro_batches: list[Any], params: list[torch.nn.Parameter], ranks: Ranks,
+               output: str | Path | None = None,
+               around: Callable[[], AbstractContextManager[Any]] = nullcontext) -> torch.Tensor:
+    """Forward and backward of this rank's micro-batches, the gradients summed over the ranks.
+
+    Each loss is scaled by ``1 / (len(micro_batches) · world)`` (one rank: ``1 / len``, the
+    reference accumulation), so the sum over ranks is the one-rank accumulated gradient.
+
+    Args:
+        model: what ``loss_fn`` runs.
+        loss_fn: ``(model, batch) -> mean loss``.
+        micro_batches: this rank's micro-batches of the step.
+        params: the trainable parameters whose gradients are summed.
+        ranks: this process's ranks.
+        output: the run's output directory (named if a rank is lost).
+        around: a context around each micro-batch (the engine's ``micro_batch``).
+
+    Returns:
+        The step's loss summed over micro-batches and ranks, still a tensor.
+
+    Raises:
+        RankLostError: another rank died during the all-reduce.
+    """
+    total = torch.zeros(())
+    for batch in micro_batches:
+        with around():
+            loss = loss_fn(model, batch) / (len(micro_batches) * ranks.world)
+            loss.backward()
+        total += loss.detach()
+    if ranks.distributed:
+        with peer_guard(ranks, "the gradient all-reduce", output):
+            total = all_reduce_grads(params, total, ranks)
+    return total
+
+
+class DataParallelAdapters:
+    """An out-of-core engine training resident adapters (LoRA / QLoRA: the base streamed
+    read-only on every rank), data parallel: the engine's own ``begin_step`` / ``micro_batch``
+    / ``end_step``, the adapters' gradients summed over the ranks before ``end_step`` steps
+    them. Everything else is the engine's.
+
+    Args:
+        engine: an ``OutOfCoreEngine`` with resident trainable parameters.
+        ranks: this process's ranks.
+        output: the run's output directory.
+    """
+
+    def __init__(self, engine: Any, ranks: Ranks, output: str | Path) -> None:
+        self.engine, self.ranks, self.output = engine, ranks, output
+
+    def train_step(self, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], micro_batches: list[Any],
+                   lr: float) -> torch.Tensor:
+        """One optimizer step (see ``OutOfCoreEngine.train_step``) over this rank's micro-batches."""
+        e = self.engine
+        e.begin_step(lr, len(micro_batches))
+        total = accumulate(e.model, loss_fn, micro_batches, e.params, self.ranks, self.output, e.micro_batch)
+        e.end_step()
+        return total
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+
+def data_parallel(engine: Any, ranks: Ranks, output: str | Path) -> Any:
+    """``engine`` as this run trains it: itself with one rank, :class:`DataParallelAdapters` under torchrun."""
+    return DataParallelAdapters(engine, ranks, output) if ranks.distributed else engine
 
 
 def prepare_run_dir(cfg: Any, ranks: Ranks) -> tuple[Path, int | None]:

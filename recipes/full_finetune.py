@@ -142,8 +142,8 @@ class Recipe:
             # Full fine-tune: the optimizer streams its state with the units. LoRA: the
             # adapters and their state stay resident; only the frozen base streams.
             self.optimizer = build_optimizer(cfg, self.params, streaming=not self.lora)
-            self.trainer = offload_from_plan(cfg, self.model, self.optimizer, self.plan, self.out,
-                                             self.head_loss, fill)
+            engine = offload_from_plan(cfg, self.model, self.optimizer, self.plan, self.out, self.head_loss, fill)
+            self.trainer = dist.data_parallel(engine, self.ranks, str(self.out))  # LoRA under torchrun
         self.streamed = fill is not None
         # Out of core, a full fine-tune's weights and optimizer state live in the store and
         # are checkpointed unit by unit from there; otherwise the model and optimizer hold them.
@@ -400,7 +400,7 @@ def make_plan(cfg: FinetuneConfig, model: torch.nn.Module):
 
 
 def _swap_dir(cfg: FinetuneConfig, out: Path) -> Path:
-    return Path(cfg.swap_dir) if cfg.swap_dir else out / "swap"
+    return dist.rank_swap_dir(Path(cfg.swap_dir) if cfg.swap_dir else out / "swap", dist.from_env())
 
 
 def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: Any, plan: Any, out: Path,

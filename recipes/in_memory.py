@@ -15,7 +15,7 @@ import torch
 from ..events import TierStats
 from ..offload.ranks import Ranks
 from ..offload.update import step_in_memory
-from .distributed import SINGLE, all_reduce_grads, peer_guard
+from .distributed import SINGLE, accumulate
 
 
 class InMemoryModel:
@@ -55,14 +55,7 @@ class InMemoryModel:
             The summed (accumulation-scaled) loss of the step over every rank, still a
             tensor: no host sync here.
         """
-        total = torch.zeros(())
-        for batch in micro_batches:
-            loss = loss_fn(self.model, batch) / (len(micro_batches) * self.ranks.world)
-            loss.backward()
-            total += loss.detach()
-        if self.ranks.distributed:
-            with peer_guard(self.ranks, "the gradient all-reduce", self.output):
-                total = all_reduce_grads(self.params, total, self.ranks)
+        total = accumulate(self.model, loss_fn, micro_batches, self.params, self.ranks, self.output)
         self.last_grad_norm = step_in_memory(self.params, self.optimizer, self.max_grad_norm, lr)
         return total
 

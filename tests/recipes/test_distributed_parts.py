@@ -51,8 +51,8 @@ def test_resume_keeps_grad_accum_times_ranks():
 def test_out_of_core_with_two_ranks_is_refused_before_joining(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    with pytest.raises(ConfigError, match=r"offload='nvme' with 2 ranks is not supported yet; launch with "
-                                          r"--offload none"):
+    with pytest.raises(ConfigError, match=r"offload='nvme' with 2 ranks is not supported yet for method 'full'; "
+                                          r"launch with --offload none"):
         dist.join_run(load_config(overrides={"offload": "nvme"}))
     with pytest.raises(ConfigError, match="dist_timeout_s=0"):
         load_config(overrides={"dist_timeout_s": 0})
