@@ -81,14 +81,14 @@ def run(args: argparse.Namespace) -> int:
     from ..offload.ranks import from_env
     from ..recipes.distributed import plan_note
 
+    if args.ranks < 0:
+        raise ConfigError(f"--ranks {args.ranks} must be >= 1 (or 0: torchrun's WORLD_SIZE)")
     config = config_from_args(args)
+    world = args.ranks or from_env().world  # under torchrun: its WORLD_SIZE
+    note = plan_note(config, world) if world > 1 else None  # (refuses what does not run on `world` ranks)
     hf_config = model_config(config.model)
     probe = probe_hardware(config.swap_dir, measure=not args.no_measure)
     plan = plan_for_config(config, hf_config, probe)
-    if args.ranks < 0:
-        raise ConfigError(f"--ranks {args.ranks} must be >= 1 (or 0: torchrun's WORLD_SIZE)")
-    world = args.ranks or from_env().world  # under torchrun: its WORLD_SIZE
-    note = plan_note(config, world) if world > 1 else None
     if args.json:
         print(json.dumps({**plan.to_dict(), **({"ranks": world, "per_rank": note} if note else {})},
                          indent=2, default=str))
