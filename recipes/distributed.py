@@ -33,6 +33,7 @@ import torch
 
 from .._faults import fault_point
 from ..errors import CheckpointError, ConfigError, OutcoreError, RankLostError
+from ..offload.device import distributed_backend
 from ..offload.ranks import Ranks, from_env, join, leave
 
 SINGLE = Ranks()  # one process: what every recipe is when not launched distributed
@@ -63,7 +64,11 @@ def join_run(cfg: Any) -> tuple[Ranks, bool]:
     if not ranks.distributed:
         return ranks, False
     check_world(cfg, ranks.world)
-    return (ranks, False) if joined else (join(timeout_s=cfg.dist_timeout_s), True)
+    if joined:
+        return ranks, False
+    # CPU tensors (the in-memory replicas, the small exchanges) over gloo, CUDA ones over NCCL
+    backend = "cpu:gloo,cuda:nccl" if distributed_backend() == "nccl" else "gloo"
+    return join(timeout_s=cfg.dist_timeout_s, backend=backend), True
 
 
 def check_world(cfg: Any, world: int) -> None:
@@ -141,7 +146,7 @@ def my_micro_batches(loader: Any, grad_accum: int, ranks: Ranks) -> list[Any]:
 def all_reduce_grads(params: list[torch.nn.Parameter], loss: torch.Tensor, ranks: Ranks) -> torch.Tensor:
     """Sum the gradients of ``params`` and the step's ``loss`` over the ranks (gradients in place).
 
-    One flat buffer per dtype, one ``all_reduce(SUM)`` each: the bucketing DDP does, without
+    One flat buffer per dtype and device, one ``all_reduce(SUM)`` each: the bucketing DDP does, without
     its ``forward`` wrapper (the recipe's loss calls the decoder and a chunked head, not the
     model's ``forward``). Summed, not averaged: each loss was already scaled by
     ``1 / (world · grad_accum)``.
@@ -151,14 +156,15 @@ def all_reduce_grads(params: list[torch.nn.Parameter], loss: torch.Tensor, ranks
     """
     import torch.distributed as dist
 
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {loss.dtype: []}
+    # one buffer per (dtype, device): the loss rides in its own (fp32 on the CPU: gloo)
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {(loss.dtype, loss.device): []}
     for p in params:
         if p.grad is not None:
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
+            buckets.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
     fault_point("grad_all_reduce")
     total = loss
-    for dtype, grads in by_dtype.items():
-        tail = [loss.reshape(1)] if dtype == loss.dtype else []
+    for key, grads in buckets.items():
+        tail = [loss.reshape(1)] if key == (loss.dtype, loss.device) else []
         flat = torch.cat([g.reshape(-1) for g in grads] + tail)
         # sync point: every rank waits here for every other rank's backward
         dist.all_reduce(flat, op=dist.ReduceOp.SUM)
