@@ -4,7 +4,9 @@
 It sits above the recipes: it resolves the config, builds the run's event sink (the
 dashboard or plain log, ``OUTPUT/metrics.jsonl`` and the ``report_to`` trackers; recipes
 never import ``tui``), runs the recipe of ``config.method`` and, with ``push_to_hub``,
-uploads the export. ``outcore finetune`` calls it too.
+uploads the export. ``outcore finetune`` calls it too. Under ``torchrun`` (or Ray Train) every
+rank calls it: rank 0 gets the view, the others their ``metrics.rankR.jsonl`` only
+(``recipes/distributed.py``).
 """
 from __future__ import annotations
 

@@ -10,9 +10,15 @@ each joins the process group here (:func:`join_run`, ``offload.ranks.join`` with
   each loss is scaled by ``1 / (world · grad_accum)`` and the gradients are *summed*
   (:func:`all_reduce_grads`), so the reduced gradient is the one-rank accumulated one (bit for
   bit with two operands: a + b is b + a);
+* **LoRA / QLoRA out of core** — each rank streams the frozen base read-only from its own swap
+  directory (:func:`rank_swap_dir`) and the adapters' gradients are summed the same way
+  (:class:`DataParallelAdapters`); a full fine-tune out of core waits for the sharded engine
+  (:func:`check_world`);
 * **what is written once** — rank 0 holds the output directory's lock, writes ``config.yaml``,
-  ``final/`` and commits checkpoints (:func:`prepare_run_dir`); every rank writes its own
-  metrics file (``tui.sinks.make_rank_sink``);
+  ``final/`` and commits checkpoints (:func:`prepare_run_dir`; ``checkpoint_dcp.py``); every
+  rank writes its own metrics file (``tui.sinks.make_sink(rank=)``), rank 0's with every rank's
+  stats (:func:`with_ranks`);
+* **ZO** — the ``samples`` split of ``offload/zo_distributed.py`` (:func:`zo_split`);
 * **a rank that dies** — every collective here waits at most ``dist_timeout_s``; gloo/NCCL fail
   at once when a peer's socket closes, and :func:`peer_guard` turns that into one
   :class:`~outcore.errors.RankLostError` line (exit 5) naming the run to ``--resume``.
@@ -288,8 +294,8 @@ def broadcast_from_main(obj: Any, ranks: Ranks, what: str, output: str | Path | 
     return box[0]
 
 
-def gather_rank_stats(stats: dict[str, Any], ranks: Ranks, output: str | Path | None = None) -> list[dict]:
-    """Every rank's small stats dict (tier bytes, bandwidth, stall) at a log step, in rank order.
+def gather_rank_stats(stats: Any, ranks: Ranks, output: str | Path | None = None) -> list[Any]:
+    """Every rank's small stats (a RankStats: tier bytes, bandwidth, stall) at a log step, in rank order.
 
     Only at log steps (every rank logs the same steps): an ``all_gather_object`` of a few
     hundred bytes. One rank: ``[stats]``.
