@@ -156,7 +156,7 @@ class ActivationOffloader:
             the offloaded bytes (with a swap dir for NVME).
         min_bytes: saved tensors smaller than this stay where they are.
         prefetch_depth: blocks read ahead of the one whose backward starts.
-        max_inflight_bytes: bytes of sealed blocks waiting for their write before
+        max_inflight_bytes: bytes (uncompressed) of sealed blocks waiting for their write before
             the next block's seal waits.
         io_threads: reader threads (one writer thread keeps writes in order).
         pool_keep: free transfer buffers kept for reuse (default ``prefetch_depth + 1``: what
@@ -259,13 +259,16 @@ class ActivationOffloader:
                     f"cannot hold the activations of block {rec.index} ({_fmt(nbytes)}, "
                     f"{_fmt(self.store.held(Tier.NVME))} held): raise the NVMe budget, give the store a "
                     f"swap_dir, or keep/recompute more blocks")
-        with self._cv:  # backpressure: bounded bytes waiting for the writer
-            if self._inflight and self._inflight + nbytes > self.max_inflight:
+        # backpressure: bounded bytes waiting for the writer, counted raw (what a waiting block
+        # keeps alive is its saved tensors, not the compressed bytes it will become)
+        held = rec.pack.raw_nbytes
+        with self._cv:
+            if self._inflight and self._inflight + held > self.max_inflight:
                 t0 = time.perf_counter()
-                while self._inflight and self._inflight + nbytes > self.max_inflight:
+                while self._inflight and self._inflight + held > self.max_inflight:
                     self._cv.wait()
                 self.stats["backpressure_s"] += time.perf_counter() - t0
-            self._inflight += nbytes
+            self._inflight += held
         ready = compute_event(rec.pack.device)  # the writer's side stream must see the block fully computed
         self.stats["offloaded_bytes"] += nbytes
         self.stats["raw_bytes"] += rec.pack.raw_nbytes
@@ -284,7 +287,7 @@ class ActivationOffloader:
             if buf is not None:
                 self.pool.give(buf)
             with self._cv:
-                self._inflight -= nbytes
+                self._inflight -= pack.raw_nbytes
                 self._cv.notify_all()
             if exc is None:
                 landed.set_result(result)
