@@ -16,7 +16,7 @@ _EXPORTS = {
     "ActivationHandle": ".apply", "apply_activation_policy": ".apply", "find_decoder_layers": ".apply",
     "ActivationOffloader": ".offload", "BlockPack": ".pack", "PackedRef": ".pack",
     "ActivationPolicy": ".policy", "BlockProfile": ".policy", "choose_policy": ".policy",
-    "expand_policy": ".policy", "ACTIVATION_POLICIES": ".policy",
+    "expand_policy": ".policy", "ACTIVATION_POLICIES": ".policy", "ACTIVATION_COMPRESSION": ".policy",
 }
 __all__ = sorted(_EXPORTS)
 

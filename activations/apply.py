@@ -11,9 +11,9 @@ hides the read of the first offloaded one.
 
 ``"auto"`` measures the first training forward (per block: the bytes an offload
 would move, deduplicated as the offloader packs them, its input bytes and its
-time, with everything kept), then calls :func:`choose_policy` with the budgets
-and bandwidths (and, on a CPU device, the measured copy bandwidth), and applies
-its choice from the next step on.
+time, with everything kept; with ``compress``, also the bytes it would store),
+then calls :func:`choose_policy` with the budgets and bandwidths (and, on a CPU
+device, the measured copy bandwidth), and applies its choice from the next step on.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import ConfigError, ModelError
 from ..models._structure import decoder_layers
 from ..offload.device import free_device_bytes
+from .compress import codec_for
 from .offload import _MIN_BYTES, ActivationOffloader
 from .pack import BlockPack
 from .policy import AUTO, ActivationPolicy, BlockProfile, choose_policy, expand_policy
@@ -64,7 +65,7 @@ class ActivationHandle:
 
     def __init__(self, model: nn.Module, layers: nn.ModuleList, policies: list[ActivationPolicy] | None,
                  store: Any, auto: dict | None, prefetch_depth: int, min_bytes: int = _MIN_BYTES,
-                 keep_last: int = 1):
+                 keep_last: int = 1, compress: str = "none"):
         self.model, self.layers = model, layers
         self.policies = policies if policies is not None else [ActivationPolicy.KEEP] * len(layers)
         self.profiles: list[BlockProfile] | None = None
@@ -72,8 +73,9 @@ class ActivationHandle:
         self._store, self._own_store = store, False
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._prefetch_depth, self._min_bytes, self._keep_last = prefetch_depth, min_bytes, keep_last
+        self._compress = compress
         self.offloader: ActivationOffloader | None = None
-        self._measure: list[list[float]] = [[0, 0, 0.0] for _ in layers]  # saved, input, seconds
+        self._measure: list[list[float]] = [[0, 0, 0.0, 0] for _ in layers]  # saved, input, seconds, stored
         self._ensure_offloader()
         for i, layer in enumerate(layers):
             layer.forward = self._wrap(i, layer.forward, layer)
@@ -91,7 +93,7 @@ class ActivationHandle:
                                       swap_dir=f"{self._tmp.name}/swap")
             self._own_store = True
         self.offloader = ActivationOffloader(self._store, prefetch_depth=self._prefetch_depth,
-                                             min_bytes=self._min_bytes)
+                                             min_bytes=self._min_bytes, compress=self._compress)
 
     def _wrap(self, index: int, forward, layer: nn.Module):
         def wrapped(*args, **kwargs):
@@ -131,7 +133,7 @@ class ActivationHandle:
         rec = self._measure[index]
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         rec[1] = hidden.numel() * hidden.element_size() if isinstance(hidden, torch.Tensor) else 0
-        pack_ = BlockPack()
+        pack_ = BlockPack(codec=codec_for(self._compress))
 
         def pack(t):
             base = t._base if t._base is not None else t
@@ -144,7 +146,8 @@ class ActivationHandle:
         with torch.autograd.graph.saved_tensors_hooks(pack, outer[1] if outer is not None else (lambda x: x)):
             out = forward(*args, **kwargs)
         rec[2] = time.perf_counter() - t0
-        rec[0] = pack_.seal()
+        rec[3] = pack_.seal()  # the bytes an offload would store (compressed with a codec)
+        rec[0] = pack_.raw_nbytes
         pack_.release_sources()
         if index == len(self.layers) - 1:
             self._decide()
@@ -152,7 +155,7 @@ class ActivationHandle:
 
     def _decide(self) -> None:
         a = self._auto
-        self.profiles = [BlockProfile(int(s), int(i), float(t)) for s, i, t in self._measure]
+        self.profiles = [BlockProfile(int(s), int(i), float(t), int(o)) for s, i, t, o in self._measure]
         self.policies = choose_policy(
             self.profiles, a["device_budget"], host_budget=a.get("host_budget", 0),
             host_bps=a.get("host_bps", 0.0), nvme_budget=a.get("nvme_budget"),
@@ -180,7 +183,7 @@ def apply_activation_policy(model: nn.Module,
                             policy: "ActivationPolicy | str | Sequence[ActivationPolicy | str]" = "keep",
                             store: Any = None, *, device_budget: int | None = None,
                             prefetch_depth: int = 2, min_bytes: int = _MIN_BYTES, keep_last: int = 1,
-                            **bandwidth: float) -> ActivationHandle:
+                            compress: str = "none", **bandwidth: float) -> ActivationHandle:
     """Apply activation policies to ``model``'s decoder blocks.
 
     Args:
@@ -198,6 +201,9 @@ def apply_activation_policy(model: nn.Module,
             on the device: RoPE tables shared by all blocks, norm statistics).
         keep_last: for "offload" and "auto": the last blocks that always KEEP (their
             backward comes first, so nothing could hide their transfer).
+        compress: how offloaded activations are stored, one of
+            :data:`~.policy.ACTIVATION_COMPRESSION` (``int8`` / ``fp8``: 8-bit with
+            per-block scales, :mod:`.compress`; ``none``: bit-identical to keep).
         **bandwidth: for "auto": ``host_budget``, ``host_bps``, ``nvme_budget``,
             ``nvme_read_bps``, ``nvme_write_bps``, ``copy_bps`` (as in
             :func:`choose_policy`; ``copy_bps`` is measured on a CPU device when not given).
@@ -207,7 +213,7 @@ def apply_activation_policy(model: nn.Module,
 
     Raises:
         ModelError: no decoder blocks found, or the model is already wrapped.
-        ConfigError: an unknown policy name, a list of the wrong length, an
+        ConfigError: an unknown policy or ``compress`` name, a list of the wrong length, an
             unknown keyword, or a negative ``prefetch_depth``/``min_bytes``/``keep_last``.
     """
     layers = find_decoder_layers(model)
@@ -221,7 +227,9 @@ def apply_activation_policy(model: nn.Module,
     for name, v in (("prefetch_depth", prefetch_depth), ("min_bytes", min_bytes), ("keep_last", keep_last)):
         if int(v) < 0:
             raise ConfigError(f"{name}={v} must be >= 0")
-    opts = dict(prefetch_depth=int(prefetch_depth), min_bytes=int(min_bytes), keep_last=int(keep_last))
+    codec_for(compress)  # an unknown name fails here, not at the first offloaded block
+    opts = dict(prefetch_depth=int(prefetch_depth), min_bytes=int(min_bytes), keep_last=int(keep_last),
+                compress=compress)
     if isinstance(policy, str) and policy.lower() == AUTO:
         if device_budget is None:
             device_budget = _available_device_bytes(next(model.parameters()).device) // 2

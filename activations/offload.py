@@ -19,6 +19,10 @@ thread, which copies it into one buffer and writes it with one call:
 The forward never waits for the disk, only for backpressure: at most
 ``max_inflight_bytes`` of sealed blocks may wait for their write.
 
+With ``compress`` (``int8`` / ``fp8``, :mod:`.compress`) the copy into the buffer
+encodes the block's floating-point groups 8-bit, so the extent, the HOST handle
+and the traffic counted are the compressed bytes; the unpack decodes them.
+
 Backward visits blocks in reverse (the known future): when the gradient of
 block ``i``'s output appears, reads of blocks ``i .. i-depth`` are queued on the
 reader threads, into pooled buffers (on CUDA then copied to the device on a side
@@ -41,6 +45,7 @@ from torch import nn
 
 from ..errors import BudgetError
 from ..offload.device import SideStreams, compute_event, hand_to_compute
+from .compress import codec_for
 from .pack import BlockPack, PackedRef
 from .policy import ActivationPolicy
 
@@ -132,7 +137,7 @@ class _Block:
 
     def __init__(self, owner: "ActivationOffloader", index: int, tier):
         self.owner, self.index, self.tier = owner, index, tier
-        self.pack = BlockPack()
+        self.pack = BlockPack(codec=owner.codec)
         self.landed: Future | None = None  # result: the NVMe extent or HOST handle holding the bytes
         self.read: Future | None = None  # result: (uint8 buffer, CUDA event | None)
         self.base: torch.Tensor | None = None  # the restored buffer, once unpacked
@@ -151,24 +156,29 @@ class ActivationOffloader:
             the offloaded bytes (with a swap dir for NVME).
         min_bytes: saved tensors smaller than this stay where they are.
         prefetch_depth: blocks read ahead of the one whose backward starts.
-        max_inflight_bytes: bytes of sealed blocks waiting for their write before
+        max_inflight_bytes: bytes (uncompressed) of sealed blocks waiting for their write before
             the next block's seal waits.
         io_threads: reader threads (one writer thread keeps writes in order).
         pool_keep: free transfer buffers kept for reuse (default ``prefetch_depth + 1``: what
             the backward holds at once, the block in use and those read ahead; more would
             sit idle through the loss, the step's memory peak, ~18 MiB each for SmolLM2).
+        compress: ``none`` (bytes as they are) | ``int8`` | ``fp8`` (floating-point saved
+            tensors stored 8-bit with per-block scales).
 
     Raises:
         ValueError: a negative depth or threshold, or no thread/budget.
+        ConfigError: an unknown ``compress``.
     """
 
     def __init__(self, store: Any, *, min_bytes: int = _MIN_BYTES, prefetch_depth: int = 2,
-                 max_inflight_bytes: int = 256 << 20, io_threads: int = 2, pool_keep: int | None = None):
+                 max_inflight_bytes: int = 256 << 20, io_threads: int = 2, pool_keep: int | None = None,
+                 compress: str = "none"):
         if prefetch_depth < 0 or min_bytes < 0 or max_inflight_bytes <= 0 or io_threads < 1:
             raise ValueError(f"prefetch_depth={prefetch_depth}, min_bytes={min_bytes}, "
                              f"max_inflight_bytes={max_inflight_bytes}, io_threads={io_threads}: "
                              f"need >= 0, >= 0, > 0 and >= 1")
         self.store = store
+        self.codec = codec_for(compress)
         self.min_bytes = int(min_bytes)
         self.prefetch_depth = int(prefetch_depth)
         self.max_inflight = int(max_inflight_bytes)
@@ -185,8 +195,9 @@ class ActivationOffloader:
         # dropped without a backward frees its stored bytes (_Block.__del__).
         self._blocks: dict[int, weakref.ref] = {}
         self._side = SideStreams()  # CUDA copies overlap compute; streams made on first use
-        # stall_s: unpacks waiting for reads; backpressure_s: seals waiting for writes
-        self.stats = {"offloaded_bytes": 0, "saved_bytes": 0, "kept_bytes": 0, "stall_s": 0.0,
+        # stall_s: unpacks waiting for reads; backpressure_s: seals waiting for writes;
+        # offloaded_bytes: stored (compressed) bytes, raw_bytes: the same blocks uncompressed
+        self.stats = {"offloaded_bytes": 0, "raw_bytes": 0, "saved_bytes": 0, "kept_bytes": 0, "stall_s": 0.0,
                       "backpressure_s": 0.0, "tensors": 0, "blocks": 0}
 
     # ------------------------------------------------------------------ forward
@@ -248,15 +259,19 @@ class ActivationOffloader:
                     f"cannot hold the activations of block {rec.index} ({_fmt(nbytes)}, "
                     f"{_fmt(self.store.held(Tier.NVME))} held): raise the NVMe budget, give the store a "
                     f"swap_dir, or keep/recompute more blocks")
-        with self._cv:  # backpressure: bounded bytes waiting for the writer
-            if self._inflight and self._inflight + nbytes > self.max_inflight:
+        # backpressure: bounded bytes waiting for the writer, counted raw (what a waiting block
+        # keeps alive is its saved tensors, not the compressed bytes it will become)
+        held = rec.pack.raw_nbytes
+        with self._cv:
+            if self._inflight and self._inflight + held > self.max_inflight:
                 t0 = time.perf_counter()
-                while self._inflight and self._inflight + nbytes > self.max_inflight:
+                while self._inflight and self._inflight + held > self.max_inflight:
                     self._cv.wait()
                 self.stats["backpressure_s"] += time.perf_counter() - t0
-            self._inflight += nbytes
+            self._inflight += held
         ready = compute_event(rec.pack.device)  # the writer's side stream must see the block fully computed
         self.stats["offloaded_bytes"] += nbytes
+        self.stats["raw_bytes"] += rec.pack.raw_nbytes
         self.stats["saved_bytes"] += rec.pack.saved_bytes
         self.stats["blocks"] += 1
         rec.landed = Future()
@@ -272,7 +287,7 @@ class ActivationOffloader:
             if buf is not None:
                 self.pool.give(buf)
             with self._cv:
-                self._inflight -= nbytes
+                self._inflight -= pack.raw_nbytes
                 self._cv.notify_all()
             if exc is None:
                 landed.set_result(result)
@@ -359,7 +374,8 @@ class ActivationOffloader:
             base, copied = rec.read.result()
             if copied is not None:  # compute must not read the bytes before they land
                 hand_to_compute(base, copied)
-            rec.base, rec.read = base, None
+            # decoded on the compute thread (stream); the stored buffer goes back to the pool
+            rec.base, rec.read = rec.pack.restore(base), None
         return BlockPack.view(rec.base, ref)
 
     def _written(self, ext: Any, done: Callable[..., None]) -> None:

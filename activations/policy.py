@@ -62,6 +62,28 @@ OFFLOAD = "offload"
 #: one policy for every block, ``offload``, or ``auto``.
 ACTIVATION_POLICIES = (AUTO, ActivationPolicy.KEEP.value, ActivationPolicy.RECOMPUTE.value, OFFLOAD)
 
+#: How offloaded activations are stored (``--activations-compress``,
+#: ``FinetuneConfig.activations_compress``, the planner): ``none`` moves the bytes as
+#: they are (bit-identical backward); ``int8`` / ``fp8`` (COAT-style, opt-in) store each
+#: floating-point saved tensor as 8-bit codes with one fp32 scale per block of
+#: ``COMPRESS_BLOCK`` elements (``activations/compress.py``).
+ACTIVATION_COMPRESSION = ("none", "int8", "fp8")
+COMPRESS_BLOCK = 256  # elements per scale: (256 + 4) / 512 = 0.51x the bytes of bf16, 0.25x of fp32
+
+
+def compressed_ratio(compress: str, dtype_bytes: int) -> float:
+    """Stored bytes per raw byte of an offloaded floating-point activation of ``dtype_bytes``
+    bytes per element under ``compress`` (what the planner sizes offloaded activations by).
+
+    Raises:
+        ConfigError: ``compress`` is not one of :data:`ACTIVATION_COMPRESSION`.
+    """
+    if compress not in ACTIVATION_COMPRESSION:
+        raise ConfigError(f"activations_compress={compress!r} is not one of: {', '.join(ACTIVATION_COMPRESSION)}")
+    if compress == "none":
+        return 1.0
+    return (COMPRESS_BLOCK + 4) / (COMPRESS_BLOCK * dtype_bytes)  # 1-byte codes + one fp32 scale per block
+
 
 @dataclass(frozen=True)
 class BlockProfile:
@@ -70,6 +92,11 @@ class BlockProfile:
     saved_bytes: int  # bytes saved for backward with KEEP (parameters excluded)
     input_bytes: int  # bytes of its input hidden states (what RECOMPUTE keeps)
     forward_s: float  # seconds of its forward compute
+    offload_bytes: int | None = None  # bytes an offload stores and moves (compressed); None: saved_bytes
+
+    @property
+    def moved_bytes(self) -> int:
+        return self.saved_bytes if self.offload_bytes is None else self.offload_bytes
 
 
 def _per_block(value, n: int, name: str) -> list:
@@ -94,7 +121,8 @@ def choose_policy(profiles: Sequence[BlockProfile], device_budget: int, *,
     forward time and ``b = backward_factor * f``:
 
     - RECOMPUTE: ``f`` (one more forward); keeps ``input_bytes``.
-    - OFFLOAD to a tier with bandwidth ``bw``: the stall
+    - OFFLOAD to a tier with bandwidth ``bw``, moving ``s`` bytes (the block's
+      ``moved_bytes``: fewer than it saves when compressed): the stall
       ``max(0, s/bw_write - f) + max(0, s/bw_read - b)`` (the write hides behind the
       next block's forward, the read behind a later block's backward), plus
       ``s/copy_bps`` when packing the block into its transfer buffer takes the
@@ -155,7 +183,7 @@ def choose_policy(profiles: Sequence[BlockProfile], device_budget: int, *,
         if choice is ActivationPolicy.RECOMPUTE:
             held[i] = profiles[i].input_bytes
         else:
-            room[choice] -= profiles[i].saved_bytes
+            room[choice] -= profiles[i].moved_bytes
             held[i] = 0
     return policy
 
@@ -173,11 +201,12 @@ def _changes(p: BlockProfile, held: int, room: dict[ActivationPolicy, float],
     out = []
     if p.input_bytes < held:
         out.append((p.forward_s, held - p.input_bytes, ActivationPolicy.RECOMPUTE))
+    moved = p.moved_bytes
     for tier, (rd, wr) in bw.items():
-        if room[tier] >= p.saved_bytes and rd > 0 and wr > 0:
-            stall = (max(0.0, p.saved_bytes / wr - p.forward_s)
-                     + max(0.0, p.saved_bytes / rd - backward_factor * p.forward_s)
-                     + (p.saved_bytes / copy_bps if copy_bps > 0 else 0.0))
+        if room[tier] >= moved and rd > 0 and wr > 0:
+            stall = (max(0.0, moved / wr - p.forward_s)
+                     + max(0.0, moved / rd - backward_factor * p.forward_s)
+                     + (moved / copy_bps if copy_bps > 0 else 0.0))
             out.append((stall, held, tier))
     return out
 

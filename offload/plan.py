@@ -242,8 +242,8 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
               seq_len: int = 256, batch_size: int = 1, activations: str = "keep", offload: str = "auto",
               budgets: Budgets | None = None, probe: Any = None, grad_accum: int = 1,
               max_grad_norm: float = 0.0, optim_args: Mapping[str, Any] | None = None, lora_r: int = 8,
-              lora_targets: tuple[str, ...] | list[str] = ("q_proj", "k_proj", "v_proj", "o_proj")
-              ) -> MemoryPlan:
+              lora_targets: tuple[str, ...] | list[str] = ("q_proj", "k_proj", "v_proj", "o_proj"),
+              activations_compress: str = "none") -> MemoryPlan:
     """Decide where every tensor of a fine-tuning run lives.
 
     Args:
@@ -260,7 +260,8 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
         probe: a ``HardwareProbe`` (used when ``budgets`` is None).
         grad_accum, max_grad_norm: > 1 / > 0 keep every gradient until the update
             (it then runs after the backward); otherwise updates run inside it.
-        optim_args, lora_r, lora_targets: as in ``FinetuneConfig``.
+        optim_args, lora_r, lora_targets, activations_compress: as in ``FinetuneConfig``
+            (the last sizes offloaded activations by its codec's ratio).
 
     Returns:
         The :class:`MemoryPlan`.
@@ -279,7 +280,7 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
                           lora_r=lora_r, lora_targets=tuple(lora_targets)))
     traits = method_traits(method)
     grads_kept = traits.trains_weights and traits.backward and (max_grad_norm > 0 or grad_accum > 1)
-    w = Workload(spec, ub, traits, dtype, seq_len, grads_kept, budgets.with_flops())
+    w = Workload(spec, ub, traits, dtype, seq_len, grads_kept, budgets.with_flops(), activations_compress)
     n = len(ub)
     policies = list(_AUTO_ACTIVATIONS) if activations == AUTO else [activations]
     if not traits.backward:
@@ -360,6 +361,7 @@ def plan_for_config(cfg: Any, model_or_hf_config: Any, probe: Any = None,
                      seq_len=cfg.seq_len, batch_size=cfg.batch_size, activations=cfg.activations,
                      offload=cfg.offload, budgets=budgets, grad_accum=cfg.grad_accum,
                      max_grad_norm=float(cfg.max_grad_norm or 0.0), optim_args=cfg.optim_args,
-                     lora_r=cfg.lora_r, lora_targets=tuple(cfg.lora_targets))
+                     lora_r=cfg.lora_r, lora_targets=tuple(cfg.lora_targets),
+                     activations_compress=cfg.activations_compress)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from ..activations.policy import OFFLOAD, ActivationPolicy
+from ..activations.policy import OFFLOAD, ActivationPolicy, compressed_ratio
 from ..dtypes import DTYPE_BYTES
 from .handle import Tier
 from .modes import CPU, NONE, NVME
@@ -43,6 +43,7 @@ class Workload:
     seq_len: int
     grads_kept: bool  # clipping / accumulation: gradients are stored until every unit has one
     budgets: Budgets
+    activations_compress: str = "none"  # how offloaded activations are stored (activations.policy)
 
     @property
     def has_backward(self) -> bool:
@@ -150,8 +151,9 @@ def activation_bytes(w: Workload, policy: str, batch: int, window: int) -> tuple
         return batch * (L * block + head), 0
     if policy == RECOMPUTE:
         return batch * (L * checkpoint_bytes(spec, w.dtype, s) + block + head), 0
-    if policy == OFFLOAD:
-        return batch * (min(L, max(window, 1) + 1) * block + head), batch * L * block
+    if policy == OFFLOAD:  # the offloaded bytes shrink by the codec's ratio
+        offloaded = int(batch * L * block * compressed_ratio(w.activations_compress, DTYPE_BYTES[w.dtype]))
+        return batch * (min(L, max(window, 1) + 1) * block + head), offloaded
     raise ValueError(f"unknown activation policy {policy!r}")
 
 

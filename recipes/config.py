@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..activations.policy import ACTIVATION_POLICIES
+from ..activations.policy import ACTIVATION_COMPRESSION, ACTIVATION_POLICIES
 from ..dtypes import DTYPES
 from ..errors import ConfigError
 from ..offload.modes import NVME, OFFLOAD_MODES
@@ -71,6 +71,7 @@ class FinetuneConfig:
     swap_dir: str | None = None  # NVMe swap directory (default: OUTPUT/swap)
     activations: str = "keep"  # one of ACTIVATION_POLICIES
     activations_keep_last: int = 1  # with offload: the last N blocks keep theirs (backward needs them first)
+    activations_compress: str = "none"  # one of ACTIVATION_COMPRESSION: offloaded activations stored 8-bit
     # --- evaluation, logging, checkpoints --------------------------------------
     eval_every: int = 20  # steps between validation passes (0 = only before and after)
     eval_batches: int = 8  # micro-batches per validation pass (0 = the whole validation set)
@@ -99,6 +100,7 @@ class FinetuneConfig:
         _choice("dtype", self.dtype, DTYPES)
         _choice("offload", self.offload, OFFLOAD_MODES)
         _choice("activations", self.activations, ACTIVATION_POLICIES)
+        _choice("activations_compress", self.activations_compress, ACTIVATION_COMPRESSION)
         _choice("ui", self.ui, UI_MODES)
         for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "lora_r",
                      "keep_checkpoints"):

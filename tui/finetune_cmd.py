@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..recipes.config import (ACTIVATION_POLICIES, METHODS, OFFLOAD_MODES, OPTIMIZERS,
+from ..recipes.config import (ACTIVATION_COMPRESSION, ACTIVATION_POLICIES, METHODS, OFFLOAD_MODES, OPTIMIZERS,
                               UI_MODES)
 
 HELP = "fine-tune a model (no options: the embedded default)"
@@ -51,6 +51,8 @@ FLAGS: tuple[tuple[str, str, Any, str | None, str], ...] = (
     ("--host-mem", "host_mem", str, "BYTES", "HOST tier budget, e.g. 16GiB"),
     ("--swap-dir", "swap_dir", str, "DIR", "NVMe swap directory (default: OUTPUT/swap)"),
     ("--activations", "activations", str, "POLICY", f"one of: {', '.join(ACTIVATION_POLICIES)}"),
+    ("--activations-compress", "activations_compress", str, "CODEC",
+     f"offloaded activations stored as: {', '.join(ACTIVATION_COMPRESSION)} (8-bit, per-block scales)"),
     ("--ui", "ui", str, "MODE", f"one of: {', '.join(UI_MODES)} (auto: rich on a terminal, else plain)"),
 )
 
