@@ -51,6 +51,7 @@ FLAGS: tuple[tuple[str, str, Any, str | None, str], ...] = (
     ("--host-mem", "host_mem", str, "BYTES", "HOST tier budget, e.g. 16GiB"),
     ("--swap-dir", "swap_dir", str, "DIR", "NVMe swap directory (default: OUTPUT/swap)"),
     ("--activations", "activations", str, "POLICY", f"one of: {', '.join(ACTIVATION_POLICIES)}"),
+    ("--ssd-tbw", "ssd_tbw", float, "TB", "the swap disk's rated terabytes written: show the share of its life used"),
     ("--ui", "ui", str, "MODE", f"one of: {', '.join(UI_MODES)} (auto: rich on a terminal, else plain)"),
 )
 
