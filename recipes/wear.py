@@ -115,18 +115,25 @@ class WearMeter:
                 pass
         return out
 
-    def written(self) -> int:
-        """Bytes this run has written to the swap disk so far (see the module doc for what counts)."""
+    def written(self, swap: int | None = None) -> int:
+        """Bytes this run has written to the swap disk so far (see the module doc for what counts).
+
+        Args:
+            swap: the store's NVMe written bytes as an event already read them (so that a row's
+                figures agree: write-backs keep landing); None reads the counters now.
+        """
         for key, path in self._complete_dirs().items():
             if key not in self._counted:
                 self._counted[key] = _dir_bytes(path)
-        swap = 0 if self._traffic is None else self._traffic.totals(Tier.NVME)[1]
+        if swap is None:
+            swap = 0 if self._traffic is None else self._traffic.totals(Tier.NVME)[1]
         return swap + sum(self._counted.values())
 
     def fill(self, event: StepEvent | RunFinished) -> StepEvent | RunFinished:
         """Set ``event``'s ``ssd_*`` fields from the counters now.
 
-        A StepEvent gets the bytes per step since the previous one filled (its interval's
+        A StepEvent's swap bytes are those its ``tiers`` read (the counters when it has none);
+        it gets the bytes per step since the previous one filled (its interval's
         checkpoints included), and with a rating, the projection of 1000 steps at this run's
         mean since its first step; RunFinished keeps the last StepEvent's projection (its
         total also holds the final checkpoint and export, written once).
@@ -137,7 +144,8 @@ class WearMeter:
         Returns:
             The same event.
         """
-        written = self.written()
+        nvme = event.tiers.get(Tier.NVME.name) if isinstance(event, StepEvent) else None
+        written = self.written(None if nvme is None else nvme.written_bytes)
         event.ssd_written_bytes = written
         if isinstance(event, StepEvent):
             step, (prev_step, prev_written) = event.step, self._prev

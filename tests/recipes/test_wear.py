@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from outcore.errors import ConfigError
-from outcore.events import RunFinished, StepEvent
+from outcore.events import RunFinished, StepEvent, TierStats
 from outcore.offload.handle import Tier
 from outcore.offload.traffic import TierTraffic
 from outcore.recipes.config import load_config
@@ -99,6 +99,17 @@ def test_meter_counts_swap_writes_and_new_checkpoints_on_the_same_disk(tmp_path)
     done = meter.fill(RunFinished(steps_done=5, wall_s=1.0, peak_rss_bytes=1, output_dir=str(out)))
     assert done.ssd_written_bytes == 1940
     assert done.ssd_life_per_1000_steps_pct == ev.ssd_life_per_1000_steps_pct  # the steps' projection
+
+
+def test_meter_takes_the_swap_bytes_the_event_read(tmp_path):
+    store = _Store()
+    meter = WearMeter(store, 0, tmp_path / "swap", tmp_path, step=0)
+    store.traffic.moved(Tier.HOST, Tier.NVME, 700)  # a write-back landing after the event read 500
+    ev = _step(1)
+    ev.tiers = {"NVME": TierStats(written_bytes=500)}
+    assert meter.fill(ev).ssd_written_bytes == 500 and ev.ssd_written_per_step_bytes == 500
+    done = meter.fill(RunFinished(steps_done=1, wall_s=1.0, peak_rss_bytes=1, output_dir=str(tmp_path)))
+    assert done.ssd_written_bytes == 700  # the end reads the counters
 
 
 def test_meter_without_rating_or_store(tmp_path):
