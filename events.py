@@ -69,6 +69,11 @@ class StepEvent:
     stall_s: float = 0.0  # time compute waited on I/O during this step
     tiers: dict[str, TierStats] = field(default_factory=dict)  # by tier name
     ranks: list[RankStats] = field(default_factory=list)  # under torchrun: every rank's, in rank order
+    # SSD wear (recipes/wear.py; None when not measured): bytes this run wrote to its swap disk
+    ssd_written_bytes: int | None = None  # since the run started, its setup included
+    ssd_written_per_step_bytes: float | None = None  # per step, since the previous logged step
+    ssd_life_used_pct: float | None = None  # with ssd_tbw: % of the drive's rated writes used so far
+    ssd_life_per_1000_steps_pct: float | None = None  # with ssd_tbw: % 1000 steps like these use
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-able dict (the metrics.jsonl row; ``ranks`` only when there are several)."""
@@ -114,6 +119,9 @@ class RunFinished:
     final_eval_loss: float | None = None
     interrupted: bool = False
     final_dir: str | None = None
+    ssd_written_bytes: int | None = None  # as StepEvent's, at the end (final checkpoint and export included)
+    ssd_life_used_pct: float | None = None
+    ssd_life_per_1000_steps_pct: float | None = None  # the last StepEvent's projection
 
 
 Event = RunStarted | StepEvent | EvalEvent | TaskEvalEvent | RunFinished

@@ -7,7 +7,7 @@ them without importing torch.
 from __future__ import annotations
 
 NONE = "none"  # everything on DEVICE (in memory); an error if it does not fit
-AUTO = "auto"  # all on DEVICE when it fits, else the fastest streamed layout that fits
+AUTO = "auto"  # of the layouts that fit, the fastest, or within 10% of it the one writing least (plan_choice.py)
 CPU = "cpu"  # streamed from HOST; DEVICE holds the prefetch window
 NVME = "nvme"  # streamed from NVMe; HOST and DEVICE hold windows
 

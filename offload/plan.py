@@ -17,9 +17,13 @@ Policy (docs/architecture.md §6): keep everything as high (fast) as the budgets
   spilling to NVMe first optimizer state, then stored gradients, then weights —
   cold units first (the embedding and the first blocks, whose forward and
   backward uses are furthest apart) — and pin hot units on DEVICE with what is
-  left; among the layouts that fit, the fastest expected step wins.
+  left.
 
-Activation policy ``auto`` means keep when it fits, else recompute.
+Activation policy ``auto`` weighs ``keep`` and ``recompute``. Every configuration
+considered (offload layout x activation policy) is listed on the plan
+(``MemoryPlan.candidates``: fits, estimated step time, bytes written to the SSD per
+step) and ``plan_choice.choose`` takes one: among those that fit, the fastest, or
+among those within 10% of it the one that writes least.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from .handle import Tier
 from .modes import CPU, NONE, NVME, OFFLOAD_MODES
 from .modes import AUTO as AUTO_OFFLOAD
 from .plan_budget import (RUNTIME_OVERHEAD_BYTES, Budgets, budgets_from_probe, format_bytes, parse_bytes)
+from .plan_choice import Candidate, choose, describe
 from .plan_layout import Layout, StepTime, Workload, account, prefetch_depth, step_time
 from .plan_sizes import ModelSpec, method_traits, model_spec, unit_bytes
 
@@ -87,6 +92,8 @@ class MemoryPlan:
     budgets: Budgets
     time: StepTime
     notes: list[str] = field(default_factory=list)
+    candidates: list[Candidate] = field(default_factory=list)  # every configuration considered (plan_choice)
+    chosen: int | None = None  # which of the candidates this plan is
 
     # -- derived ---------------------------------------------------------------------
     def tier_total(self, tier: Tier | str) -> int:
@@ -110,6 +117,11 @@ class MemoryPlan:
         ram = self.tier_total(Tier.HOST) + (self.tier_total(Tier.DEVICE) if self.budgets.shared_ram else 0)
         return ram + RUNTIME_OVERHEAD_BYTES
 
+    @property
+    def written_per_step_bytes(self) -> int | None:
+        """Bytes a step of this plan writes to the SSD (estimated; None for a plan built by hand)."""
+        return None if self.chosen is None else self.candidates[self.chosen].written_bytes
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able dict of the whole plan (``outcore plan --json``)."""
         t = self.time
@@ -128,6 +140,8 @@ class MemoryPlan:
             "budgets": self.budgets.to_dict(),
             "units": [u.to_dict() for u in self.units],
             "notes": list(self.notes),
+            "candidates": [{**c.to_dict(), "chosen": i == self.chosen} for i, c in enumerate(self.candidates)],
+            "written_per_step_bytes": self.written_per_step_bytes,
         }
 
     def table(self) -> str:
@@ -281,28 +295,36 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
     traits = method_traits(method)
     grads_kept = traits.trains_weights and traits.backward and (max_grad_norm > 0 or grad_accum > 1)
     w = Workload(spec, ub, traits, dtype, seq_len, grads_kept, budgets.with_flops(), activations_compress)
-    n = len(ub)
     policies = list(_AUTO_ACTIVATIONS) if activations == AUTO else [activations]
     if not traits.backward:
         policies = [ActivationPolicy.KEEP.value]  # nothing is saved for a backward
 
-    candidates: list[Layout] = []
+    layouts = _layouts(w, offload, policies, batch_size)
+    times = [step_time(w, lay, batch_size) for lay in layouts]
+    candidates = [describe(w, lay, batch_size, st) for lay, st in zip(layouts, times)]
+    best = choose(candidates)
+    if best is None:
+        raise _budget_error(w, layouts[0] if offload == NONE else layouts[-1], batch_size, offload)
+    plan = _build(w, layouts[best], times[best], batch_size, offload, method, optim)
+    plan.candidates, plan.chosen = candidates, best
+    return plan
+
+
+def _layouts(w: Workload, offload: str, policies: list[str], batch: int) -> list[Layout]:
+    """The configurations ``offload`` allows, per activation policy, in the order considered:
+    ``auto`` weighs all on DEVICE, streamed from HOST, from NVMe, and its greedy spill
+    (a layout met twice is listed once)."""
+    out: list[Layout] = []
+    n = len(w.units)
     for policy in policies:
         if offload in (NONE, AUTO_OFFLOAD):
-            candidates.append(Layout.uniform(n, Tier.DEVICE, policy))
-        if offload == CPU:
-            candidates.append(_with_depth(w, Layout.uniform(n, Tier.HOST, policy), batch_size))
-        if offload == NVME:
-            candidates.append(_with_depth(w, Layout.uniform(n, Tier.NVME, policy), batch_size))
+            out.append(Layout.uniform(n, Tier.DEVICE, policy))
+        for mode, tier in ((CPU, Tier.HOST), (NVME, Tier.NVME)):
+            if offload in (mode, AUTO_OFFLOAD):
+                out.append(_with_depth(w, Layout.uniform(n, tier, policy), batch))
         if offload == AUTO_OFFLOAD:
-            candidates.append(_greedy(w, policy, batch_size))
-    fitting = [lay for lay in candidates if _fits(w, lay, batch_size)]
-    if not fitting:
-        raise _budget_error(w, candidates[0] if offload == NONE else candidates[-1], batch_size, offload)
-    times = [step_time(w, lay, batch_size) for lay in fitting]
-    best = min(range(len(fitting)), key=lambda i: (times[i].step_s, i)) if offload == AUTO_OFFLOAD else 0
-    lay, st = fitting[best], times[best]
-    return _build(w, lay, st, batch_size, offload, method, optim)
+            out.append(_greedy(w, policy, batch))
+    return [lay for i, lay in enumerate(out) if lay not in out[:i]]
 
 
 def _build(w: Workload, lay: Layout, st: StepTime, batch: int, offload: str, method: str,

@@ -1,6 +1,7 @@
 """Plain-text rendering of a :class:`~outcore.offload.plan.MemoryPlan` (``outcore plan``).
 
-Pure string formatting over the plan's numbers: no torch, no rich (the CLI may
+Pure string formatting over the plan's numbers (and the configurations the planner
+weighed, the chosen one starred): no torch, no rich (the CLI may
 wrap the text in a rich panel). Consecutive blocks with the same placement and
 sizes are folded into one row (``block.0-23 x24``).
 """
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from .modes import NONE
 from .plan_budget import RUNTIME_OVERHEAD_BYTES, format_bytes
+from .plan_choice import NEAR_FASTEST
 
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import MemoryPlan, UnitPlacement
@@ -108,6 +110,22 @@ def render_table(plan: "MemoryPlan") -> str:
             lines.append(f"{_LINK_NAMES.get(k, k):<18}{format_bytes(v):>14}{t.io_s[k]:>9.2f}s")
     else:
         lines.append("no tier traffic: everything stays on DEVICE")
+    lines += _candidate_rows(plan)
     for note in plan.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def _candidate_rows(plan: "MemoryPlan") -> list[str]:
+    """The configurations the planner weighed, the chosen one starred (plan_choice.py's rule)."""
+    if not plan.candidates:
+        return []
+    lines = ["", f"configurations considered (the fastest that fits; within {NEAR_FASTEST:.0%} of it, "
+                 "the one writing least to the SSD):",
+             f"  {'offload':<9}{'activations':<13}{'step (est.)':>12}{'SSD writes/step':>17}   fits"]
+    for i, c in enumerate(plan.candidates):
+        mark = "*" if i == plan.chosen else " "
+        fits = "yes" if c.fits else f"no: {c.over}"
+        lines.append(f"{mark} {c.offload:<9}{c.activations:<13}{c.step_s:>11.2f}s"
+                     f"{format_bytes(c.written_bytes):>17}   {fits}")
+    return lines

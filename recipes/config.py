@@ -72,6 +72,7 @@ class FinetuneConfig:
     activations: str = "keep"  # one of ACTIVATION_POLICIES
     activations_keep_last: int = 1  # with offload: the last N blocks keep theirs (backward needs them first)
     activations_compress: str = "none"  # one of ACTIVATION_COMPRESSION: offloaded activations stored 8-bit
+    ssd_tbw: float = 0.0  # the swap disk's rated terabytes written: show the share of its life a run uses (0 = unknown)
     # --- evaluation, logging, checkpoints --------------------------------------
     eval_every: int = 20  # steps between validation passes (0 = only before and after)
     eval_batches: int = 8  # micro-batches per validation pass (0 = the whole validation set)
@@ -159,6 +160,9 @@ class FinetuneConfig:
         for name in ("device_mem", "host_mem"):
             if getattr(self, name) is not None:
                 parse_bytes(getattr(self, name), name)
+        if not (self.ssd_tbw >= 0 and math.isfinite(self.ssd_tbw)):
+            raise ConfigError(f"ssd_tbw={self.ssd_tbw!r} must be the swap disk's rated terabytes written, "
+                              "a finite number > 0 (e.g. --ssd-tbw 600), or 0 when unknown")
 
     @property
     def uses_adapters(self) -> bool:

@@ -36,6 +36,7 @@ from .config import FinetuneConfig
 from .evaluate import CausalLMScorer, score_task
 from .export import export_hf, export_offloaded
 from .in_memory import InMemoryModel
+from .wear import WearMeter
 
 # A run stopped by a signal writes a checkpoint unless its newest one is younger than
 # this: a few seconds of steps are cheaper to redo than a large model's checkpoint to write.
@@ -225,13 +226,13 @@ class Recipe:
                     raise FloatingPointError(f"loss became {loss_value} at step {self.step}; "
                                              "lower --lr or use dtype=float32")
                 grad_norm = self.trainer.last_grad_norm
-                self.sink.emit(dist.with_ranks(self.ranks, StepEvent(
+                self.sink.emit(dist.with_ranks(self.ranks, self.wear.fill(StepEvent(
                     step=self.step, total_steps=cfg.max_steps, loss=loss_value, lr=lr,
                     tokens_per_s=tokens_per_step / step_s, step_s=step_s,
                     elapsed_s=time.perf_counter() - t_start, rss_bytes=rss_bytes(),
                     ram_bytes=ram_total_bytes(), grad_norm=None if grad_norm is None else float(grad_norm),
                     eval_loss=eval_loss, stall_s=self.trainer.stall_s - stall0,
-                    tiers=self.trainer.tier_stats(), **device_memory()), str(self.out)))
+                    tiers=self.trainer.tier_stats(), **device_memory())), str(self.out)))
             if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
                 self.save()
         dist.check_stop(self.stop, self.ranks)
@@ -244,6 +245,7 @@ class Recipe:
             n_params = sum(s.numel for u in self.trainer.units for s in u.slots)
             n_params += n_trainable if self.lora else 0  # the resident adapters
             n_trainable = n_trainable if self.lora else n_params
+        self.wear = WearMeter(self.trainer.store, cfg.ssd_tbw, _swap_dir(cfg, self.out), self.out, self.step)
         self.sink.emit(RunStarted(run_name=self.out.name, model=cfg.model, n_params=n_params,
                                   n_trainable=n_trainable, total_steps=cfg.max_steps, output_dir=str(self.out),
                                   method=cfg.method, optim=cfg.optim, config=cfg.to_dict(),
@@ -293,11 +295,10 @@ class Recipe:
             if self.cfg.export and self.ranks.is_main:  # the replicas are equal: rank 0 exports
                 final_dir = self._export(self.out / "final")
         self._release_memory()
-        self.sink.emit(RunFinished(steps_done=self.step, wall_s=time.perf_counter() - self._t0,
-                                   peak_rss_bytes=peak_rss_bytes(), output_dir=str(self.out),
-                                   base_eval_loss=self.base_eval_loss, final_eval_loss=final_eval,
-                                   interrupted=interrupted,
-                                   final_dir=None if final_dir is None else str(final_dir)))
+        self.sink.emit(self.wear.fill(RunFinished(
+            steps_done=self.step, wall_s=time.perf_counter() - self._t0, peak_rss_bytes=peak_rss_bytes(),
+            output_dir=str(self.out), base_eval_loss=self.base_eval_loss, final_eval_loss=final_eval,
+            interrupted=interrupted, final_dir=None if final_dir is None else str(final_dir))))
         self.sink.close()
         self._reported = True
         return FinetuneResult(self.out, self.step, final_dir, self.base_eval_loss, final_eval,

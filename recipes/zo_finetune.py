@@ -48,6 +48,7 @@ from ._common import (StopOnSignal, evaluate, holding_output_dir, lr_lambda, pea
 from .config import FinetuneConfig, load_config
 from .export import export_hf
 from .full_finetune import FinetuneResult
+from .wear import WearMeter
 
 _RECIPE_KEYS = ("prefetch", "lora")  # optim_args read here, not by ZOHyper
 
@@ -161,6 +162,8 @@ class ZORecipe:
     # ------------------------------------------------------------------ train
     def train(self) -> None:
         cfg, tr = self.cfg, self.trainer
+        store = getattr(tr.weights, "store", None)  # streamed from NVMe; in memory: none
+        self.wear = WearMeter(store, cfg.ssd_tbw, self.swap or self.out / "swap", self.out, len(tr.log))
         self.sink.emit(RunStarted(run_name=self.out.name, model=cfg.model, n_params=self.n_params,
                                   n_trainable=self.n_trainable, total_steps=cfg.max_steps, output_dir=str(self.out),
                                   method=cfg.method, optim=cfg.optim, config=cfg.to_dict()))
@@ -184,11 +187,11 @@ class ZORecipe:
             if rec.step % cfg.log_every == 0 or rec.step == cfg.max_steps or eval_loss is not None:
                 self.losses.append(rec.loss)
                 tiers = tr.tier_stats()  # the store's counters, bandwidth since the last log line
-                self.sink.emit(dist.with_ranks(self.ranks, StepEvent(
+                self.sink.emit(dist.with_ranks(self.ranks, self.wear.fill(StepEvent(
                     step=rec.step, total_steps=cfg.max_steps, loss=rec.loss, lr=lr,
                     tokens_per_s=tokens_per_step / stats.step_s, step_s=stats.step_s,
                     elapsed_s=time.perf_counter() - t_start, rss_bytes=rss_bytes(),
-                    ram_bytes=ram_total_bytes(), eval_loss=eval_loss, stall_s=stats.stall_s, tiers=tiers), self.out))
+                    ram_bytes=ram_total_bytes(), eval_loss=eval_loss, stall_s=stats.stall_s, tiers=tiers)), self.out))
         dist.check_stop(self.stop, self.ranks, self.out)
 
     def _eval(self, step: int) -> float:
@@ -204,11 +207,10 @@ class ZORecipe:
         self._close(flush=not interrupted)
         if not interrupted and self.cfg.export and self.ranks.is_main:
             final_dir = export_zo_run(self.out, self.out / "final")
-        self.sink.emit(RunFinished(steps_done=len(self.trainer.log), wall_s=time.perf_counter() - self._t0,
-                                   peak_rss_bytes=peak_rss_bytes(), output_dir=str(self.out),
-                                   base_eval_loss=self.base_eval_loss, final_eval_loss=final_eval,
-                                   interrupted=interrupted,
-                                   final_dir=None if final_dir is None else str(final_dir)))
+        self.sink.emit(self.wear.fill(RunFinished(
+            steps_done=len(self.trainer.log), wall_s=time.perf_counter() - self._t0, peak_rss_bytes=peak_rss_bytes(),
+            output_dir=str(self.out), base_eval_loss=self.base_eval_loss, final_eval_loss=final_eval,
+            interrupted=interrupted, final_dir=None if final_dir is None else str(final_dir))))
         self.sink.close()
         return FinetuneResult(output_dir=self.out, steps_done=len(self.trainer.log), final_dir=final_dir,
                               base_eval_loss=self.base_eval_loss, final_eval_loss=final_eval,

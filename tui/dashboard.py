@@ -1,4 +1,4 @@
-"""The live terminal dashboard (rich): progress, loss, speed, memory and the memory tiers.
+"""The live terminal dashboard (rich): progress, loss, speed, memory, SSD writes and the memory tiers.
 
 Threading: ``emit`` runs on the trainer's thread and only folds the event into a
 ``RunState`` under a lock (microseconds). Drawing happens on rich ``Live``'s own
@@ -20,7 +20,7 @@ from ..events import EvalEvent, RunFinished, RunStarted, StepEvent, TaskEvalEven
 from .format import (fmt_bytes, fmt_count, fmt_duration, fmt_float, fmt_gbps, fmt_lr,
                      fmt_percent, fmt_seconds, perplexity, sparkline)
 from .state import RunState, TierView
-from .summary import RunSummary, summary_panel
+from .summary import RunSummary, summary_panel, wear_text
 
 REFRESH_PER_SECOND = 4.0  # enough to look live, little enough to cost nothing
 MAX_WIDTH = 112  # both panels share one width, capped so a wide terminal does not stretch them
@@ -229,6 +229,10 @@ class Dashboard:
                     cells.append(Text(fmt_bytes(ev.device_bytes)))
             mem.add_row(*cells)
             grid.add_row("memory", mem)
+            wear = wear_text(ev.ssd_written_bytes, ev.ssd_written_per_step_bytes, ev.ssd_life_used_pct,
+                             ev.ssd_life_per_1000_steps_pct)
+            if wear:  # SSD wear: what this run wrote to its swap disk (recipes/wear.py)
+                grid.add_row("ssd", Text(wear))
 
         title, style = self._title(snap)
         return Panel(grid, title=title, title_align="left", box=box.ROUNDED, border_style=style,

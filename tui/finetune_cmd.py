@@ -53,6 +53,7 @@ FLAGS: tuple[tuple[str, str, Any, str | None, str], ...] = (
     ("--activations", "activations", str, "POLICY", f"one of: {', '.join(ACTIVATION_POLICIES)}"),
     ("--activations-compress", "activations_compress", str, "CODEC",
      f"offloaded activations stored as: {', '.join(ACTIVATION_COMPRESSION)} (8-bit, per-block scales)"),
+    ("--ssd-tbw", "ssd_tbw", float, "TB", "the swap disk's rated terabytes written: show the share of its life used"),
     ("--ui", "ui", str, "MODE", f"one of: {', '.join(UI_MODES)} (auto: rich on a terminal, else plain)"),
 )
 

@@ -5,11 +5,17 @@ Row format (strict JSON, one object per line)::
     {"step": 12, "total_steps": 40, "loss": 2.31, "lr": 4.5e-05, "tokens_per_s": 1210.0,
      "step_s": 0.42, "elapsed_s": 5.1, "rss_bytes": 3400000000, "ram_bytes": ...,
      "stall_s": 0.0, "eval_loss": 2.40,                    # eval_loss only on eval steps
+     "ssd_written_bytes": ..., "ssd_written_per_step_bytes": ...,  # SSD wear (recipes/wear.py)
+     "ssd_life_used_pct": ..., "ssd_life_per_1000_steps_pct": ...,  # only with ssd_tbw
      "tiers.NVME.held_bytes": ..., "tiers.NVME.read_gbps": ..., ...,   # one key per tier field
      "time": 1763760000.0}                                  # unix time the row was written
 
 * ``None`` fields (``grad_norm``, ``device_bytes``, ``eval_loss`` ...) are left out; NaN/inf
   are written as ``null`` so that every line parses with a strict JSON reader (``jq``).
+* ``ssd_written_bytes``: bytes the run wrote to its swap disk since it started (the swap
+  file, setup included, and checkpoints / the export on that disk);
+  ``ssd_written_per_step_bytes``: per step since the previous row; with ``ssd_tbw`` the
+  percent of the drive's rated writes the run used and that 1000 steps like these would use.
 * ``tiers`` is flattened as ``tiers.<TIER>.<field>`` -- the same keys
   ``pandas.json_normalize`` would make -- so the file loads with ``pandas.read_json(lines=True)``.
 * Each line is flushed as it is written: a killed run keeps every row it logged.

@@ -13,7 +13,7 @@ from ..events import EvalEvent, RunFinished, RunStarted, StepEvent, TaskEvalEven
 from .format import (fmt_bytes, fmt_count, fmt_duration, fmt_float, fmt_gbps, fmt_lr,
                      fmt_percent, fmt_seconds, perplexity)
 from .state import RunState, as_tier_stats
-from .summary import RunSummary, summary_lines
+from .summary import RunSummary, summary_lines, wear_text
 
 
 def started_line(ev: RunStarted) -> str:
@@ -33,7 +33,7 @@ def step_line(ev: StepEvent, state: RunState | None = None) -> str:
 
     Returns:
         The line, without a newline. Tier traffic and the I/O stall share are appended
-        when the event carries tiers.
+        when the event carries tiers, and the bytes written to the swap disk when measured.
     """
     width = len(str(ev.total_steps))
     parts = [f"step {ev.step:>{width}}/{ev.total_steps}", f"loss {fmt_float(ev.loss)}"]
@@ -53,6 +53,10 @@ def step_line(ev: StepEvent, state: RunState | None = None) -> str:
                      f"w {fmt_gbps(stats.write_gbps)}")
     if ev.tiers and ev.step_s > 0:
         parts.append(f"stall {fmt_percent(min(1.0, ev.stall_s / ev.step_s))}")
+    wear = wear_text(ev.ssd_written_bytes, ev.ssd_written_per_step_bytes, ev.ssd_life_used_pct,
+                     ev.ssd_life_per_1000_steps_pct)
+    if wear:
+        parts.append(f"ssd {wear}")
     if state is not None:
         parts.append(f"eta {fmt_duration(state.eta_s())}")
     return " | ".join(parts)

@@ -19,8 +19,11 @@ DESCRIPTION = """\
 Plan a fine-tuning run without running it: for each class of tensor (weights,
 gradients, optimizer state, activations) the tier that holds it (DEVICE, HOST,
 NVME), the prefetch depth, the largest micro-batch that fits, bytes per tier and
-the expected step time split into compute and I/O. Takes the same options as
-'outcore finetune'.
+the expected step time split into compute and I/O. Lists every configuration it
+considered (offload layout x activation policy): whether it fits, its estimated
+step time and the bytes it writes to the SSD per step; 'auto' takes the fastest
+that fits, or among those within 10% of it the one that writes least. Takes the
+same options as 'outcore finetune'.
 
 examples:
   outcore plan

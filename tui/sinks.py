@@ -25,7 +25,7 @@ from ..recipes.config import UI_MODES
 from .metrics import MetricsWriter, read_metrics
 from .plot import LOSS_CURVE_FILENAME, curves_from_rows, plot_loss_curve, task_accuracy_from_rows
 from .state import RunState
-from .summary import RunSummary, summary_paths
+from .summary import RunSummary, summary_paths, wear_fields
 from .trackers import Trackers
 
 class NullView:
@@ -115,7 +115,7 @@ class RunSink:
             method=started.method if started else None, optim=started.optim if started else None,
             ram_bytes=(last.ram_bytes or None) if last else None,
             peak_device_bytes=st.peak_device_bytes, base_eval_loss=base, final_eval_loss=final,
-            mean_tokens_per_s=st.mean_tokens_per_s(), **_task_fields(st),
+            mean_tokens_per_s=st.mean_tokens_per_s(), **_task_fields(st), **wear_fields(event),
             paths=summary_paths(out, event.final_dir, self.metrics.path, self.loss_curve_path,
                                 event.interrupted))
 

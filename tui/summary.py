@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..events import RunFinished
 from .format import fmt_bytes, fmt_count, fmt_duration, fmt_float, perplexity
 
 
@@ -36,6 +37,9 @@ class RunSummary:
     final_task_acc: float | None = None  # after the last step
     base_task_acc_norm: float | None = None
     final_task_acc_norm: float | None = None
+    ssd_written_bytes: int | None = None  # bytes the run wrote to its swap disk (recipes/wear.py)
+    ssd_life_used_pct: float | None = None  # with ssd_tbw: % of the drive's rated writes this run used
+    ssd_life_per_1000_steps_pct: float | None = None  # ... and 1000 steps like these would use
     paths: dict[str, str] = field(default_factory=dict)  # label -> path (output, final model, metrics, ...)
 
     @property
@@ -96,9 +100,43 @@ def summary_rows(summary: RunSummary) -> list[tuple[str, str]]:
         rows.append(("peak device memory", fmt_bytes(summary.peak_device_bytes)))
     if summary.mean_tokens_per_s is not None:
         rows.append(("throughput", f"{fmt_count(summary.mean_tokens_per_s)} tokens/s"))
+    wear = wear_text(summary.ssd_written_bytes, None, summary.ssd_life_used_pct,
+                     summary.ssd_life_per_1000_steps_pct)
+    if wear:
+        rows.append(("SSD written", wear))
     for label, path in summary.paths.items():
         rows.append((label, path))
     return rows
+
+
+def wear_fields(event: RunFinished) -> dict[str, Any]:
+    """The RunSummary fields of a finished run's SSD wear (its ``ssd_*`` fields)."""
+    return {"ssd_written_bytes": event.ssd_written_bytes, "ssd_life_used_pct": event.ssd_life_used_pct,
+            "ssd_life_per_1000_steps_pct": event.ssd_life_per_1000_steps_pct}
+
+
+def wear_text(written: float | None, per_step: float | None, life_pct: float | None,
+              per_1000_pct: float | None) -> str | None:
+    """SSD wear as one phrase, the same on the dashboard, the plain log and the summary, e.g.
+    ``1.2 GiB, 40.0 MiB/step; 0.0002% of rated life, 0.0067% per 1000 steps``.
+
+    Args:
+        written: bytes written to the swap disk this run (None: not measured).
+        per_step: bytes per step (None: leave it out).
+        life_pct, per_1000_pct: percent of the drive's rated writes used, and that 1000
+            steps would use (None: no ``ssd_tbw`` given).
+
+    Returns:
+        The phrase, or None when nothing was measured.
+    """
+    if written is None:
+        return None
+    text = fmt_bytes(written) + (f", {fmt_bytes(per_step)}/step" if per_step is not None else "")
+    if life_pct is not None:
+        text += f"; {life_pct:.3g}% of rated life"
+        if per_1000_pct is not None:
+            text += f", {per_1000_pct:.3g}% per 1000 steps"
+    return text
 
 
 def _task_rows(summary: RunSummary) -> list[tuple[str, str]]:
