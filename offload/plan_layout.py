@@ -19,7 +19,7 @@ from .modes import CPU, NONE, NVME
 from .plan_budget import Budgets
 from .plan_sizes import (MethodTraits, ModelSpec, UnitBytes, block_activation_bytes, checkpoint_bytes,
                          forward_flops_per_token, head_activation_bytes)
-from .unit_sizes import window_bytes
+from .unit_sizes import step_window, window_bytes
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
 KEEP, RECOMPUTE = ActivationPolicy.KEEP.value, ActivationPolicy.RECOMPUTE.value
@@ -178,10 +178,11 @@ def account(w: Workload, lay: Layout, batch: int) -> Accounting:
     if streamed:
         k = max(lay.prefetch, 1)
         slack = max(_slack(us[i]) for i in streamed)
-        # As the engine sizes its arenas (offload/training.py: the largest unit once, the rest
-        # at the second size): on DEVICE the unit computing, what it borrows, k prefetched and
-        # k + 1 kept for the next phase; gradients: one being produced, one being handed off.
-        acc.add(Tier.DEVICE, "prefetch window", window_bytes([us[i].weights for i in streamed], 2 * k + 1))
+        # As the engine sizes its arenas (unit_sizes.working_set): on DEVICE the unit computing,
+        # what it borrows, k prefetched and k + 1 kept for the next phase, consecutive in the
+        # step's order; gradients: one being produced, one being handed off.
+        weights = [0 if lay.resident[i] else u.weights for i, u in enumerate(us)]
+        acc.add(Tier.DEVICE, "prefetch window", step_window(weights, 2 * k + 2, [u.borrows for u in us]))
         acc.add(Tier.DEVICE, "grad window", 2 * max(us[i].grads for i in streamed))
         acc.add(Tier.DEVICE, "alignment", (k + 3) * slack)
         nvme_w = [us[i].weights for i in streamed if lay.weights[i] == Tier.NVME]
