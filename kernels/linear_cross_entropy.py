@@ -4,8 +4,8 @@ The full-logits path materialises ``hidden @ weight.T`` ([N, V] fp32: 1.6 GB at
 8k tokens and a 49k vocabulary) plus its log-softmax and their gradients. Here
 the rows are processed ``chunk_size`` at a time: a chunk's logits are computed,
 turned *in place* into the gradient of the loss w.r.t. those logits, and
-immediately contracted into ``d_hidden`` (rows of the chunk) and ``d_weight``
-(accumulated in fp32). Only one chunk of logits ever exists.
+contracted into ``d_hidden`` (rows of the chunk) and ``d_weight`` (accumulated in
+fp32, or in 16 bits one GEMM over the kept [N, V] d_logits when N is small).
 
 Gradients are computed **during the forward** for ``reduction="mean"|"sum"``:
 the backward then only scales them by the incoming scalar gradient. That costs
@@ -19,10 +19,8 @@ Ops (docs/architecture.md §8), declared with ``torch.library.custom_op``:
 - ``outcore::linear_cross_entropy_fwd`` -> (loss, d_hidden, d_weight, d_bias)
 - ``outcore::linear_cross_entropy_bwd`` -> (d_hidden, d_weight, d_bias)
 
-Their default impl (CPU and any device) is pure PyTorch; the impl registered for
-``cuda`` runs the same chunk loop, but the per-chunk
-softmax/gradient pass is a Triton kernel (``linear_cross_entropy_triton.py``)
-while the matmuls stay with cuBLAS.
+Their default impl (CPU and any device) is pure PyTorch; on ``cuda`` the same chunk loop
+runs the per-chunk softmax/gradient pass as a Triton kernel (``linear_cross_entropy_triton.py``).
 """
 from __future__ import annotations
 
@@ -40,9 +38,8 @@ REDUCTIONS = {"none": 0, "sum": 1, "mean": 2}
 # rows, forward and backward), 16 MiB about 20% more (the [V, H] d_weight is re-read per chunk).
 _CHUNK_LOGITS_BYTES = 32 << 20
 
-# A chunk CE function: (logits [c, V] fp32, modified in place into d_logits when
-# need_grad; targets [c] int64; scale [c] fp32; ignore_index; label_smoothing;
-# need_grad) -> per-row loss [c] fp32.
+# A chunk CE function: (logits [c, V] fp32, modified in place into d_logits when need_grad;
+# targets [c] int64; scale [c] fp32; ignore_index; label_smoothing; need_grad) -> loss [c] fp32.
 ChunkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, float, bool], torch.Tensor]
 
 
@@ -126,15 +123,19 @@ def lce_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
         ce_chunk: per-chunk CE function (reference or Triton).
 
     Returns:
-        (loss_rows [N] fp32, d_hidden [N, H] or None, d_weight [V, H] fp32 or None,
-        d_bias [V] fp32 or None).
+        (loss_rows [N] fp32, d_hidden [N, H], d_weight [V, H] fp32 (16-bit: ``few``),
+        d_bias [V] fp32; each None when not needed).
     """
     n, _ = hidden.shape
     vocab = weight.shape[0]
     need_grad = need_dh or need_dw or need_db
     loss_rows = torch.empty(n, dtype=torch.float32, device=hidden.device)
     d_hidden = torch.empty_like(hidden) if need_dh else None
-    d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw else None
+    # 16-bit, few rows: d_logits kept ([N, V] <= the [V, H] fp32 accumulator), d_weight one GEMM
+    # after the loop (Llama-3-8B, 256 tokens: 63 MiB, not 2 GiB + 3 GiB of temporaries per chunk)
+    few = need_dw and hidden.dtype != torch.float32 and n * hidden.element_size() <= 4 * hidden.shape[1]
+    d_logits = hidden.new_empty(n, vocab) if few else None
+    d_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_dw and not few else None
     d_bias = torch.zeros(vocab, dtype=torch.float32, device=weight.device) if need_db else None
     scale = scale.to(torch.float32).expand(n) if scale.dim() == 0 else scale.to(torch.float32)
     w_t = weight.t()
@@ -152,17 +153,18 @@ def lce_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
         g = logits.to(hidden.dtype)  # d_logits [c, V]; a no-op in fp32
         if need_dh:
             torch.mm(g, weight, out=d_hidden[start:stop])
-        if need_dw:
-            if g.dtype == torch.float32:
-                d_weight.addmm_(g.t(), h)
-            else:
-                d_weight.add_(torch.mm(g.t(), h).float())
+        if few:
+            d_logits[start:stop] = g
+        elif need_dw:
+            d_weight.addmm_(g.t(), h) if g.dtype == torch.float32 else d_weight.add_(torch.mm(g.t(), h).float())
         if need_db:
             d_bias.add_(logits.sum(dim=0))
-        # Drop this chunk before the next one is computed: rebinding `logits` frees it only
-        # after the next [c, V] product exists, so two chunks (2 x ~32 MiB) would be live.
+        # drop this chunk now: rebinding `logits` would free it after the next one exists
         del logits, g
+    if few:
+        d_weight = torch.mm(d_logits.t(), hidden)
     return loss_rows, d_hidden, d_weight, d_bias
+
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:

@@ -116,7 +116,7 @@ class OutOfCoreEngine:
                 s.param.data = _empty(s.param.dtype)
         self._handles = []
         self._install_hooks()
-        self._restore_embedding = self._rows_for_tied_embedding(grad_accum)
+        self._restore_embedding = self._row_gradient_embedding(grad_accum)
 
     @property
     def spill(self) -> bool:
@@ -134,17 +134,21 @@ class OutOfCoreEngine:
                              "of them (full fine-tune) or none (adapters, resident_trainable=True)")
         return resident
 
-    def _rows_for_tied_embedding(self, grad_accum: int) -> Callable[[], None] | None:
-        """A tied embedding: the input side's gradient arrives as rows, added into the head's
-        gradient in place (tied_embedding.py) instead of autograd's two extra [V, H] tensors;
-        unit 0 then waits for one more gradient. Not with accumulation: autograd adds
-        (head + rows) to the earlier micro-batches' sum, this would add them one by one."""
+    def _row_gradient_embedding(self, grad_accum: int) -> Callable[[], None] | None:
+        """The embedding's input-side gradient arrives as rows (tied_embedding.py), not as
+        autograd's dense [V, H]: added into a tied head's gradient in place (instead of two
+        more [V, H] tensors; unit 0 then waits for one more gradient), or kept as an untied
+        embedding's gradient and densified a piece at a time by its update. Not with
+        accumulation (autograd adds (head + rows) to the earlier micro-batches' sum, this
+        would add them one by one), nor untied with clipping (the norm is the dense one's)."""
         embed = self.units[0] if self.units else None
-        if (embed is None or 0 not in self.units[-1].borrows or len(embed.modules) != 1
-                or grad_accum != 1 or embed.trainable != 1):
+        if embed is None or len(embed.modules) != 1 or grad_accum != 1 or embed.trainable != 1:
+            return None
+        tied = 0 in self.units[-1].borrows
+        if not (tied or self.step_in_backward):
             return None
         restore = row_gradient_embedding(embed.modules[0], self._embedding_rows)
-        if restore is not None:
+        if restore is not None and tied:
             embed.trainable += 1
         return restore
 
@@ -265,12 +269,14 @@ class OutOfCoreEngine:
         self._unbind(index)
 
     def _embedding_rows(self, rows: torch.Tensor) -> None:
-        """The input side's gradient of a tied embedding (sparse rows): added in place into
-        what the head gave, as autograd's merge would (same bits), then unit 0 counts it."""
+        """The input side's gradient of the embedding (sparse rows): added in place into what
+        a tied head gave, as autograd's merge would (same bits), or kept sparse as the whole
+        gradient (``tied_embedding.dense_range`` densifies it for the update); then unit 0
+        counts it."""
         (k,) = self.units[0].train_slots
         param = self.units[0].slots[k].param
         if param.grad is None:
-            param.grad = rows.to_dense()
+            param.grad = rows
         else:
             param.grad.add_(rows)
         self._grad_ready(0)

@@ -19,7 +19,7 @@ from .modes import CPU, NONE, NVME
 from .plan_budget import Budgets
 from .plan_sizes import (MethodTraits, ModelSpec, UnitBytes, block_activation_bytes, checkpoint_bytes,
                          forward_flops_per_token, head_activation_bytes)
-from .unit_sizes import window_bytes
+from .unit_sizes import step_window, window_bytes
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
 KEEP, RECOMPUTE = ActivationPolicy.KEEP.value, ActivationPolicy.RECOMPUTE.value
@@ -138,6 +138,21 @@ def _fetch_bytes(w: Workload, lay: Layout, i: int) -> int:
     return u.weights + sum(w.units[j].weights for j in u.borrows if not lay.resident[j])
 
 
+def _grad_window(w: Workload, streamed: list[UnitBytes]) -> int:
+    """Gradient bytes beside the weights on DEVICE. On a GPU, one unit's being produced and
+    one being handed off to the host. On a CPU the update runs in the backward's hook (or the
+    spill does), so one unit's gradients at a time (the head's, computed in the forward with
+    the loss, live until its update) plus the update's fp32 copy of what it updates at once —
+    a piece, or a whole unit — when it steps fp32 masters from 16-bit gradients."""
+    grads = max(u.grads for u in streamed)
+    if w.budgets.device_kind != "cpu":
+        return 2 * grads
+    if w.dtype == "float32" or not any(u.state for u in streamed):
+        return grads
+    at_once = [u.trainable * u.state_piece // u.state if u.state_piece else u.trainable for u in streamed if u.state]
+    return grads + 4 * max(at_once)
+
+
 def activation_bytes(w: Workload, policy: str, batch: int, window: int) -> tuple[int, int]:
     """(DEVICE bytes, HOST bytes) of activations for ``batch`` sequences under ``policy``."""
     s, spec = w.seq_len, w.spec
@@ -180,11 +195,12 @@ def account(w: Workload, lay: Layout, batch: int) -> Accounting:
     if streamed:
         k = max(lay.prefetch, 1)
         slack = max(_slack(us[i]) for i in streamed)
-        # As the engine sizes its arenas (offload/training.py: the largest unit once, the rest
-        # at the second size): on DEVICE the unit computing, what it borrows, k prefetched and
-        # k + 1 kept for the next phase; gradients: one being produced, one being handed off.
-        acc.add(Tier.DEVICE, "prefetch window", window_bytes([us[i].weights for i in streamed], 2 * k + 1))
-        acc.add(Tier.DEVICE, "grad window", 2 * max(us[i].grads for i in streamed))
+        # As the engine sizes its arenas (unit_sizes.working_set): on DEVICE the unit computing,
+        # what it borrows, k prefetched and k + 1 kept for the next phase, consecutive in the
+        # step's order; gradients: one being produced, one being handed off.
+        weights = [0 if lay.resident[i] else u.weights for i, u in enumerate(us)]
+        acc.add(Tier.DEVICE, "prefetch window", step_window(weights, 2 * k + 2, [u.borrows for u in us]))
+        acc.add(Tier.DEVICE, "grad window", _grad_window(w, [us[i] for i in streamed]))
         acc.add(Tier.DEVICE, "alignment", (k + 3) * slack)
         nvme_w = [us[i].weights for i in streamed if lay.weights[i] == Tier.NVME]
         # a unit whose state streams in pieces stages a piece at a time, its spilled gradient too

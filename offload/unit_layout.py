@@ -61,12 +61,9 @@ def store_unit(store: TieredStore, unit: Unit, optimizer: Any, homes: tuple[Tier
     del w
     inits = _state_layout(unit, optimizer, masters)
     for kind, (numel, dtype) in list(unit.flat.items())[1:]:
-        flat = _initial_state(unit, kind, numel, dtype, inits)
         for part, lo, hi in unit.kind_parts(kind):
-            unit.handles[part] = store.register(
-                f"{unit.name}:{part}", home=s_home, shape=(hi - lo,), dtype=dtype,
-                data=None if flat is None else flat[lo:hi].clone())
-        del flat
+            unit.handles[part] = store.register(f"{unit.name}:{part}", home=s_home, shape=(hi - lo,), dtype=dtype,
+                                                data=_initial_state(unit, kind, lo, hi, dtype, inits))
     # The initial state goes before the weights: freed the other way round, glibc's heap
     # stayed fragmented and RSS grew ~8 MB per block (tests/offload/test_bounded_rss.py).
     del masters, inits
@@ -141,15 +138,18 @@ def _state_layout(unit: Unit, optimizer: Any, masters: dict[int, torch.Tensor]
     return inits
 
 
-def _initial_state(unit: Unit, kind: str, numel: int, dtype: torch.dtype,
+def _initial_state(unit: Unit, kind: str, lo: int, hi: int, dtype: torch.dtype,
                    inits: list[dict[str, torch.Tensor]]) -> torch.Tensor | None:
-    """The flat initial value of state ``kind``, or None when it is all zeros (Adam's moments:
-    the store then starts it as zeros, with no I/O)."""
+    """The initial value of elements [lo, hi) of state ``kind``'s flat buffer (one piece, or the
+    whole), or None when it is all zeros (Adam's moments: the store then starts it as zeros,
+    with no I/O). Built a piece at a time: an 8B embedding's fp32 master is 2 GiB whole."""
     values = [(entry[kind], init[kind]) for entry, init in zip(unit.layout, inits)
               if kind in entry and init[kind].any()]
     if not values:
         return None
-    flat = torch.zeros(numel, dtype=dtype)
+    flat = torch.zeros(hi - lo, dtype=dtype)
     for s, value in values:
-        flat[s.offset:s.offset + s.shape.numel()].view(s.shape).copy_(value)
+        a, b = max(lo, s.offset), min(hi, s.offset + s.shape.numel())
+        if a < b:
+            flat[a - lo:b - lo] = value.reshape(-1)[a - s.offset:b - s.offset]
     return flat

@@ -56,6 +56,12 @@ class StoreUnitMemory:
         self.store = store
         self.units = units
         homes = homes or [(Tier.parse(home), Tier.parse(home))] * len(units)
+        # The arenas sit empty while the units are laid out: their pages go back to the OS
+        # (faulted in again when training uses them), so the setup's peak — a large unit's
+        # initial weights, fp32 masters and state (an 8B embedding's: 4 GiB) — is not paid
+        # on top of them.
+        for tier in (Tier.DEVICE, Tier.HOST):
+            store.discard_free(tier)
         for unit in units:
             store_unit(store, unit, optimizer, homes[unit.index], init_weights=init_weights,
                        master_weights=master_weights, quantize_frozen=quantize_frozen,

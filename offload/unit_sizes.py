@@ -168,16 +168,44 @@ def _unit_dtype(unit: Unit) -> torch.dtype:
 
 def window_bytes(sizes: list[int], count: int) -> int:
     """The largest of ``sizes`` plus ``count`` of the second largest (an embedding is far larger
-    than a block, and only one of it is ever in flight): how the engine sizes its DEVICE and
-    HOST arenas (``training.offload_model``) and the plan its windows (``plan_layout``)."""
+    than a block, and only one of it is ever in flight): how the engine sizes its HOST arena
+    (``training.offload_model``) and the plan its staging (``plan_layout``)."""
     top = sorted(sizes, reverse=True) + [0, 0]
     return top[0] + count * top[1]
 
 
+def step_window(sizes: list[int], count: int, borrows: list[list[int]] | list[tuple[int, ...]]) -> int:
+    """The most bytes ``count`` consecutive units of the step's order (and the units they
+    borrow) take together: the DEVICE window. The engine only ever holds, prefetches or keeps
+    units next to each other in that order (forward, then backward, then the next forward),
+    so an untied embedding and LM head — each far larger than a block — are never both in
+    it, unless the model is so shallow that ``count`` units span both.
+
+    Args:
+        sizes: each unit's bytes, in forward order.
+        count: units in the window.
+        borrows: per unit, the units whose weights it also needs (a tied head: the embedding).
+    """
+    n = len(sizes)
+    best = 0
+    for start in range(max(1, n - count + 1)):
+        held = set(range(start, min(n, start + count)))
+        held |= {j for i in list(held) for j in borrows[i]}
+        best = max(best, sum(sizes[j] for j in held))
+    return best
+
+
+#: a state piece is at most this large: one such O_DIRECT request already reads at the disk's
+#: speed, and the HOST window holds a few pieces (an 8B block's fp32 master + 8-bit moments
+#: are 1.23 GiB: whole, three of them would be the HOST arena)
+MAX_PIECE_BYTES = 256 << 20
+
+
 def piece_size(states: list[int], blocks: list[bool]) -> int | None:
-    """The size of a state piece: the second-largest block's state (a unit's state over 1.5 x
-    this streams in pieces: the embedding, an untied head, a mixture-of-experts block among
-    dense ones), or the second-largest unit's without blocks; None for a single unit.
+    """The size of a state piece: the second-largest block's state, at most ``MAX_PIECE_BYTES``
+    (a unit's state over 1.5 x this streams in pieces: the embedding, an untied head, a
+    mixture-of-experts block among dense ones, every block of a large model), or the
+    second-largest unit's without blocks; None for a single unit.
 
     Args:
         states: each unit's state bytes.
@@ -187,7 +215,7 @@ def piece_size(states: list[int], blocks: list[bool]) -> int | None:
     sizes = of_blocks if of_blocks else sorted(states)
     if len(states) < 2:
         return None
-    return sizes[-2] if len(sizes) >= 2 else sizes[-1]
+    return min(sizes[-2] if len(sizes) >= 2 else sizes[-1], MAX_PIECE_BYTES)
 
 
 @dataclass
@@ -220,8 +248,8 @@ def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier]], k:
 
     DEVICE: at the turn of the step the engine wants the unit computing, its borrowed (tied)
     weights, k prefetched and k+1 kept for the next phase: 2k + 3 units. Kept units are only
-    a wish (evicted, oldest first, when a fetch needs the room), so the window is 2k + 2
-    units: the largest once, the rest at the second size. HOST: the units whose home is
+    a wish (evicted, oldest first, when a fetch needs the room), so the window is the 2k + 2
+    consecutive units (and what they borrow) that take the most (``step_window``). HOST: the units whose home is
     HOST, and the optimizer state streaming through: the unit updating and k prefetched (a
     copy still writing back is evicted when its write lands; the arena allocates large
     blocks from the top, so the embedding's state and the blocks' do not fragment each
@@ -243,6 +271,6 @@ def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier]], k:
     host_home = sum(w for w, (hw, _) in zip(w_sizes, homes) if hw is Tier.HOST)
     host_home += sum(s for s, (_, hs) in zip(s_sizes, homes) if hs is Tier.HOST)
     streams = any(hs is Tier.NVME for _, hs in homes)
-    return WorkingSet(device=window_bytes(w_sizes, 2 * k + 1),
+    return WorkingSet(device=step_window(w_sizes, 2 * k + 2, [u.borrows for u in units]),
                       host=host_home + (window_bytes(window_sizes, k + 1) if streams else 0),
                       piece_bytes=piece_bytes)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .tied_embedding import dense_range
 from .unit_memory import StoreUnitMemory
 from .units import GRADS, WEIGHTS, Part, Unit
 
@@ -119,7 +120,7 @@ class UnitUpdater:
             if self.clip_norm is not None:  # torch's own clip arithmetic, on this unit's share
                 torch.nn.utils.clip_grads_with_norm_([unit.slots[k].param for k in train],
                                                      self.max_grad_norm, self.clip_norm)
-        grads = [unit.slots[k].param.grad for k in train]
+        grads = [dense_range(g, 0, g.numel()).view(g.shape) for g in (unit.slots[k].param.grad for k in train)]
         self._step(params, grads, [unit.state_views(flats, k) for k in train])
         if self.spill:
             self.mem.release(unit.index, GRADS, dirty=False)
@@ -145,7 +146,7 @@ class UnitUpdater:
                     s = unit.layout[k][kind]
                     t[s.offset:s.offset + s.shape.numel()].copy_(start[kind][s.offset:s.offset + s.shape.numel()])
                 params.append(unit.view(unit.bound, unit.slots[k]).view(-1)[lo:hi])
-                g = spilled[at:at + hi - lo] if self.spill else unit.slots[k].param.grad.reshape(-1)[lo:hi]
+                g = spilled[at:at + hi - lo] if self.spill else dense_range(unit.slots[k].param.grad, lo, hi)
                 at += hi - lo
                 if coef is not None:
                     g.mul_(coef)  # clip_grads_with_norm_'s arithmetic, on this segment

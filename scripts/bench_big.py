@@ -1,20 +1,26 @@
-"""Full fine-tuning of a model far larger than the RAM it uses: SmolLM2-1.7B dimensions.
+"""Full fine-tuning of a model far larger than the RAM it uses: SmolLM2-1.7B or Llama-3-8B shape.
 
 The model is built on the meta device; each unit is initialized (random, seeded)
 straight into the tiered store, so the whole model never exists in RAM. Weights
 and optimizer state live on NVMe; blocks are recomputed in the backward; the loss
-is the chunked LM-head loss. Prints step time, bytes moved per step (as the storage
-layer saw them, /proc/self/io) and peak RSS.
+is the chunked LM-head loss. The run is set up by the recipe's own builders from a
+``FinetuneConfig`` (``make_plan``, ``build_optimizer``, ``offload_from_plan``), so what
+the plan estimates is what the engine is given. Prints step time, bytes moved per step
+(as the storage layer saw them, /proc/self/io) and peak RSS, each beside the plan's
+estimate.
 
     python scripts/bench_big.py --json                 # 1.7B, AdamW8bit, 3 steps
     python scripts/bench_big.py --layers 4 --steps 2   # a quick check
+    python scripts/bench_big.py --shape llama3-8b --dtype bfloat16 --layers 4 --json
+                     # Llama-3.1-8B's shape (vocab 128256, untied head), 4 of its 32 blocks
     python scripts/bench_big.py --method qlora --dtype bfloat16 --json
                      # QLoRA: the frozen base streams as NF4, adapters resident
 
 ``--method lora|qlora`` puts peft adapters (rank 16) on every linear layer of the
 blocks; their AdamW state stays in RAM and nothing is written back to NVMe.
 ``--dtype bfloat16`` computes in bf16 (full fine-tune: with fp32 master weights in
-the state tier).
+the state tier). ``--precision P`` and ``--set KEY=VALUE`` pass config keys through to
+the ``FinetuneConfig`` (an unknown key is refused by the config, as on the command line).
 """
 from __future__ import annotations
 
@@ -34,65 +40,144 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a pa
 from _measure import storage_io  # noqa: E402
 
 
+SHAPES = {
+    "smollm2-1.7b": dict(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=24,
+                         num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048,
+                         rope_theta=130000.0, tie_word_embeddings=True),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072,
+                      rope_theta=500000.0, tie_word_embeddings=False),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=24, help="decoder blocks (SmolLM2-1.7B: 24)")
+    ap.add_argument("--shape", default="smollm2-1.7b", choices=tuple(SHAPES))
+    ap.add_argument("--layers", type=int, default=None, help="decoder blocks (default: the shape's)")
     ap.add_argument("--optim", default="adamw8bit", help="optimizer name (as --optim of outcore finetune)")
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
-    ap.add_argument("--prefetch", type=int, default=1)
+    ap.add_argument("--prefetch", type=int, default=None, help="units fetched ahead (default: the plan's)")
     ap.add_argument("--activations", default="recompute", help="keep | recompute | offload")
     ap.add_argument("--swap-dir", default=None, help="parent of the swap directory (default: tmp)")
     ap.add_argument("--method", default="full", choices=("full", "lora", "qlora"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--precision", default=None, help="the config's precision= key (where this outcore has it)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another config override")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+
+    from _rss_trace import RssTrace
+    trace = RssTrace()
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    swap = tempfile.mkdtemp(prefix="bench_big_", dir=args.swap_dir)
+    try:
+        trace.mark("setup")
+        run, out = _setup(args, swap)
+        out.update(_train(run, args, trace))
+        run["engine"].close()
+    finally:
+        shutil.rmtree(swap, ignore_errors=True)  # close() removed the swap files; their folder goes too
+    out["rss_phases"] = trace.stop()
+    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps(out, indent=1) if args.json else
+          f"{out['params'] / 1e9:.2f}B params ({out['weights_bytes'] / 2**30:.1f} GiB {args.dtype} weights): "
+          f"{out['median_step_s']:.1f} s/step (plan {out['plan']['step_s']:.1f}), peak RSS "
+          f"{out['peak_rss_bytes'] / 2**30:.2f} GiB (plan {out['plan']['peak_rss_bytes'] / 2**30:.2f}), "
+          f"{out['bytes_read_per_step'] / 1e9:.1f} GB read / {out['bytes_written_per_step'] / 1e9:.1f} GB "
+          f"written per step (plan {out['plan']['nvme_read_bytes'] / 1e9:.1f} / "
+          f"{out['plan']['nvme_write_bytes'] / 1e9:.1f})")
+    return 0
+
+
+def _config(args: argparse.Namespace, swap: str):
+    """The run's FinetuneConfig: the benchmark's settings, then ``--precision`` and ``--set``."""
+    from outcore.recipes.config import load_config
+
+    keys = dict(method=args.method, optim=args.optim, dtype=args.dtype, seq_len=args.seq, batch_size=args.batch,
+                activations=args.activations, offload="nvme", max_grad_norm=0.0, grad_accum=1, lr=1e-5,
+                weight_decay=0.0, lora_r=16, lora_alpha=32, swap_dir=os.path.join(swap, "swap"),
+                output=os.path.join(swap, "out"),
+                lora_targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    extra = list(args.set) + ([f"precision={args.precision}"] if args.precision else [])
+    return load_config(overrides=[f"{k}={v}" for k, v in keys.items() if k != "lora_targets"] + extra,
+                       lora_targets=keys["lora_targets"])
+
+
+def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
+    """Build the meta model, plan it and hand it to the engine; (the run's objects, the result so far)."""
+    import dataclasses
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from outcore.activations import apply_activation_policy
     from outcore.kernels import CausalLMHeadLoss
-    from outcore.models import add_lora, plain_name
     from outcore.models._lazy import materialize_buffers
-    from outcore.offload import offload_model
-    from outcore.optim import build_optimizer
+    from outcore.recipes._common import with_lora
+    from outcore.offload.plan import plan_for_config
+    from outcore.offload.plan_budget import budgets_from_probe
+    from outcore.offload.probe import probe_hardware
+    from outcore.recipes.full_finetune import build_optimizer, offload_from_plan
 
-    torch.set_num_threads(os.cpu_count() or 1)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=args.layers,
-                      num_attention_heads=32, num_key_value_heads=32, max_position_embeddings=2048,
-                      rope_theta=130000.0, tie_word_embeddings=True, use_cache=False)
-    dtype = getattr(torch, args.dtype)
+    cfg = _config(args, swap)
+    shape = dict(SHAPES[args.shape])
+    hf = LlamaConfig(**{**shape, "num_hidden_layers": args.layers or shape["num_hidden_layers"]}, use_cache=False)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg).to(dtype)
-    materialize_buffers(model, cfg)
+        model = LlamaForCausalLM(hf).to(getattr(torch, args.dtype))
+    materialize_buffers(model, hf)
     n_params = sum(p.numel() for p in model.parameters())
-    base, adapters = model, args.method != "full"
-    if adapters:
-        model = add_lora(model, r=16, alpha=32, dropout=0.0, seed=0,
-                         targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-
-    def init(slot, out):  # seeded per parameter: the same model every run
-        g = torch.Generator().manual_seed(zlib.crc32(plain_name(slot.name).encode()))
-        if out.dim() >= 2:
-            out.normal_(0.0, 0.02, generator=g)
-        else:
-            out.fill_(1.0)
-
+    base = model
+    if cfg.uses_adapters:
+        model = with_lora(model, cfg)
+    # RAM budgets far above the need: the plan sizes the windows (what is measured here) and
+    # does not refuse the run for what other processes hold at the moment; speeds: fallbacks
+    probe = probe_hardware(swap, measure=False)
+    plan = plan_for_config(cfg, model, budgets=dataclasses.replace(
+        budgets_from_probe(probe), device_bytes=1 << 40, host_bytes=1 << 40, ram_bytes=1 << 40))
+    if args.prefetch:
+        plan = dataclasses.replace(plan, prefetch_depth=args.prefetch)
     head = CausalLMHeadLoss(base.lm_head)
     trainable = [p for p in model.parameters() if p.requires_grad]
     n_trainable = sum(p.numel() for p in trainable)  # before the engine empties streamed parameters
-    opt = (torch.optim.AdamW(trainable, lr=1e-4, fused=True) if adapters
-           else build_optimizer(args.optim, trainable, lr=1e-5, weight_decay=0.0))
-    swap = tempfile.mkdtemp(prefix="bench_big_", dir=args.swap_dir)
+    opt = build_optimizer(cfg, trainable, streaming=True)
     t0 = time.perf_counter()
-    om = offload_model(model, opt, offload="nvme", swap_dir=os.path.join(swap, "swap"), prefetch=args.prefetch,
-                       head_modules=[head], init_weights=init, resident_trainable=adapters,
-                       quantize_frozen=args.method == "qlora")
+    engine = offload_from_plan(cfg, model, opt, plan, Path(cfg.output), head_loss=head, fill=_init)
     setup_s = time.perf_counter() - t0
     if args.activations != "keep":
         apply_activation_policy(base, args.activations)
+    out = {
+        "shape": args.shape, "params": n_params, "layers": hf.num_hidden_layers, "method": args.method,
+        "dtype": args.dtype, "config_overrides": list(args.set) + ([f"precision={args.precision}"] if args.precision else []),
+        "trainable_params": n_trainable, "optim": cfg.optim, "seq_len": args.seq, "batch_size": args.batch,
+        "activations": args.activations, "prefetch": plan.prefetch_depth, "setup_s": setup_s,
+        "weights_bytes": n_params * torch.empty((), dtype=getattr(torch, args.dtype)).element_size(),
+        "plan": {"peak_rss_bytes": plan.expected_peak_rss_bytes, "step_s": plan.time.step_s,
+                 "nvme_read_bytes": plan.time.io_bytes["nvme_read"], "nvme_write_bytes": plan.time.io_bytes["nvme_write"],
+                 "tier_bytes": plan.tier_bytes},
+    }
+    return {"engine": engine, "base": base, "head": head, "vocab": hf.vocab_size}, out
+
+
+def _init(name: str, out) -> None:
+    """Seeded per parameter: the same model every run (matrices N(0, 0.02), norms 1)."""
+    import torch
+
+    g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    if out.dim() >= 2:
+        out.normal_(0.0, 0.02, generator=g)
+    else:
+        out.fill_(1.0)
+
+
+def _train(run: dict, args: argparse.Namespace, trace) -> dict:
+    """One warm-up step and ``args.steps`` timed ones: times, bytes per step and losses."""
+    import torch
+
+    base, head, om = run["base"], run["head"], run["engine"]
 
     def loss_fn(m, ids):
         return head(base.model(input_ids=ids).last_hidden_state, ids)
@@ -100,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(0)
     times, reads, writes, losses = [], [], [], []
     for step in range(args.steps + 1):
-        ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g)
+        trace.mark("warm-up" if step == 0 else "steps")
+        ids = torch.randint(0, run["vocab"], (args.batch, args.seq), generator=g)
         r0, w0 = storage_io()
         t = time.perf_counter()
         losses.append(float(om.train_step(loss_fn, [ids], 1e-5)))
@@ -113,23 +199,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             print(f"step {step}: {dt:.1f} s, loss {losses[-1]:.4f}, read {(r1 - r0) / 1e9:.2f} GB, "
                   f"written {(w1 - w0) / 1e9:.2f} GB", file=sys.stderr, flush=True)
-    om.close()
-    shutil.rmtree(swap, ignore_errors=True)  # close() removed the swap files; their folder goes too
-    out = {
-        "params": n_params, "layers": args.layers, "method": args.method, "dtype": args.dtype,
-        "trainable_params": n_trainable,
-        "optim": "adamw (adapters, resident)" if adapters else args.optim, "seq_len": args.seq,
-        "batch_size": args.batch, "activations": args.activations, "setup_s": setup_s,
-        "median_step_s": statistics.median(times), "min_step_s": min(times), "max_step_s": max(times),
-        "bytes_read_per_step": int(statistics.median(reads)), "bytes_written_per_step": int(statistics.median(writes)),
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "weights_bytes": n_params * 4, "losses": losses, "threads": torch.get_num_threads(),
-    }
-    print(json.dumps(out, indent=1) if args.json else
-          f"{n_params / 1e9:.2f}B params ({out['weights_bytes'] / 2**30:.1f} GiB fp32 weights): "
-          f"{out['median_step_s']:.1f} s/step, peak RSS {out['peak_rss_bytes'] / 2**30:.2f} GiB, "
-          f"{out['bytes_read_per_step'] / 1e9:.1f} GB read / {out['bytes_written_per_step'] / 1e9:.1f} GB written per step")
-    return 0
+    return {"median_step_s": statistics.median(times), "min_step_s": min(times), "max_step_s": max(times),
+            "bytes_read_per_step": int(statistics.median(reads)),
+            "bytes_written_per_step": int(statistics.median(writes)),
+            "losses": losses, "threads": torch.get_num_threads()}
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ import torch
 
 from outcore.offload.handle import Tier
 from outcore.offload.training import offload_model
-from outcore.offload.unit_sizes import PIECE_ALIGN, state_pieces
+from outcore.offload import unit_sizes
+from outcore.offload.unit_sizes import PIECE_ALIGN, state_pieces, step_window
 from outcore.optim import AdamW, GaLore
 from outcore.recipes.checkpoint import load_units, save_units
 from outcore.recipes.export import unit_weights
@@ -59,6 +60,8 @@ def test_pieced_embedding_is_bit_identical(tiny_llama_factory, tmp_path, offload
     assert om.store.budget(Tier.HOST) < _embed_state_bytes(om)
     head = om.mem.units[-1]
     assert bool(head.pieces) == (not tie)
+    # the embedding's input-side gradient arrives as rows (untied: densified per piece), but with clipping untied
+    assert ("forward" in ooc.model.embed_tokens.__dict__) == (tie or not clip)
     if not tie:  # the final norm's 64 elements and the first rows of lm_head share the first piece
         assert [seg[:2] for seg in head.segments[0]] == [(0, 0), (1, 0)] and len(head.slots) == 2
     g = torch.Generator().manual_seed(1)
@@ -254,3 +257,36 @@ def test_the_plan_pieces_what_the_engine_pieces(tiny_llama_factory, tmp_path, wh
                        prefetch=1)
     assert planned == [bool(u.pieces) for u in om.mem.units] and any(planned)
     om.close()
+
+
+def test_blocks_stream_in_pieces_under_the_piece_cap(tiny_llama_factory, tmp_path, monkeypatch):
+    """Pieces are at most ``MAX_PIECE_BYTES`` (an 8B block's 1.23 GiB of state would otherwise
+    be three times the HOST window): under it every unit streams in pieces, blocks included,
+    with bf16 weights and fp32 masters, an untied embedding's row gradient and untied head —
+    bit-identical to the same run with the state whole."""
+    monkeypatch.setattr(unit_sizes, "MAX_PIECE_BYTES", 16 << 10)
+    runs = []
+    for cap in (True, False):
+        if not cap:
+            monkeypatch.setattr(unit_sizes, "MAX_PIECE_BYTES", 1 << 40)
+        m = _model(tiny_llama_factory, tie=False, dtype=torch.bfloat16)
+        om = offload_model(m, AdamW(m.parameters(), lr=LR, weight_decay=WD), offload="nvme",
+                           swap_dir=tmp_path / f"swap{cap}", prefetch=1)
+        assert all(bool(u.pieces) == cap for u in om.mem.units[1:-1]), "blocks pieced only under the cap"
+        g = torch.Generator().manual_seed(2)
+        losses = [om.train_step(_loss, [torch.randint(0, VOCAB, (2, 24), generator=g)], LR) for _ in range(4)]
+        runs.append((losses, [unit_weights(om, u) for u in om.units], om.mem.state(1, "master")))
+        om.close()
+    (la, wa, ma), (lb, wb, mb) = runs
+    assert all(torch.equal(a, b) for a, b in zip(la, lb)) and torch.equal(ma, mb)
+    assert all(torch.equal(a[n], b[n]) for a, b in zip(wa, wb) for n in a)
+
+
+def test_device_window_never_holds_an_untied_embedding_and_head_at_once():
+    """The DEVICE window is the 2k + 2 consecutive units of the step that take most, with what
+    they borrow: untied, the embedding and the head are far apart; tied, the head borrows
+    the embedding; a model too shallow for the window holds both."""
+    untied = [10, 1, 1, 1, 1, 1, 10]
+    assert step_window(untied, 4, [[]] * 7) == 13
+    assert step_window([10, 1, 1, 1, 1, 1, 0], 4, [[]] * 6 + [[0]]) == 13  # the tied head: embed + 3 blocks
+    assert step_window([10, 1, 10], 4, [[]] * 3) == 21

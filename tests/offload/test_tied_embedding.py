@@ -1,10 +1,11 @@
-"""A tied embedding's input-side gradient as sparse rows: the same bits as the dense backward."""
+"""An embedding's input-side gradient as sparse rows: the same bits as the dense backward."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
-from outcore.offload.tied_embedding import row_gradient_embedding
+from outcore.offload.tied_embedding import dense_range, row_gradient_embedding
 
 
 def _tied_grads(embedding: nn.Embedding, head_grad: torch.Tensor, ids: torch.Tensor, g: torch.Tensor):
@@ -17,12 +18,13 @@ def _tied_grads(embedding: nn.Embedding, head_grad: torch.Tensor, ids: torch.Ten
     return embedding.weight.grad
 
 
-def test_rows_equal_the_dense_backward_bit_for_bit():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_equal_the_dense_backward_bit_for_bit(dtype):
     torch.manual_seed(0)
-    embedding = nn.Embedding(500, 48, padding_idx=3)
-    ids = torch.randint(0, 40, (4, 300))  # many repeats of each id, and the padding id
+    embedding = nn.Embedding(500, 48, padding_idx=3).to(dtype)
+    ids = torch.randint(0, 40, (4, 300))  # many repeats of each id (16 bits: rounded per add), and the padding id
     ids[0, :10] = 3
-    g, head_grad = torch.randn(4, 300, 48), torch.randn(500, 48)
+    g, head_grad = torch.randn(4, 300, 48, dtype=dtype), torch.randn(500, 48, dtype=dtype)
     want = _tied_grads(embedding, head_grad, ids, g).clone()  # autograd merges head + dense rows
     handed = []
 
@@ -39,7 +41,7 @@ def test_rows_equal_the_dense_backward_bit_for_bit():
     assert "forward" not in embedding.__dict__
 
 
-def test_outputs_unchanged_and_only_plain_fp32_trainable_embeddings_change():
+def test_outputs_unchanged_and_only_plain_trainable_embeddings_change():
     torch.manual_seed(1)
     embedding = nn.Embedding(50, 8)
     ids = torch.randint(0, 50, (2, 5))
@@ -49,7 +51,20 @@ def test_outputs_unchanged_and_only_plain_fp32_trainable_embeddings_change():
     with torch.no_grad():
         assert torch.equal(embedding(ids), want)
     restore()
-    for other in (nn.Embedding(50, 8).to(torch.bfloat16), nn.Embedding(50, 8, max_norm=1.0),
+    for other in (nn.Embedding(50, 8, max_norm=1.0), nn.Embedding(50, 8, sparse=True),
                   nn.Embedding(50, 8).requires_grad_(False)):
         assert row_gradient_embedding(other, lambda rows: None) is None
         assert "forward" not in other.__dict__
+
+
+def test_dense_range_of_rows_is_the_dense_gradients_slice():
+    """An untied embedding's sparse row gradient, densified a piece at a time (ranges that cut
+    rows, and ranges with no token): each equals the slice of the dense gradient."""
+    dense = torch.zeros(50, 8, dtype=torch.bfloat16)
+    ids = torch.tensor([2, 3, 17, 40])
+    dense[ids] = torch.randn(4, 8).bfloat16()
+    rows = dense.to_sparse(1).coalesce()
+    for lo, hi in ((0, 400), (12, 29), (200, 300), (320, 400)):
+        got = dense_range(rows, lo, hi)
+        assert got.shape == (hi - lo,) and torch.equal(got, dense.view(-1)[lo:hi])
+    assert dense_range(dense, 12, 29).data_ptr() == dense.view(-1)[12:29].data_ptr()  # dense: a view
