@@ -20,6 +20,8 @@ from ..errors import ConfigError
 from .engine import OutOfCoreEngine
 from .handle import Tier
 from .modes import NVME, STREAMED_MODES
+from .ranks import Ranks
+from .sharding import shard_units
 from .store import TieredStore
 from .unit_memory import StoreUnitMemory
 from .unit_sizes import working_set
@@ -33,7 +35,7 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                   init_weights: Callable[[Any, torch.Tensor], None] | None = None,
                   resident_trainable: bool = False, master_weights: bool = True,
                   quantize_frozen: bool = False, spill_grads: bool | None = None,
-                  split_state: bool = True, nvme_reserve: int = 0) -> OutOfCoreEngine:
+                  split_state: bool = True, nvme_reserve: int = 0, ranks: Ranks | None = None) -> OutOfCoreEngine:
     """Move ``model``'s weights and ``optimizer``'s state into tiers and wrap it for training.
 
     Args:
@@ -65,6 +67,10 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
             ``unit_sizes.state_pieces``), so the HOST window is a few blocks, not the
             embedding's whole state. Bit-identical either way.
         nvme_reserve: bytes the plan puts on NVMe, preallocated now (0: grow on demand).
+        ranks: data parallelism over the default process group (``ranks.join``): with
+            ``world > 1`` each rank keeps 1/world of every unit's optimizer state (and
+            spilled gradients) in its own ``swap_dir``, and the ranks' gradients are summed
+            and their updates gathered in the backward (``sharding.py``).
 
     Returns:
         The :class:`OutOfCoreEngine`, owning the store (``close()`` it when done).
@@ -77,6 +83,11 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
     if offload not in STREAMED_MODES:
         raise ConfigError(f"offload={offload!r}: the out-of-core engine takes 'cpu' or 'nvme'")
     units = causal_lm_units(model, resident_trainable=resident_trainable, head_modules=head_modules)
+    world = ranks.world if ranks else 1
+    if world > 1:
+        if resident_trainable:
+            raise ConfigError("LoRA / QLoRA out of core trains resident adapters: shard a full fine-tune only")
+        shard_units(units, optimizer, ranks)
     home = Tier.NVME if offload == NVME else Tier.HOST
     homes = homes or [(home, home)] * len(units)
     uses_nvme = any(Tier.NVME in h for h in homes)
@@ -100,7 +111,7 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                                                                  quantize_frozen=quantize_frozen,
                                                                  state_piece_bytes=need.piece_bytes),
                                  prefetch=k, max_grad_norm=max_grad_norm, grad_accum=grad_accum, units=units,
-                                 spill_grads=spill_grads)
+                                 spill_grads=spill_grads, world=world)
     except BaseException:
         store.close()
         raise

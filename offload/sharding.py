@@ -1,0 +1,145 @@
+"""Sharded out-of-core data parallelism: each rank owns 1/N of every unit's optimizer state.
+
+ZeRO's idea with outcore's streaming underneath (docs/architecture.md §4; issue #17). Every
+rank holds the whole model's weights (streamed from its own swap directory) and computes
+the forward and backward of its own micro-batches; a unit's trainable elements are cut into
+``world`` equal ranges and rank ``r`` keeps the optimizer state (and spilled gradients) of
+range ``r`` only. When a unit's gradients complete on every rank they are summed across the
+ranks and scattered (``reduce_scatter``: rank ``r`` receives range ``r``), the rank updates
+its range with its state, and the updated ranges are gathered (``all_gather``) into every
+rank's full weights before the next use — all inside the backward, unit by unit, while
+autograd goes on with earlier units.
+
+**The shard space.** A unit's trainable parameters are laid back to back, each padded to a
+multiple of ``PIECE_ALIGN`` elements, and the total padded up to ``world`` equal ranges of a
+multiple of ``PIECE_ALIGN`` each (``torch.chunk`` of ``[rows, PIECE_ALIGN]`` rows: the
+layout ``Shard(0)`` of a DTensor has, so a checkpoint reshards to another world size). A
+range therefore starts every parameter it cuts on a ``PIECE_ALIGN`` boundary of that
+parameter: it is exactly a run of *pieces* (``Unit.pieces``), and the piece machinery stores
+and updates it — only the rank's range is pieced, nothing else exists on the rank.
+
+**Exactness.** Each rank scales its loss by 1 / (world x micro-batches), as one rank
+accumulating ``world x micro-batches`` would, so the summed gradient of two ranks is
+``g0/2 + g1/2`` — the sum one rank accumulates, in either order. The updates are
+element-wise, so 2 ranks x B give 1 rank x 2B's weights bit for bit without clipping; with
+clipping the global norm is the square root of the summed squares of the ranks' shard
+norms (another summation order: equal within fp32 rounding).
+
+The transport is ``torch.distributed`` over the default process group (gloo on CPUs, NCCL
+on GPUs); every rank reaches the collectives in the same order, since every rank runs the
+same model's hooks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from .ranks import Ranks
+from .unit_sizes import PIECE_ALIGN
+from .units import Unit
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Where a unit's trainable elements lie in the shard space, and which range is this rank's.
+
+    Attributes:
+        rank, world: this rank and the number of ranks.
+        bases: per trainable slot index, where the slot starts in the shard space.
+        length: elements per rank (a multiple of ``PIECE_ALIGN``).
+    """
+
+    rank: int
+    world: int
+    bases: dict[int, int]
+    numels: dict[int, int]
+    length: int
+
+    @classmethod
+    def of(cls, unit: Unit, ranks: Ranks) -> "Shard":
+        """The shard of ``unit`` (its trainable slots) for ``ranks``."""
+        bases, numels, at = {}, {}, 0
+        for k in unit.train_slots:
+            bases[k], numels[k] = at, unit.slots[k].numel
+            at += -(-numels[k] // PIECE_ALIGN) * PIECE_ALIGN
+        rows = at // PIECE_ALIGN
+        return cls(ranks.rank, ranks.world, bases, numels, -(-rows // ranks.world) * PIECE_ALIGN)
+
+    @property
+    def lo(self) -> int:
+        """First element of this rank's range in the shard space."""
+        return self.rank * self.length
+
+    @property
+    def spans(self) -> list[tuple[int, int, int]]:
+        """(slot, lo, hi): the elements of each trainable slot this rank owns, in slot order."""
+        out = []
+        for k, base in self.bases.items():
+            lo, hi = max(self.lo - base, 0), min(self.lo + self.length - base, self.numels[k])
+            if lo < hi:
+                out.append((k, lo, hi))
+        return out
+
+    def at(self, k: int, e: int) -> int:
+        """Where element ``e`` of slot ``k`` lies in this rank's range (a local index)."""
+        return self.bases[k] + e - self.lo
+
+
+def shard_units(units: list[Unit], optimizer: Any, ranks: Ranks) -> None:
+    """Give every unit with trainable parameters its :class:`Shard` (``Unit.shard``).
+
+    Raises:
+        ConfigError: the optimizer does not update element-wise, so its state cannot be cut
+            into ranges (``OutcoreOptimizer.elementwise_state``).
+    """
+    group = optimizer.param_groups[0]
+    ratios_of = getattr(optimizer, "elementwise_state", None)
+    for unit in units:
+        train = unit.train_slots
+        if train and (ratios_of is None or any(ratios_of(unit.slots[k].param, group) is None for k in train)):
+            raise ConfigError(f"optimizer {type(optimizer).__name__} does not update element-wise, so its "
+                              "state cannot be sharded across ranks; use adamw or adamw8bit, or one rank")
+        if train:
+            unit.shard = Shard.of(unit, ranks)
+
+
+def reduce_grads(unit: Unit, grads: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Sum ``unit``'s gradients (slot -> gradient) over the ranks; return this rank's range of
+    the sum, [length] (zero where the shard space pads). One collective per unit."""
+    import torch.distributed as dist
+
+    shard = unit.shard
+    dtype = next(iter(grads.values())).dtype
+    flat = torch.zeros(shard.world * shard.length, dtype=dtype)
+    for k, g in grads.items():
+        flat[shard.bases[k]:shard.bases[k] + shard.numels[k]].copy_(g.reshape(-1))
+    mine = torch.empty(shard.length, dtype=dtype)
+    dist.reduce_scatter_single(mine, flat)
+    return mine
+
+
+def gather_weights(unit: Unit) -> None:
+    """Gather every rank's updated range into ``unit.bound``, the whole weights, on every rank."""
+    import torch.distributed as dist
+
+    shard, flat = unit.shard, unit.bound
+    mine = torch.zeros(shard.length, dtype=flat.dtype)
+    for k, lo, hi in shard.spans:
+        mine[shard.at(k, lo):shard.at(k, hi)].copy_(unit.view(flat, unit.slots[k]).view(-1)[lo:hi])
+    every = torch.empty(shard.world * shard.length, dtype=flat.dtype)
+    dist.all_gather_single(every, mine)
+    for k, base in shard.bases.items():
+        unit.view(flat, unit.slots[k]).view(-1).copy_(every[base:base + shard.numels[k]])
+
+
+def global_norm(local: torch.Tensor) -> torch.Tensor:
+    """The 2-norm of every rank's gradients from this rank's (``local``, fp32): the square root
+    of the squares summed over the ranks."""
+    import torch.distributed as dist
+
+    squared = (local.float() * local.float()).reshape(1)
+    dist.all_reduce(squared)
+    return squared.sqrt().reshape(())
