@@ -88,13 +88,28 @@ class Shard:
         return self.bases[k] + e - self.lo
 
 
-def shard_units(units: list[Unit], optimizer: Any, ranks: Ranks) -> None:
-    """Give every unit with trainable parameters its :class:`Shard` (``Unit.shard``).
+def shard_units(units: list[Unit], optimizer: Any, ranks: Ranks | None, resident_trainable: bool = False) -> int:
+    """Give every unit with trainable parameters its :class:`Shard` (``Unit.shard``) when
+    there are several ranks.
+
+    Args:
+        units: the model's units, not yet stored.
+        optimizer: the ``OutcoreOptimizer`` over their trainable parameters.
+        ranks: this process among the ranks (None: one rank, nothing to shard).
+        resident_trainable: LoRA / QLoRA (adapters train resident: not sharded here).
+
+    Returns:
+        The number of ranks.
 
     Raises:
-        ConfigError: the optimizer does not update element-wise, so its state cannot be cut
-            into ranges (``OutcoreOptimizer.elementwise_state``).
+        ConfigError: adapters, or an optimizer that does not update element-wise, so its state
+            cannot be cut into ranges (``OutcoreOptimizer.elementwise_state``).
     """
+    if ranks is None or ranks.world == 1:
+        return 1
+    if resident_trainable:
+        raise ConfigError("LoRA / QLoRA out of core trains resident adapters; sharded data parallelism "
+                          "is for a full fine-tune (method full), or run LoRA on one rank")
     group = optimizer.param_groups[0]
     ratios_of = getattr(optimizer, "elementwise_state", None)
     for unit in units:
@@ -104,6 +119,7 @@ def shard_units(units: list[Unit], optimizer: Any, ranks: Ranks) -> None:
                               "state cannot be sharded across ranks; use adamw or adamw8bit, or one rank")
         if train:
             unit.shard = Shard.of(unit, ranks)
+    return ranks.world
 
 
 def reduce_grads(unit: Unit, grads: dict[int, torch.Tensor]) -> torch.Tensor:

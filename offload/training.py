@@ -67,35 +67,27 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
             ``unit_sizes.state_pieces``), so the HOST window is a few blocks, not the
             embedding's whole state. Bit-identical either way.
         nvme_reserve: bytes the plan puts on NVMe, preallocated now (0: grow on demand).
-        ranks: data parallelism over the default process group (``ranks.join``): with
-            ``world > 1`` each rank keeps 1/world of every unit's optimizer state (and
-            spilled gradients) in its own ``swap_dir``, and the ranks' gradients are summed
-            and their updates gathered in the backward (``sharding.py``).
+        ranks: data parallelism (``world > 1``): each rank keeps 1/world of the state (``sharding.py``).
 
     Returns:
         The :class:`OutOfCoreEngine`, owning the store (``close()`` it when done).
 
     Raises:
-        ConfigError: an unknown ``offload`` or ``nvme`` without a swap dir.
+        ConfigError: an unknown ``offload``, ``nvme`` without a swap dir, or sharding what cannot be.
         BudgetError: a cap smaller than one unit needs.
         SwapDirError: the swap dir cannot be used (``DiskFullError``: too small for ``nvme_reserve``).
     """
     if offload not in STREAMED_MODES:
         raise ConfigError(f"offload={offload!r}: the out-of-core engine takes 'cpu' or 'nvme'")
     units = causal_lm_units(model, resident_trainable=resident_trainable, head_modules=head_modules)
-    world = ranks.world if ranks else 1
-    if world > 1:
-        if resident_trainable:
-            raise ConfigError("LoRA / QLoRA out of core trains resident adapters: shard a full fine-tune only")
-        shard_units(units, optimizer, ranks)
-    home = Tier.NVME if offload == NVME else Tier.HOST
-    homes = homes or [(home, home)] * len(units)
+    world = shard_units(units, optimizer, ranks, resident_trainable)
+    homes = homes or [(Tier.NVME if offload == NVME else Tier.HOST,) * 2] * len(units)
     uses_nvme = any(Tier.NVME in h for h in homes)
     if uses_nvme and swap_dir is None:
         raise ConfigError("offload=nvme needs a swap directory; pass --swap-dir DIR on a fast disk")
     k = max(1, prefetch)
-    if spill_grads is None:
-        spill_grads = any(s is Tier.NVME for _, s in homes)
+    if spill_grads is None:  # (sharded: the ranks' gradients are summed as each unit's completes)
+        spill_grads = world > 1 or any(s is Tier.NVME for _, s in homes)
     spill_grads = spill_grads and (max_grad_norm > 0 or grad_accum > 1) and not resident_trainable
     need = working_set(units, optimizer, homes, k, master_weights=master_weights, spill_grads=spill_grads,
                        quantize_frozen=quantize_frozen, split_state=split_state)
@@ -105,8 +97,7 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                         nvme_reserve=nvme_reserve)
     try:
         engine = OutOfCoreEngine(model, optimizer,
-                                 lambda us, opt: StoreUnitMemory(store, us, opt, homes=homes,
-                                                                 init_weights=init_weights,
+                                 lambda us, opt: StoreUnitMemory(store, us, opt, homes=homes, init_weights=init_weights,
                                                                  master_weights=master_weights,
                                                                  quantize_frozen=quantize_frozen,
                                                                  state_piece_bytes=need.piece_bytes),

@@ -252,7 +252,7 @@ class StoreUnitMemory:
         """A CPU copy of the unit's buffer ``kind`` as stored (a pieced kind's pieces joined)."""
         unit = self.units[index]
         parts = unit.kind_parts(kind)
-        if len(parts) == 1:
+        if not unit.ratios.get(kind):  # kept whole (a sharded unit's pieces cover its range only)
             return self.store.load(unit.handles[parts[0][0]])
         numel, dtype = unit.flat[kind]
         out = torch.zeros(numel, dtype=dtype)  # the padding after the last piece stays zero
