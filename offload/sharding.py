@@ -42,6 +42,11 @@ from .unit_sizes import PIECE_ALIGN
 from .units import Unit
 
 
+#: elements of a rank's range one collective carries: a unit's reduce and gather hold
+#: world x this in transient buffers (64 MiB of fp32 at 2 ranks), not the unit's size
+CHUNK = 1 << 23
+
+
 @dataclass(frozen=True)
 class Shard:
     """Where a unit's trainable elements lie in the shard space, and which range is this rank's.
@@ -49,6 +54,7 @@ class Shard:
     Attributes:
         rank, world: this rank and the number of ranks.
         bases: per trainable slot index, where the slot starts in the shard space.
+        numels: per trainable slot index, its elements.
         length: elements per rank (a multiple of ``PIECE_ALIGN``).
     """
 
@@ -76,12 +82,21 @@ class Shard:
     @property
     def spans(self) -> list[tuple[int, int, int]]:
         """(slot, lo, hi): the elements of each trainable slot this rank owns, in slot order."""
+        return [(k, lo, hi) for k, lo, hi, _ in self.overlaps(self.lo, self.lo + self.length)]
+
+    def overlaps(self, a: int, b: int) -> list[tuple[int, int, int, int]]:
+        """(slot, lo, hi, at): the elements [lo, hi) of each slot that lie in [a, b) of the shard
+        space, ``at`` elements after ``a``."""
         out = []
         for k, base in self.bases.items():
-            lo, hi = max(self.lo - base, 0), min(self.lo + self.length - base, self.numels[k])
+            lo, hi = max(a - base, 0), min(b - base, self.numels[k])
             if lo < hi:
-                out.append((k, lo, hi))
+                out.append((k, lo, hi, base + lo - a))
         return out
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """[j0, j1) of a rank's range, ``CHUNK`` at a time: what one collective carries per rank."""
+        return [(j, min(self.length, j + CHUNK)) for j in range(0, self.length, CHUNK)]
 
     def at(self, k: int, e: int) -> int:
         """Where element ``e`` of slot ``k`` lies in this rank's range (a local index)."""
@@ -124,31 +139,44 @@ def shard_units(units: list[Unit], optimizer: Any, ranks: Ranks | None, resident
 
 def reduce_grads(unit: Unit, grads: dict[int, torch.Tensor]) -> torch.Tensor:
     """Sum ``unit``'s gradients (slot -> gradient) over the ranks; return this rank's range of
-    the sum, [length] (zero where the shard space pads). One collective per unit."""
+    the sum, [length] (zero where the shard space pads). One ``reduce_scatter`` per chunk."""
     import torch.distributed as dist
 
     shard = unit.shard
-    dtype = next(iter(grads.values())).dtype
-    flat = torch.zeros(shard.world * shard.length, dtype=dtype)
-    for k, g in grads.items():
-        flat[shard.bases[k]:shard.bases[k] + shard.numels[k]].copy_(g.reshape(-1))
-    mine = torch.empty(shard.length, dtype=dtype)
-    dist.reduce_scatter_single(mine, flat)
+    first = next(iter(grads.values()))
+    dtype, device = first.dtype, first.device  # (NCCL reduces on the GPU, gloo on the CPU)
+    mine = torch.empty(shard.length, dtype=dtype, device=device)
+    for j0, j1 in shard.chunks():
+        c = j1 - j0
+        # every rank's [j0, j1) side by side: rank r receives the sum of its own
+        send = torch.zeros(shard.world * c, dtype=dtype, device=device)
+        for r in range(shard.world):
+            for k, lo, hi, at in shard.overlaps(r * shard.length + j0, r * shard.length + j1):
+                send[r * c + at:r * c + at + hi - lo].copy_(grads[k].reshape(-1)[lo:hi])
+        dist.reduce_scatter_single(mine[j0:j1], send)
     return mine
 
 
 def gather_weights(unit: Unit) -> None:
-    """Gather every rank's updated range into ``unit.bound``, the whole weights, on every rank."""
+    """Gather every rank's updated range into ``unit.bound``, the whole weights, on every rank
+    (one ``all_gather`` per chunk)."""
     import torch.distributed as dist
 
     shard, flat = unit.shard, unit.bound
-    mine = torch.zeros(shard.length, dtype=flat.dtype)
-    for k, lo, hi in shard.spans:
-        mine[shard.at(k, lo):shard.at(k, hi)].copy_(unit.view(flat, unit.slots[k]).view(-1)[lo:hi])
-    every = torch.empty(shard.world * shard.length, dtype=flat.dtype)
-    dist.all_gather_single(every, mine)
-    for k, base in shard.bases.items():
-        unit.view(flat, unit.slots[k]).view(-1).copy_(every[base:base + shard.numels[k]])
+
+    def weights(k: int) -> torch.Tensor:
+        return unit.view(flat, unit.slots[k]).view(-1)
+
+    for j0, j1 in shard.chunks():
+        c = j1 - j0
+        mine = torch.zeros(c, dtype=flat.dtype, device=flat.device)
+        for k, lo, hi, at in shard.overlaps(shard.lo + j0, shard.lo + j1):
+            mine[at:at + hi - lo].copy_(weights(k)[lo:hi])
+        every = torch.empty(shard.world * c, dtype=flat.dtype, device=flat.device)
+        dist.all_gather_single(every, mine)
+        for r in range(shard.world):
+            for k, lo, hi, at in shard.overlaps(r * shard.length + j0, r * shard.length + j1):
+                weights(k)[lo:hi].copy_(every[r * c + at:r * c + at + hi - lo])
 
 
 def global_norm(local: torch.Tensor) -> torch.Tensor:

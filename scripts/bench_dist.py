@@ -1,13 +1,15 @@
 """Sharded out-of-core data parallelism: what one rank holds at 1 rank and at N ranks.
 
-Runs the same full fine-tune out of core (weights and optimizer state on NVMe, a Llama
+Runs the same full fine-tune out of core (weights and optimizer state on NVMe or in RAM, a Llama
 shape whose optimizer state dominates) once on 1 rank and once on ``--world`` ranks launched
 by ``torchrun`` (gloo on CPU, NCCL on GPUs), each rank in its own process with its own swap
 directory, one micro-batch per rank. Each rank reports:
 
-* ``state_nvme_bytes``: bytes of optimizer state it keeps on NVMe (its handles: ~1/N of the
-  whole at N ranks), and ``nvme_held_bytes``, everything its swap file holds (weights too:
-  every rank keeps the whole weights);
+* ``state_bytes``: bytes of optimizer state it keeps (its handles, on NVMe or in RAM as
+  ``--offload`` says: ~1/N of the whole at N ranks), ``nvme_held_bytes``, everything its swap
+  file holds (weights too: every rank keeps the whole weights), and its arenas'
+  budgets (``host_arena_bytes``: the state streaming through, plus all of it with
+  ``--offload cpu``; ``device_arena_bytes``: the weights' window);
 * ``peak_rss_bytes`` (VmHWM, the whole process, setup included) and ``steps_peak_rss_bytes``
   (VmHWM reset after setup: the steps alone);
 * ``median_step_s`` over the timed steps (after one warm-up).
@@ -69,10 +71,9 @@ def _rank(args: argparse.Namespace) -> dict:
     opt = build_optimizer(args.optim, list(model.parameters()), lr=1e-5, weight_decay=0.0)
     swap = Path(args.out) / f"swap_w{ranks.world}_r{ranks.rank}"
     t0 = time.perf_counter()
-    eng = offload_model(model, opt, offload="nvme", swap_dir=swap, prefetch=1, init_weights=init, ranks=ranks)
+    eng = offload_model(model, opt, offload=args.offload, swap_dir=swap, prefetch=1, init_weights=init, ranks=ranks)
     setup_s = time.perf_counter() - t0
-    state = sum(h.numel * h.dtype.itemsize for u in eng.units for p, h in u.handles.items()
-                if p.kind != WEIGHTS and h.home is Tier.NVME)
+    state = sum(h.numel * h.dtype.itemsize for u in eng.units for p, h in u.handles.items() if p.kind != WEIGHTS)
     reset_peak_rss()
     g = torch.Generator().manual_seed(1000 + ranks.rank)  # each rank its own micro-batch
 
@@ -87,10 +88,12 @@ def _rank(args: argparse.Namespace) -> dict:
         if step > 0:  # the first step is the warm-up
             times.append(time.perf_counter() - t)
     held = eng.tier_stats()["NVME"].held_bytes
+    eng_host, eng_device = eng.store.budget(Tier.HOST), eng.store.budget(Tier.DEVICE)
     steps_peak = status_bytes("VmHWM")["VmHWM"]
     eng.close()
     ranks_mod.leave()
-    return {"rank": ranks.rank, "world": ranks.world, "params": n_params, "state_nvme_bytes": state,
+    return {"rank": ranks.rank, "world": ranks.world, "params": n_params, "state_bytes": state,
+            "host_arena_bytes": eng_host, "device_arena_bytes": eng_device,
             "nvme_held_bytes": held, "steps_peak_rss_bytes": steps_peak,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "setup_s": setup_s, "median_step_s": statistics.median(times), "losses": losses,
@@ -101,7 +104,7 @@ def _launch(world: int, args: argparse.Namespace, out: Path) -> list[dict]:
     """Run ``world`` ranks (torchrun for more than one) and collect each rank's JSON."""
     own = [sys.executable, __file__, "--child", "--out", str(out), "--layers", str(args.layers),
            "--hidden", str(args.hidden), "--vocab", str(args.vocab), "--seq", str(args.seq),
-           "--batch", str(args.batch), "--steps", str(args.steps), "--optim", args.optim]
+           "--batch", str(args.batch), "--steps", str(args.steps), "--optim", args.optim, "--offload", args.offload]
     cmd = own if world == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                   f"--nproc-per-node={world}", *own[1:]]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
@@ -119,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=1, help="sequences per rank per step")
     ap.add_argument("--steps", type=int, default=2, help="timed steps (after one warm-up)")
     ap.add_argument("--optim", default="adamw", help="adamw | adamw8bit (element-wise optimizers shard)")
+    ap.add_argument("--offload", default="nvme", choices=("nvme", "cpu"),
+                    help="where weights and state live: nvme (swap files) or cpu (RAM)")
     ap.add_argument("--swap-dir", default=None, help="parent of the swap directories (default: tmp)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -136,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     one, many = runs["1"][0], runs[str(args.world)]
     summary = {
         "cpu_count": os.cpu_count(), "params": one["params"], "optim": args.optim, "runs": runs,
-        "state_ratio": max(r["state_nvme_bytes"] for r in many) / one["state_nvme_bytes"],
+        "offload": args.offload, "state_ratio": max(r["state_bytes"] for r in many) / one["state_bytes"],
+        "host_arena_ratio": max(r["host_arena_bytes"] for r in many) / one["host_arena_bytes"],
+        "peak_rss_ratio": max(r["peak_rss_bytes"] for r in many) / one["peak_rss_bytes"],
         "steps_peak_rss_ratio": max(r["steps_peak_rss_bytes"] for r in many) / one["steps_peak_rss_bytes"],
     }
     if args.json:
@@ -144,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for w, rs in runs.items():
             for r in rs:
-                print(f"world {w} rank {r['rank']}: state on NVMe {r['state_nvme_bytes'] / 2**30:.3f} GiB, "
+                print(f"world {w} rank {r['rank']}: state {r['state_bytes'] / 2**30:.3f} GiB, "
+                      f"HOST arena {r['host_arena_bytes'] / 2**30:.3f} GiB, "
                       f"NVMe held {r['nvme_held_bytes'] / 2**30:.3f} GiB, peak RSS {r['peak_rss_bytes'] / 2**30:.2f} "
                       f"GiB (steps {r['steps_peak_rss_bytes'] / 2**30:.2f}), {r['median_step_s']:.2f} s/step")
     return 0

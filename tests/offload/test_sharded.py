@@ -27,10 +27,11 @@ from outcore.optim import build_optimizer
 from outcore.recipes.export import unit_weights
 
 STEPS, LR = 3, 1e-2
-# (optimizer, clip, offload): the cases one pair of worker processes runs for the module;
+# (optimizer, clip, offload, dtype): the cases one pair of worker processes runs for the module;
 # CI (``--slow=ci``) runs the first two
-CASES = [("adamw8bit", 0.0, "nvme"), ("adamw", 1.0, "nvme"), ("adamw", 0.0, "nvme"),
-         ("adamw8bit", 1.0, "nvme"), ("adamw", 1.0, "cpu")]
+CASES = [("adamw8bit", 0.0, "nvme", "float32"), ("adamw", 1.0, "nvme", "float32"),
+         ("adamw", 0.0, "nvme", "float32"), ("adamw8bit", 1.0, "nvme", "float32"), ("adamw", 1.0, "cpu", "float32"),
+         ("adamw", 0.0, "nvme", "bfloat16")]  # bf16: fp32 masters (a state kind) sharded too
 CI_CASES = 2
 HPARAMS = {"adamw": {}, "adamw8bit": {"min_8bit_size": 256}}  # the norms keep fp32 moments
 
@@ -38,11 +39,11 @@ COMMON = textwrap.dedent('''
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    def model():
+    def model(dtype="float32"):
         cfg = LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
         torch.manual_seed(0)
-        m = LlamaForCausalLM(cfg).float().train()
+        m = LlamaForCausalLM(cfg).to(getattr(torch, dtype)).train()
         m.config.use_cache = False
         return m
 
@@ -63,14 +64,17 @@ WORKER = COMMON + textwrap.dedent('''
     from outcore.optim import build_optimizer
     from outcore.recipes.export import unit_weights
 
+    import outcore.offload.sharding as sharding
+    sharding.CHUNK = 3 * 4096  # several collectives per unit, a chunk ending inside a tensor
+
     rank, init, out, cases = int(sys.argv[1]), sys.argv[2], sys.argv[3], eval(sys.argv[4])
     hparams = eval(sys.argv[5])
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
     results = {}
-    for name, clip, offload in cases:
-        m = model()
+    for name, clip, offload, dtype in cases:
+        m = model(dtype)
         opt = build_optimizer(name, list(m.parameters()), lr=%r, **hparams[name])
         eng = offload_model(m, opt, offload=offload, swap_dir=f"{out}/swap{rank}", prefetch=1,
                             max_grad_norm=clip, ranks=Ranks(rank, 2, rank))
@@ -78,7 +82,7 @@ WORKER = COMMON + textwrap.dedent('''
         weights = {n: w.clone() for u in eng.units for n, w in unit_weights(eng, u).items()}
         state = sum(h.numel * h.dtype.itemsize for u in eng.units for p, h in u.handles.items()
                     if p.kind != WEIGHTS)
-        results[(name, clip, offload)] = {"weights": weights, "losses": losses, "state": state,
+        results[(name, clip, offload, dtype)] = {"weights": weights, "losses": losses, "state": state,
                                           "norm": None if eng.last_grad_norm is None else eng.last_grad_norm.item()}
         eng.close()
     torch.save(results, f"{out}/rank{rank}.pt")
@@ -109,9 +113,9 @@ def ranks_out(request, tmp_path_factory):
     return [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
 
 
-def _one_rank(name, clip, offload, swap_dir):
+def _one_rank(name, clip, offload, dtype, swap_dir):
     """One rank accumulating both micro-batches of each step (the reference)."""
-    m = model()
+    m = model(dtype)
     opt = build_optimizer(name, list(m.parameters()), lr=LR, **HPARAMS[name])
     eng = offload_model(m, opt, offload=offload, swap_dir=swap_dir, prefetch=1, max_grad_norm=clip, grad_accum=2)
     for s in range(STEPS):
@@ -123,17 +127,17 @@ def _one_rank(name, clip, offload, swap_dir):
     return weights, state, norm
 
 
-@pytest.mark.parametrize("name,clip,offload", [
+@pytest.mark.parametrize("name,clip,offload,dtype", [
     pytest.param(*case, marks=pytest.mark.slow(ci=i < CI_CASES)) for i, case in enumerate(CASES)])
-def test_two_ranks_equal_one_rank_accumulating(ranks_out, tmp_path, name, clip, offload):
+def test_two_ranks_equal_one_rank_accumulating(ranks_out, tmp_path, name, clip, offload, dtype):
     torch.set_num_threads(1)
-    want, state, norm = _one_rank(name, clip, offload, tmp_path / "swap")
-    r0, r1 = (out[(name, clip, offload)] for out in ranks_out)
+    want, state, norm = _one_rank(name, clip, offload, dtype, tmp_path / "swap")
+    r0, r1 = (out[(name, clip, offload, dtype)] for out in ranks_out)
     diff = 0.0
     for pname, w in want.items():
         assert torch.equal(r0["weights"][pname], r1["weights"][pname]), pname  # the replicas agree
         diff = max(diff, (r0["weights"][pname] - w).abs().max().item())
-    print(f"{name} clip={clip} {offload}: max |2 ranks - 1 rank| = {diff:.3g}")
+    print(f"{name} clip={clip} {offload} {dtype}: max |2 ranks - 1 rank| = {diff:.3g}")
     if clip == 0:
         assert diff == 0.0
     else:  # the global norm summed in another order: equal within fp32 rounding, which
