@@ -370,11 +370,10 @@ def _with_state_pieces(units: list[UnitBytes], piecable: list[bool], world: int 
     """Mark the units whose state the engine streams in block-sized pieces: updated
     element-wise (``OutcoreOptimizer.elementwise_state``), with a state over 1.5 x the
     piece size (``unit_sizes.piece_size``, ``unit_sizes.state_pieces``). With ``world`` ranks
-    each unit's state is a rank's share, pieced the same way (the piece size from whole units',
-    as ``unit_sizes.working_set`` takes it)."""
-    piece = piece_size([u.state for u in units], [u.kind == "block" for u in units])
+    each unit's state is a rank's share, pieced the same way."""
     if world > 1:
         units = [replace(u, state=-(-u.state // world)) for u in units]
+    piece = piece_size([u.state for u in units], [u.kind == "block" for u in units])
     if piece is None:
         return units
     return [replace(u, state_piece=piece) if ok and u.state > 1.5 * piece else u

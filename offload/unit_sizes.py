@@ -251,7 +251,9 @@ def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier]], k:
     """
     w_sizes = [weights_arena_bytes(u, quantize_frozen) for u in units]
     s_sizes = [_arena_bytes(kinds) for kinds in unit_state_bytes(units, optimizer, master_weights, spill_grads)]
-    piece_bytes = piece_size(s_sizes, [u.name.startswith("block.") for u in units]) if split_state else None
+    world = max((u.shard.world for u in units if u.shard), default=1)  # a rank stores 1/world of each
+    piece_bytes = (piece_size([-(-s // world) for s in s_sizes], [u.name.startswith("block.") for u in units])
+                   if split_state else None)
     window_sizes = list(s_sizes)
     for i, unit in enumerate(units):
         split = (state_pieces(unit, optimizer, piece_bytes, master_weights)
