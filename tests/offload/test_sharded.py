@@ -16,6 +16,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,25 +36,31 @@ CASES = [("adamw8bit", 0.0, "nvme", "float32"), ("adamw", 1.0, "nvme", "float32"
 CI_CASES = 2
 HPARAMS = {"adamw": {}, "adamw8bit": {"min_8bit_size": 256}}  # the norms keep fp32 moments
 
-COMMON = textwrap.dedent('''
-    import torch
+
+def model(dtype="float32"):
+    """The tiny Llama every run trains (its embedding's state streams in pieces)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    def model(dtype="float32"):
-        cfg = LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-        torch.manual_seed(0)
-        m = LlamaForCausalLM(cfg).to(getattr(torch, dtype)).train()
-        m.config.use_cache = False
-        return m
+    cfg = LlamaConfig(vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    m = LlamaForCausalLM(cfg).to(getattr(torch, dtype)).train()
+    m.config.use_cache = False
+    return m
 
-    def loss(m, ids):
-        return m(input_ids=ids, labels=ids).loss
 
-    def batches(step):
-        g = torch.Generator().manual_seed(100 + step)
-        return [torch.randint(0, 2048, (2, 16), generator=g) for _ in range(2)]
-''')
+def loss(m, ids):
+    return m(input_ids=ids, labels=ids).loss
+
+
+def batches(step):
+    """Step ``step``'s two micro-batches: one per rank, or both on one rank."""
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randint(0, 2048, (2, 16), generator=g) for _ in range(2)]
+
+
+# the workers import the model, loss and batches from this file (its folder: their last argument)
+COMMON = "import sys, torch\nsys.path.insert(0, sys.argv[-1])\nfrom test_sharded import batches, loss, model\n"
 
 WORKER = COMMON + textwrap.dedent('''
     import datetime, sys
@@ -89,9 +96,6 @@ WORKER = COMMON + textwrap.dedent('''
     dist.destroy_process_group()
 ''' % (LR, LR, STEPS))
 
-exec(COMMON)  # the same model, loss and batches here
-
-
 def _wait(procs):
     """Wait for the ranks; a failure shows the first failed rank's output (the others only
     say their peer went away)."""
@@ -108,7 +112,8 @@ def ranks_out(request, tmp_path_factory):
     script = tmp / "worker.py"
     script.write_text(WORKER)
     procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp / "init"), str(tmp), repr(cases),
-                               repr(HPARAMS)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+                               repr(HPARAMS), str(Path(__file__).parent)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
     _wait(procs)
     return [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
 
@@ -252,7 +257,8 @@ def test_checkpoints_reshard_between_one_and_two_ranks(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(CKPT_WORKER)
     procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "init"), str(tmp_path), repr(LR),
-                               repr(HPARAMS["adamw8bit"])], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                               repr(HPARAMS["adamw8bit"]), str(Path(__file__).parent)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(2)]
     _wait(procs)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
