@@ -80,17 +80,19 @@ class OutOfCoreEngine:
             write each unit's gradient to the state's home tier as soon as it is
             complete instead of keeping it in memory: a model whose gradients do not
             fit in RAM can still be clipped.
+        world: data-parallel ranks whose gradients are summed (units sharded by
+            ``sharding.shard_units``): each rank's loss is scaled by 1 / world.
     """
 
     def __init__(self, model: nn.Module, optimizer: Any,
                  memory: Callable[[list[Unit], Any], StoreUnitMemory], *, prefetch: int = 2,
                  max_grad_norm: float = 0.0, grad_accum: int = 1, units: list[Unit] | None = None,
-                 spill_grads: bool = False):
+                 spill_grads: bool = False, world: int = 1):
         self.model = model
         self.optimizer = optimizer
         self.units = units if units is not None else causal_lm_units(model)
         self.prefetch_depth = max(1, prefetch)
-        self.max_grad_norm = max_grad_norm
+        self.max_grad_norm, self.world = max_grad_norm, world
         # model order, as the in-memory run sees them: clip_grad_norm_ stacks the
         # per-tensor norms in this order, and the bits of the total depend on it
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -329,7 +331,8 @@ class OutOfCoreEngine:
         for batch in micro_batches:
             with self.micro_batch():
                 loss = loss_fn(self.model, batch) / len(micro_batches)
-                loss.backward()
+                # ranks sum their gradients: each backs 1 / (world x micro-batches) of its loss
+                (loss / self.world if self.world > 1 else loss).backward()
             total += loss.detach()
         self.end_step()
         return total

@@ -257,7 +257,7 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
               budgets: Budgets | None = None, probe: Any = None, grad_accum: int = 1,
               max_grad_norm: float = 0.0, optim_args: Mapping[str, Any] | None = None, lora_r: int = 8,
               lora_targets: tuple[str, ...] | list[str] = ("q_proj", "k_proj", "v_proj", "o_proj"),
-              activations_compress: str = "none") -> MemoryPlan:
+              activations_compress: str = "none", world: int = 1) -> MemoryPlan:
     """Decide where every tensor of a fine-tuning run lives.
 
     Args:
@@ -276,6 +276,7 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
             (it then runs after the backward); otherwise updates run inside it.
         optim_args, lora_r, lora_targets, activations_compress: as in ``FinetuneConfig``
             (the last sizes offloaded activations by its codec's ratio).
+        world: data-parallel ranks (a full fine-tune's state sharded: the plan is one rank's).
 
     Returns:
         The :class:`MemoryPlan`.
@@ -291,7 +292,8 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
         budgets = budgets_from_probe(probe)
     spec: ModelSpec = model_spec(model)
     ub = tuple(unit_bytes(spec, method=method, optim=optim, dtype=dtype, optim_args=optim_args,
-                          lora_r=lora_r, lora_targets=tuple(lora_targets)))
+                          lora_r=lora_r, lora_targets=tuple(lora_targets),
+                          world=world if method == "full" else 1))
     traits = method_traits(method)
     grads_kept = traits.trains_weights and traits.backward and (max_grad_norm > 0 or grad_accum > 1)
     w = Workload(spec, ub, traits, dtype, seq_len, grads_kept, budgets.with_flops(), activations_compress)

@@ -287,7 +287,8 @@ class UnitBytes:
 
 def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str,
                optim_args: Mapping[str, Any] | None = None, lora_r: int = 8,
-               lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")) -> list[UnitBytes]:
+               lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"), world: int = 1
+               ) -> list[UnitBytes]:
     """Bytes of weights, gradients and optimizer state for every unit of ``spec``.
 
     Args:
@@ -298,6 +299,8 @@ def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str,
         dtype: compute dtype; ``bfloat16`` / ``float16`` add 4 bytes of fp32 master
             weight per trainable element (counted with the optimizer state).
         optim_args, lora_r, lora_targets: as in ``FinetuneConfig``.
+        world: data-parallel ranks of a full fine-tune: each stores 1/world of every unit's
+            state (``offload/sharding.py``); the sizes are one rank's.
 
     Returns:
         One :class:`UnitBytes` per unit, in forward order.
@@ -326,7 +329,7 @@ def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str,
     for u in spec.units:  # every parameter element-wise, alike (``unit_sizes.state_pieces``)
         ratios = [state.ratios(p.shape) for p in u.params]
         piecable.append(bool(ratios) and ratios[0] is not None and all(r == ratios[0] for r in ratios))
-    return _with_state_pieces(out, piecable)
+    return _with_state_pieces(out, piecable, world)
 
 
 def _trained_unit(u: UnitSpec, c: int, state: OptimizerState | None, master: int, matmul: int) -> UnitBytes:
@@ -363,10 +366,13 @@ def _adapter_unit(u: UnitSpec, c: int, traits: MethodTraits, state: OptimizerSta
                      borrows=u.borrows, tensors=len(u.params))
 
 
-def _with_state_pieces(units: list[UnitBytes], piecable: list[bool]) -> list[UnitBytes]:
+def _with_state_pieces(units: list[UnitBytes], piecable: list[bool], world: int = 1) -> list[UnitBytes]:
     """Mark the units whose state the engine streams in block-sized pieces: updated
     element-wise (``OutcoreOptimizer.elementwise_state``), with a state over 1.5 x the
-    piece size (``unit_sizes.piece_size``, ``unit_sizes.state_pieces``)."""
+    piece size (``unit_sizes.piece_size``, ``unit_sizes.state_pieces``). With ``world`` ranks
+    each unit's state is a rank's share, pieced the same way."""
+    if world > 1:
+        units = [replace(u, state=-(-u.state // world)) for u in units]
     piece = piece_size([u.state for u in units], [u.kind == "block" for u in units])
     if piece is None:
         return units

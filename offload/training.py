@@ -20,6 +20,8 @@ from ..errors import ConfigError
 from .engine import OutOfCoreEngine
 from .handle import Tier
 from .modes import NVME, STREAMED_MODES
+from .ranks import Ranks
+from .sharding import shard_units
 from .store import TieredStore
 from .unit_memory import StoreUnitMemory
 from .unit_sizes import working_set
@@ -33,7 +35,7 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                   init_weights: Callable[[Any, torch.Tensor], None] | None = None,
                   resident_trainable: bool = False, master_weights: bool = True,
                   quantize_frozen: bool = False, spill_grads: bool | None = None,
-                  split_state: bool = True, nvme_reserve: int = 0) -> OutOfCoreEngine:
+                  split_state: bool = True, nvme_reserve: int = 0, ranks: Ranks | None = None) -> OutOfCoreEngine:
     """Move ``model``'s weights and ``optimizer``'s state into tiers and wrap it for training.
 
     Args:
@@ -65,26 +67,27 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
             ``unit_sizes.state_pieces``), so the HOST window is a few blocks, not the
             embedding's whole state. Bit-identical either way.
         nvme_reserve: bytes the plan puts on NVMe, preallocated now (0: grow on demand).
+        ranks: data parallelism (``world > 1``): each rank keeps 1/world of the state (``sharding.py``).
 
     Returns:
         The :class:`OutOfCoreEngine`, owning the store (``close()`` it when done).
 
     Raises:
-        ConfigError: an unknown ``offload`` or ``nvme`` without a swap dir.
+        ConfigError: an unknown ``offload``, ``nvme`` without a swap dir, or sharding what cannot be.
         BudgetError: a cap smaller than one unit needs.
         SwapDirError: the swap dir cannot be used (``DiskFullError``: too small for ``nvme_reserve``).
     """
     if offload not in STREAMED_MODES:
         raise ConfigError(f"offload={offload!r}: the out-of-core engine takes 'cpu' or 'nvme'")
     units = causal_lm_units(model, resident_trainable=resident_trainable, head_modules=head_modules)
-    home = Tier.NVME if offload == NVME else Tier.HOST
-    homes = homes or [(home, home)] * len(units)
+    world = shard_units(units, optimizer, ranks, resident_trainable)
+    homes = homes or [(Tier.NVME if offload == NVME else Tier.HOST,) * 2] * len(units)
     uses_nvme = any(Tier.NVME in h for h in homes)
     if uses_nvme and swap_dir is None:
         raise ConfigError("offload=nvme needs a swap directory; pass --swap-dir DIR on a fast disk")
     k = max(1, prefetch)
-    if spill_grads is None:
-        spill_grads = any(s is Tier.NVME for _, s in homes)
+    if spill_grads is None:  # (sharded: the ranks' gradients are summed as each unit's completes)
+        spill_grads = world > 1 or any(s is Tier.NVME for _, s in homes)
     spill_grads = spill_grads and (max_grad_norm > 0 or grad_accum > 1) and not resident_trainable
     need = working_set(units, optimizer, homes, k, master_weights=master_weights, spill_grads=spill_grads,
                        quantize_frozen=quantize_frozen, split_state=split_state)
@@ -94,13 +97,12 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                         nvme_reserve=nvme_reserve)
     try:
         engine = OutOfCoreEngine(model, optimizer,
-                                 lambda us, opt: StoreUnitMemory(store, us, opt, homes=homes,
-                                                                 init_weights=init_weights,
+                                 lambda us, opt: StoreUnitMemory(store, us, opt, homes=homes, init_weights=init_weights,
                                                                  master_weights=master_weights,
                                                                  quantize_frozen=quantize_frozen,
                                                                  state_piece_bytes=need.piece_bytes),
                                  prefetch=k, max_grad_norm=max_grad_norm, grad_accum=grad_accum, units=units,
-                                 spill_grads=spill_grads)
+                                 spill_grads=spill_grads, world=world)
     except BaseException:
         store.close()
         raise

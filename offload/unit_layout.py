@@ -45,8 +45,10 @@ def store_unit(store: TieredStore, unit: Unit, optimizer: Any, homes: tuple[Tier
     """
     unit.homes = homes
     w_home, s_home = homes
-    if s_home is Tier.NVME and optimizer is not None:
+    if (s_home is Tier.NVME or unit.shard) and optimizer is not None:
         split = state_pieces(unit, optimizer, state_piece_bytes, master_weights)
+        if split is None and unit.shard:
+            raise ValueError(f"the optimizer state of {unit.name} cannot be cut into ranges (sharding.shard_units)")
         if split is not None:
             unit.pieces, unit.segments, unit.spans, unit.ratios = split.ranges, split.segments, split.spans, split.ratios
     w, masters = _initial_weights(unit, init_weights, master_weights)

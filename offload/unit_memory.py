@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from itertools import count
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -190,11 +190,12 @@ class StoreUnitMemory:
         bit the in-memory gradient keeps). Later micro-batches fetch and add, as
         autograd's accumulation does (``old + new``). Returns the pinned working copy;
         the caller reads what it needs and calls ``release(index, GRADS, dirty=True)``.
-        A pieced unit spills piece by piece and returns None (see :meth:`_spill_pieces`).
+        A pieced unit spills piece by piece and returns None (see :meth:`spill_pieces`).
         """
         unit = self.units[index]
         if unit.pieces:
-            self._spill_pieces(unit, grads, first)
+            self.spill_pieces(index, lambda k, lo, hi: grads[k].view(-1)[lo:hi],
+                              next(iter(grads.values())).dtype, first)
             return None
         if first:
             unit.handles[Part(GRADS)] = self.store.register(f"{unit.name}:{GRADS}", shape=(unit.numel,),
@@ -205,12 +206,14 @@ class StoreUnitMemory:
             view.copy_(g) if first else view.add_(g)
         return flat
 
-    def _spill_pieces(self, unit: Unit, grads: dict[int, torch.Tensor], first: bool) -> None:
+    def spill_pieces(self, index: int, segment: Callable[[int, int, int], torch.Tensor], dtype: torch.dtype,
+                     first: bool) -> None:
         """``spill_grads`` of a pieced unit: its gradients written a piece at a time, each piece
-        the segments it covers back to back. A later micro-batch adds each spilled segment into
-        the gradient in place first (``old + new``, autograd's order), so the gradients hold the
-        totals the caller takes the norms of."""
-        dtype = next(iter(grads.values())).dtype
+        the segments it covers back to back (``segment(slot, lo, hi)``: that gradient's elements,
+        1-D). A later micro-batch adds each spilled segment into the gradient in place first
+        (``old + new``, autograd's order), so the gradients hold the totals the caller takes
+        the norms of."""
+        unit = self.units[index]
         for i, ((a, b), segments) in enumerate(zip(unit.pieces, unit.segments)):
             part = Part(GRADS, i)
             if first:
@@ -220,7 +223,7 @@ class StoreUnitMemory:
                 self.prefetch(unit.index, Part(GRADS, i + 1))
             piece, at = self.acquire(unit.index, part), 0
             for k, lo, hi in segments:
-                flat = grads[k].view(-1)[lo:hi]
+                flat = segment(k, lo, hi)
                 if not first:
                     torch.add(piece[at:at + hi - lo], flat, out=flat)
                 piece[at:at + hi - lo].copy_(flat)
@@ -255,7 +258,7 @@ class StoreUnitMemory:
         """A CPU copy of the unit's buffer ``kind`` as stored (a pieced kind's pieces joined)."""
         unit = self.units[index]
         parts = unit.kind_parts(kind)
-        if len(parts) == 1:
+        if not unit.ratios.get(kind):  # kept whole (a sharded unit's pieces cover its range only)
             return self.store.load(unit.handles[parts[0][0]])
         numel, dtype = unit.flat[kind]
         out = torch.zeros(numel, dtype=dtype)  # the padding after the last piece stays zero

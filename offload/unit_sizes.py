@@ -33,6 +33,7 @@ class StatePieces:
     spans: dict[str, list[tuple[int, int]]]  # pieced kind -> per piece, its range of the kind's flat buffer
     ratios: dict[str, int]  # kind -> parameter elements per state element; 0: kept whole
     handle_bytes: dict[str, int]  # kind -> bytes of its largest handle (a piece, or the whole)
+    stored: int = 0  # arena bytes of all its handles (a shard's state: ~1/world of the unit's)
 
 
 def state_pieces(unit: Unit, optimizer, piece_bytes: int | None, master_weights: bool = True
@@ -46,25 +47,32 @@ def state_pieces(unit: Unit, optimizer, piece_bytes: int | None, master_weights:
     elements, the slots taken in order (an embedding's one matrix; a mixture-of-experts
     block's experts, attention and norms); a piece ends inside a slot only on a multiple of
     ``PIECE_ALIGN`` of it, so each piece's state is one contiguous range of each flat buffer.
+    A sharded unit (``unit.shard``: data parallel) is always split, and its pieces cover only
+    this rank's range (none when the range holds no element).
     """
     train = [k for k, s in enumerate(unit.slots) if s.param.requires_grad]
     ratios_of = getattr(optimizer, "elementwise_state", None)
-    if not piece_bytes or not train or ratios_of is None:
+    if not (piece_bytes or unit.shard) or not train or ratios_of is None:
         return None
     state = unit_state_bytes([unit], optimizer, master_weights)[0]
-    total = sum(state.values())
-    if total <= 1.5 * piece_bytes:
+    spans = unit.shard.spans if unit.shard else [(k, 0, unit.slots[k].numel) for k in train]
+    n, mine = sum(unit.slots[k].numel for k in train), sum(hi - lo for _, lo, hi in spans)
+    total = sum(state.values()) * mine // n  # this rank's share of the state
+    if not unit.shard and total <= 1.5 * piece_bytes:
         return None
     group = optimizer.param_groups[0]
-    specs, ratios = [], None
+    specs, ratios = [], {}
     for k in train:
         target, param = unit.slots[k].param, unit.slots[k].param
         if master_weights and needs_master(param):
             target = torch.empty(unit.slots[k].shape, dtype=MASTER_DTYPE, device="meta")
-        mine = ratios_of(target, group)
-        if mine is None or (ratios is not None and mine != ratios):
+        own = ratios_of(target, group)
+        # one rank's pieces: every tensor alike; a shard's may mix kinds (AdamW8bit's small
+        # tensors keep fp32 moments), each kind with one ratio
+        if own is None or any(ratios.get(kind, r) != r for kind, r in own.items()) or (
+                not unit.shard and ratios and own != ratios):
             return None
-        ratios = mine
+        ratios.update(own)
         spec = optimizer.state_spec(target, group)
         if master_weights and needs_master(param):
             spec = {"master": (unit.slots[k].shape, MASTER_DTYPE), **spec}
@@ -73,34 +81,49 @@ def state_pieces(unit: Unit, optimizer, piece_bytes: int | None, master_weights:
         ratios = {"master": 1, **ratios}
     if set(ratios) != set(state) or any(r and PIECE_ALIGN % r for r in ratios.values()):
         return None
-    n = sum(unit.slots[k].numel for k in train)
-    count = -(-total // piece_bytes)
-    ranges, segments = _cut(unit, train, -(-n // count // PIECE_ALIGN) * PIECE_ALIGN)
-    spans, handle_bytes = {}, {}
+    count = -(-total // piece_bytes) if piece_bytes and total > 1.5 * piece_bytes else 1
+    ranges, segments = _cut(unit, train, spans, max(PIECE_ALIGN, -(-mine // count // PIECE_ALIGN) * PIECE_ALIGN))
+    spans_of, handle_bytes, stored = {}, {}, 0
     for kind, r in ratios.items():
-        dtype = specs[0][kind][1]
         if not r:
             handle_bytes[kind] = state[kind]
+            stored += _arena_bytes(state[kind])
             continue
-        offsets, at = {}, 0
-        for k, spec in zip(train, specs):
+        spans_of[kind] = _kind_spans(kind, r, train, specs, segments)
+        dtype = next(spec[kind][1] for spec in specs if kind in spec)
+        handle_bytes[kind] = max((hi - lo for lo, hi in spans_of[kind]), default=0) * dtype.itemsize
+        stored += sum(_arena_bytes((hi - lo) * dtype.itemsize) for lo, hi in spans_of[kind] if lo < hi)
+    return StatePieces(ranges, segments, spans_of, ratios, handle_bytes, stored)
+
+
+def _kind_spans(kind: str, ratio: int, train: list[int], specs: list[dict], segments: list[list[tuple[int, int, int]]]
+                ) -> list[tuple[int, int]]:
+    """Per piece, its range of ``kind``'s flat buffer (the slots that have the kind laid out in
+    slot order, as ``unit_layout`` lays them); empty (lo == hi) for a piece without the kind."""
+    offsets, at = {}, 0
+    for k, spec in zip(train, specs):
+        if kind in spec:
             offsets[k] = at
-            at += _pad(max(torch.Size(spec[kind][0]).numel(), 1), dtype.itemsize)
-        spans[kind] = [(offsets[seg[0][0]] + seg[0][1] // r, offsets[seg[-1][0]] + -(-seg[-1][2] // r))
-                       for seg in segments]
-        handle_bytes[kind] = max(hi - lo for lo, hi in spans[kind]) * dtype.itemsize
-    return StatePieces(ranges, segments, spans, ratios, handle_bytes)
+            at += _pad(max(torch.Size(spec[kind][0]).numel(), 1), spec[kind][1].itemsize)
+    out = []
+    for seg in segments:
+        mine = [s for s in seg if s[0] in offsets]
+        out.append((offsets[mine[0][0]] + mine[0][1] // ratio, offsets[mine[-1][0]] + -(-mine[-1][2] // ratio))
+                   if mine else (0, 0))
+    return out
 
 
-def _cut(unit: Unit, train: list[int], step: int
+def _cut(unit: Unit, train: list[int], spans: list[tuple[int, int, int]], step: int
          ) -> tuple[list[tuple[int, int]], list[list[tuple[int, int, int]]]]:
-    """Pieces of about ``step`` trainable elements: their ranges, and the (slot, lo, hi) each
-    covers. A piece takes slots whole while they fit; it cuts a slot only at a multiple of
+    """Pieces of about ``step`` trainable elements covering ``spans`` ((slot, lo, hi), in slot
+    order): their ranges in the unit's trainable elements, and the (slot, lo, hi) each covers.
+    A piece takes slots whole while they fit; it cuts a slot only at a multiple of
     ``PIECE_ALIGN`` of it (so one large slot, the embedding, is cut every ``step``)."""
-    ranges, segments = [], []
-    a, current, filled, base = 0, [], 0, 0
+    starts, at = {}, 0
     for k in train:
-        n, e = unit.slots[k].numel, 0
+        starts[k], at = at, at + unit.slots[k].numel
+    segments, current, filled = [], [], 0
+    for k, e, n in spans:
         while e < n:
             room = step - filled
             take = n - e if n - e <= room else room // PIECE_ALIGN * PIECE_ALIGN
@@ -108,13 +131,11 @@ def _cut(unit: Unit, train: list[int], step: int
                 current.append((k, e, e + take))
                 e, filled = e + take, filled + take
             if e < n or filled >= step:  # the slot goes on past this piece, or the piece is full
-                ranges.append((a, base + e))
                 segments.append(current)
-                a, current, filled = base + e, [], 0
-        base += n
+                current, filled = [], 0
     if current:
-        ranges.append((a, base))
         segments.append(current)
+    ranges = [(starts[seg[0][0]] + seg[0][1], starts[seg[-1][0]] + seg[-1][2]) for seg in segments]
     return ranges, segments
 
 
@@ -258,16 +279,22 @@ def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier]], k:
     """
     w_sizes = [weights_arena_bytes(u, quantize_frozen) for u in units]
     s_sizes = [_arena_bytes(kinds) for kinds in unit_state_bytes(units, optimizer, master_weights, spill_grads)]
-    piece_bytes = piece_size(s_sizes, [u.name.startswith("block.") for u in units]) if split_state else None
+    world = max((u.shard.world for u in units if u.shard), default=1)  # a rank stores 1/world of each
+    piece_bytes = (piece_size([-(-s // world) for s in s_sizes], [u.name.startswith("block.") for u in units])
+                   if split_state else None)
     window_sizes = list(s_sizes)
     for i, unit in enumerate(units):
-        split = state_pieces(unit, optimizer, piece_bytes, master_weights) if homes[i][1] is Tier.NVME else None
+        split = (state_pieces(unit, optimizer, piece_bytes, master_weights)
+                 if homes[i][1] is Tier.NVME or unit.shard else None)
         if split is not None:
             grads = {}
             if spill_grads:
-                elems = max(b - a for a, b in split.ranges)
+                elems = max((b - a for a, b in split.ranges), default=0)
                 grads = {GRADS: elems * _unit_dtype(unit).itemsize}
             window_sizes[i] = _arena_bytes({**split.handle_bytes, **grads})
+            if unit.shard:  # the rank stores its range only (and spills its range's gradient)
+                s_sizes[i] = split.stored + sum(_arena_bytes((b - a) * _unit_dtype(unit).itemsize)
+                                                for a, b in split.ranges if spill_grads)
     host_home = sum(w for w, (hw, _) in zip(w_sizes, homes) if hw is Tier.HOST)
     host_home += sum(s for s, (_, hs) in zip(s_sizes, homes) if hs is Tier.HOST)
     streams = any(hs is Tier.NVME for _, hs in homes)

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 
     from .handle import TensorHandle, Tier
     from .nf4 import NF4Layout
+    from .sharding import Shard
 
 _ALIGN_BYTES = 64
 
@@ -103,6 +104,7 @@ class Unit:
     spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # pieced kind -> per piece, its flat range
     ratios: dict[str, int] = field(default_factory=dict)  # pieced kind -> param elements per element
     nf4: "NF4Layout | None" = None  # frozen weights stored in NF4 (QLoRA)
+    shard: "Shard | None" = None  # data parallel: the range of its state this rank owns (sharding.py)
     decoded: torch.Tensor | None = None  # the NF4 weights dequantized, while fetched
     prefetched: dict[Part, Future] = field(default_factory=dict)  # fetched ahead, no consumer yet
     kept: dict[Part, int] = field(default_factory=dict)  # released but kept resident: part -> LRU tick
@@ -134,7 +136,8 @@ class Unit:
     def piece_parts(self, piece: int) -> list[Part]:
         """The parts of piece ``piece`` of a pieced state (and of its spilled gradient, while
         one is registered)."""
-        parts = [Part(kind, piece) for kind, ratio in self.ratios.items() if ratio]
+        parts = [Part(kind, piece) for kind, ratio in self.ratios.items()
+                 if ratio and self.spans[kind][piece][0] < self.spans[kind][piece][1]]
         grad = Part(GRADS, piece)
         return parts + ([grad] if grad in self.handles else [])
 
@@ -142,7 +145,7 @@ class Unit:
         """(part, first, end) of the elements of ``kind``'s flat buffer: one part, or one per piece."""
         if not self.ratios.get(kind):
             return [(Part(kind), 0, self.flat[kind][0])]
-        return [(Part(kind, i), lo, hi) for i, (lo, hi) in enumerate(self.spans[kind])]
+        return [(Part(kind, i), lo, hi) for i, (lo, hi) in enumerate(self.spans[kind]) if lo < hi]
 
     def state_views(self, flats: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
         """Optimizer state of the ``k``-th parameter as views into the fetched flats (by kind)."""

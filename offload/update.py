@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .tied_embedding import dense_range
+from .sharding import gather_weights, global_norm, reduce_grads
 from .unit_memory import StoreUnitMemory
 from .units import GRADS, WEIGHTS, Part, Unit
 
@@ -99,10 +100,15 @@ class UnitUpdater:
         Its state is released dirty (written back asynchronously); the caller releases the weights."""
         train = unit.train_slots
         self.mem.before_update(unit.index, WEIGHTS)
-        if unit.pieces:
-            self._update_pieces(unit)
+        # data parallel, in the backward: sum the ranks' gradients, keep this rank's range
+        reduced = reduce_grads(unit, {k: unit.slots[k].param.grad for k in train}) if (
+            unit.shard and not self.spill) else None
+        if unit.pieces or unit.shard:
+            self._update_pieces(unit, reduced)
         else:
             self._update_whole(unit, train)
+        if unit.shard:
+            gather_weights(unit)  # every rank's updated range, into every rank's weights
         for k in train:
             unit.slots[k].param.grad = None  # freed now: step-in-backward never holds all gradients
         if self.spill:
@@ -125,11 +131,12 @@ class UnitUpdater:
         if self.spill:
             self.mem.release(unit.index, GRADS, dirty=False)
 
-    def _update_pieces(self, unit: Unit) -> None:
+    def _update_pieces(self, unit: Unit, reduced: torch.Tensor | None = None) -> None:
         """Update a pieced unit a piece at a time, each piece's state fetched while the one
         before is updated (see ``state_pieces``). A piece covers ranges of one or more slots
         (``unit.segments``); a slot's whole-kept state (the step count) is set back before
-        each piece that covers it, so it advances once, as for the whole."""
+        each piece that covers it, so it advances once, as for the whole. A sharded unit's
+        pieces cover its range, their gradient ``reduced`` (or spilled)."""
         whole = {kind: self.mem.acquire(unit.index, kind) for kind in unit.whole_kinds}
         start = {kind: t.clone() for kind, t in whole.items()}  # the step counts every piece advances
         coef = None if self.clip_norm is None else _clip_coef(self.max_grad_norm, self.clip_norm)
@@ -146,7 +153,12 @@ class UnitUpdater:
                     s = unit.layout[k][kind]
                     t[s.offset:s.offset + s.shape.numel()].copy_(start[kind][s.offset:s.offset + s.shape.numel()])
                 params.append(unit.view(unit.bound, unit.slots[k]).view(-1)[lo:hi])
-                g = spilled[at:at + hi - lo] if self.spill else dense_range(unit.slots[k].param.grad, lo, hi)
+                if self.spill:
+                    g = spilled[at:at + hi - lo]
+                elif reduced is not None:
+                    g = reduced[unit.shard.at(k, lo):unit.shard.at(k, hi)]
+                else:
+                    g = dense_range(unit.slots[k].param.grad, lo, hi)
                 at += hi - lo
                 if coef is not None:
                     g.mul_(coef)  # clip_grads_with_norm_'s arithmetic, on this segment
@@ -163,6 +175,9 @@ class UnitUpdater:
         """Move ``unit``'s gradients out of memory (added to what earlier micro-batches spilled,
         unless ``first``); on the ``last`` micro-batch note each one's norm for the global clip."""
         grads = {k: unit.slots[k].param.grad for k in unit.train_slots}
+        if unit.shard:
+            self._spill_shard(unit, grads, first, last)
+            return
         flat = self.mem.spill_grads(unit.index, grads, first=first)
         # a pieced unit's spill leaves the total in the gradient itself (flat is None)
         totals = list(grads.values()) if flat is None else [unit.view(flat, unit.slots[k]) for k in grads]
@@ -170,6 +185,18 @@ class UnitUpdater:
             unit.norms = _norms(totals)
         if flat is not None:
             self.mem.release(unit.index, GRADS, dirty=True)  # written home and evicted, asynchronously
+        for k in grads:
+            unit.slots[k].param.grad = None
+
+    def _spill_shard(self, unit: Unit, grads: dict[int, torch.Tensor], first: bool, last: bool) -> None:
+        """``spill_grads`` of a sharded unit: the gradients summed over the ranks, this rank's
+        range spilled (added to what earlier micro-batches spilled), the rest freed."""
+        reduced = reduce_grads(unit, grads)
+        shard = unit.shard
+        self.mem.spill_pieces(unit.index, lambda k, lo, hi: reduced[shard.at(k, lo):shard.at(k, hi)],
+                              reduced.dtype, first)
+        if last and self.max_grad_norm > 0:
+            unit.norms = _norms([reduced])  # the range's total (the padding is zeros)
         for k in grads:
             unit.slots[k].param.grad = None
 
@@ -182,6 +209,12 @@ class UnitUpdater:
             return torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         # the norms were taken as the gradients left memory; stacked in model order and grouped
         # by device and dtype first, as clip_grad_norm_ stacks them
+        if any(unit.shard for unit in units):  # each rank has the norms of its ranges
+            local = torch.linalg.vector_norm(torch.stack([n for unit in units for n in unit.norms]), 2.0)
+            for unit in units:
+                unit.norms = []
+            self.clip_norm = global_norm(local)
+            return self.clip_norm
         norms: list[torch.Tensor | None] = [None] * len(params)
         for unit in units:
             for k, norm in zip(unit.train_slots, unit.norms):
