@@ -27,6 +27,11 @@ class _Sink:
         pass
 
 
+def _weights(final: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an exported directory (one shard in memory, one per unit out of core)."""
+    return {k: t for f in sorted(final.glob("*.safetensors")) for k, t in load_file(str(f)).items()}
+
+
 def _cfg(inputs: Path, out: Path, **kw):
     base = dict(model=str(inputs / "model"), data=str(inputs / "data.txt"), seq_len=32, batch_size=2,
                 max_steps=4, eval_every=0, eval_batches=1, lr=1e-3, warmup_steps=1, output=str(out),
@@ -55,7 +60,7 @@ def test_lean_in_memory_equals_out_of_core_and_resumes(tiny_run_inputs, tmp_path
     mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", offload="none"), sink=_Sink())
     ooc = finetune(_cfg(tiny_run_inputs, tmp_path / "ooc", offload="nvme"), sink=_Sink())
     assert mem.losses == ooc.losses
-    a, b = load_file(str(mem.final_dir / "model.safetensors")), load_file(str(ooc.final_dir / "model.safetensors"))
+    a, b = _weights(mem.final_dir), _weights(ooc.final_dir)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert all(t.dtype == torch.bfloat16 for t in a.values())
     units = load_file(str(ooc.output_dir / "checkpoints" / "step_000004" / "units" / "block.1.safetensors"))
@@ -63,5 +68,5 @@ def test_lean_in_memory_equals_out_of_core_and_resumes(tiny_run_inputs, tmp_path
     with pytest.raises(KeyboardInterrupt):
         finetune(_cfg(tiny_run_inputs, tmp_path / "cut", offload="nvme", save_every=2), sink=_Sink(interrupt_at=3))
     resumed = finetune(load_config(overrides={"resume": str(tmp_path / "cut"), "ui": "none"}), sink=_Sink())
-    c = load_file(str(resumed.final_dir / "model.safetensors"))
+    c = _weights(resumed.final_dir)
     assert all(torch.equal(a[k], c[k]) for k in a)
