@@ -163,3 +163,28 @@ def test_the_plan_counts_no_master(tiny_llama_factory):
     exact, lean = unit_bytes(spec, **kw), unit_bytes(spec, precision="bf16-lean", **kw)
     for e, n in zip(exact, lean):
         assert e.state - n.state == 4 * n.trainable  # the fp32 master, and nothing else
+
+
+@pytest.mark.parametrize("name,hparams", [
+    ("galore", dict(rank=4, update_proj_gap=2, scale=0.25)),
+    ("apollo", dict(rank=4, update_proj_gap=2)),
+    ("apollo-mini", dict(update_proj_gap=2)),
+    ("frugal", dict(density=0.25, update_proj_gap=2)),
+])
+def test_projection_optimizers_update_whole_tensors_alike(tiny_llama_factory, tmp_path, name, hparams):
+    """Optimizers that mix a tensor's elements get it whole, in fp32 and in its shape: lean in
+    memory == lean out of core, across a projection refresh (step 2)."""
+    from outcore.optim import build_optimizer
+
+    ref = tiny_llama_factory(seed=0, layers=2).to(torch.bfloat16).train()
+    ref.config.use_cache = False
+    ooc = copy.deepcopy(ref)
+    opt = LeanOptimizer(build_optimizer(name, ref.parameters(), lr=LR, **hparams), seed=3)
+    om = offload_model(ooc, LeanOptimizer(build_optimizer(name, ooc.parameters(), lr=LR, **hparams), seed=3),
+                       offload="nvme", swap_dir=tmp_path / "swap", prefetch=1)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, 256, (2, 16), generator=g)
+        assert torch.equal(_in_memory_step(ref, opt, ids, 0.0), om.train_step(_loss, [ids], LR))
+    _assert_same_weights(om, ref)
+    om.close()
