@@ -1,4 +1,4 @@
-"""The compute dtypes a run may name (``--dtype``, ``FinetuneConfig.dtype``): the one list.
+"""The compute dtypes and precision modes a run may name (``--dtype``, ``--precision``): the one lists.
 
 Torch-free, so the config and the command line name them without importing torch.
 """
@@ -8,6 +8,11 @@ from typing import Any
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # name -> bytes per element
 DTYPES = tuple(DTYPE_BYTES)
+#: ``--precision`` (``FinetuneConfig.precision``): ``exact`` trains in the dtype's arithmetic
+#: (16-bit weights through fp32 masters); ``bf16-lean`` updates bf16 weights themselves, with
+#: no master, rounding stochastically (``optim/lean.py``)
+EXACT, BF16_LEAN = "exact", "bf16-lean"
+PRECISIONS = (EXACT, BF16_LEAN)
 
 
 def torch_dtype(name: str) -> Any:

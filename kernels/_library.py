@@ -10,7 +10,7 @@ Nothing here imports triton at module import time (docs/architecture.md §11).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -75,3 +75,30 @@ def next_power_of_2(n: int) -> int:
     """The smallest power of two >= ``n`` (and >= 1)."""
     n = int(n)
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cuda_kernel_registrar(op: Any, load: Callable[[], Callable[..., Any]]) -> Callable[[], None]:
+    """A function that registers ``load()`` as ``op``'s CUDA kernel on its first call.
+
+    Called before an op's first CUDA launch, never at import time: ``load`` imports the
+    Triton module, and nothing is registered where ``import triton`` fails.
+
+    Args:
+        op: the ``torch.library.custom_op`` object.
+        load: returns the Triton implementation (imports its module).
+
+    Returns:
+        The registering function (idempotent).
+    """
+    done: list[bool] = []
+
+    def register() -> None:
+        if done:
+            return
+        done.append(True)
+        from .zo_perturb_triton import triton_usable
+
+        if triton_usable():
+            op.register_kernel("cuda")(load())
+
+    return register

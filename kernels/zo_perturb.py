@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
+from ._library import cuda_kernel_registrar
 
 CHUNK = 1 << 20  # elements per generator re-seed: bounds the transient z buffer to 4 MiB
 _MASK64 = (1 << 64) - 1
@@ -94,19 +95,13 @@ def _(w, seed, scale, mask, src) -> None:  # noqa: ANN001 - fake impl: shapes on
     return None
 
 
-_cuda_registered = False
+def _triton_impl():
+    from .zo_perturb_triton import zo_perturb_triton_
+
+    return zo_perturb_triton_
 
 
-def _maybe_register_triton() -> None:
-    """Register the Triton kernel for CUDA once, lazily (never at import time)."""
-    global _cuda_registered
-    if _cuda_registered:
-        return
-    _cuda_registered = True
-    from .zo_perturb_triton import triton_usable, zo_perturb_triton_
-
-    if triton_usable():
-        _zo_perturb_op.register_kernel("cuda")(zo_perturb_triton_)
+_maybe_register_triton = cuda_kernel_registrar(_zo_perturb_op, _triton_impl)
 
 
 def zo_perturb_(w: torch.Tensor, seed: int, scale: float, mask: torch.Tensor | None = None,

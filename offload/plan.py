@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from ..activations.policy import ACTIVATION_POLICIES, AUTO, ActivationPolicy
+from ..dtypes import EXACT
 from ..errors import BudgetError, ConfigError
 from ..optim import ZO_OPTIMIZERS, optimizer_names
 from .handle import Tier
@@ -252,7 +253,7 @@ def _budget_error(w: Workload, lay: Layout, batch: int, offload: str) -> BudgetE
                        f"try {', '.join(hints)}")
 
 
-def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: str = "float32",
+def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: str = "float32", precision: str = EXACT,
               seq_len: int = 256, batch_size: int = 1, activations: str = "keep", offload: str = "auto",
               budgets: Budgets | None = None, probe: Any = None, grad_accum: int = 1,
               max_grad_norm: float = 0.0, optim_args: Mapping[str, Any] | None = None, lora_r: int = 8,
@@ -265,7 +266,8 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
             (``PretrainedConfig``; sized on the meta device, nothing allocated), or a ``ModelSpec``.
         method: ``full`` | ``lora`` | ``qlora`` | ``zo``.
         optim: an optimizer name (sets bytes of state per parameter).
-        dtype: compute dtype; ``bfloat16`` / ``float16`` keep fp32 master weights with the state.
+        dtype: compute dtype; ``bfloat16`` / ``float16`` keep fp32 master weights with the state
+            (unless ``precision`` is ``bf16-lean``: no master).
         seq_len: tokens per sequence.
         batch_size: sequences per micro-batch.
         activations: ``auto`` | ``keep`` | ``recompute`` | ``offload``.
@@ -291,7 +293,8 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
             raise ConfigError("make_plan needs budgets= or probe= (outcore.offload.probe.probe_hardware())")
         budgets = budgets_from_probe(probe)
     spec: ModelSpec = model_spec(model)
-    ub = tuple(unit_bytes(spec, method=method, optim=optim, dtype=dtype, optim_args=optim_args,
+    ub = tuple(unit_bytes(spec, method=method, optim=optim, dtype=dtype, precision=precision,
+                          optim_args=optim_args,
                           lora_r=lora_r, lora_targets=tuple(lora_targets),
                           world=world if method == "full" else 1))
     traits = method_traits(method)
@@ -381,7 +384,7 @@ def plan_for_config(cfg: Any, model_or_hf_config: Any, probe: Any = None,
         if probe is None:
             raise ConfigError("plan_for_config needs a probe (outcore.offload.probe.probe_hardware()) or budgets")
         budgets = budgets_from_probe(probe, device_mem=cfg.device_mem, host_mem=cfg.host_mem)
-    return make_plan(model_or_hf_config, method=cfg.method, optim=cfg.optim, dtype=cfg.dtype,
+    return make_plan(model_or_hf_config, method=cfg.method, optim=cfg.optim, dtype=cfg.dtype, precision=cfg.precision,
                      seq_len=cfg.seq_len, batch_size=cfg.batch_size, activations=cfg.activations,
                      offload=cfg.offload, budgets=budgets, grad_accum=cfg.grad_accum,
                      max_grad_norm=float(cfg.max_grad_norm or 0.0), optim_args=cfg.optim_args,

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
-from ..dtypes import DTYPE_BYTES
+from ..dtypes import DTYPE_BYTES, EXACT
 from ..errors import ConfigError, ModelError
 from .unit_sizes import piece_size
 
@@ -285,7 +285,7 @@ class UnitBytes:
     state_piece: int = 0  # when its state streams in pieces (unit_sizes.state_pieces): a piece's bytes
 
 
-def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str,
+def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str, precision: str = EXACT,
                optim_args: Mapping[str, Any] | None = None, lora_r: int = 8,
                lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj"), world: int = 1
                ) -> list[UnitBytes]:
@@ -298,6 +298,7 @@ def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str,
             (zeroth-order optimizers keep none).
         dtype: compute dtype; ``bfloat16`` / ``float16`` add 4 bytes of fp32 master
             weight per trainable element (counted with the optimizer state).
+        precision: ``exact``, or ``bf16-lean`` (``dtypes.PRECISIONS``): no fp32 master.
         optim_args, lora_r, lora_targets: as in ``FinetuneConfig``.
         world: data-parallel ranks of a full fine-tune: each stores 1/world of every unit's
             state (``offload/sharding.py``); the sizes are one rank's.
@@ -313,7 +314,8 @@ def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str,
     traits = method_traits(method)
     c = DTYPE_BYTES[dtype]
     state = OptimizerState(optim, optim_args) if traits.backward else None  # ZO keeps no state
-    master = 4 if (c != 4 and state is not None) else 0  # ZO updates in place in the compute dtype
+    # ZO updates in place in the compute dtype, and so does bf16-lean (optim/lean.py)
+    master = 4 if (c != 4 and state is not None and precision == EXACT) else 0
     out = []
     for u in spec.units:
         matmul = 0 if u.kind == "embed" else round(sum(_matmul_elements(p, spec.expert_share) for p in u.params))

@@ -86,6 +86,7 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
     if uses_nvme and swap_dir is None:
         raise ConfigError("offload=nvme needs a swap directory; pass --swap-dir DIR on a fast disk")
     k = max(1, prefetch)
+    master_weights = master_weights and getattr(optimizer, "wants_master", True)  # see OutcoreOptimizer
     if spill_grads is None:  # (sharded: the ranks' gradients are summed as each unit's completes)
         spill_grads = world > 1 or any(s is Tier.NVME for _, s in homes)
     spill_grads = spill_grads and (max_grad_norm > 0 or grad_accum > 1) and not resident_trainable

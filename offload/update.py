@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from .tied_embedding import dense_range
+from ..optim._base import PIECE_OFFSETS
 from .sharding import gather_weights, global_norm, reduce_grads
+from .tied_embedding import dense_range
 from .unit_memory import StoreUnitMemory
 from .units import GRADS, WEIGHTS, Part, Unit
 
@@ -79,9 +80,10 @@ class UnitUpdater:
                 self.mem.prefetch(unit.index, part)
 
     def _step(self, params: list[torch.Tensor], grads: list[torch.Tensor],
-              states: list[dict[str, torch.Tensor]]) -> None:
-        """The optimizer's update of ``params`` in place (through fp32 masters when the state has them)."""
-        group = {**self.group, "lr": self.lr}
+              states: list[dict[str, torch.Tensor]], offsets: list[int] | None = None) -> None:
+        """The optimizer's update of ``params`` in place (through fp32 masters when the state has
+        them); ``offsets``: where each of a piece's segments starts in its tensor."""
+        group = {**self.group, "lr": self.lr, PIECE_OFFSETS: offsets}
         with torch.no_grad():
             if states and "master" in states[0]:
                 # Mixed precision: the update runs on the fp32 master with the gradient
@@ -164,7 +166,7 @@ class UnitUpdater:
                     g.mul_(coef)  # clip_grads_with_norm_'s arithmetic, on this segment
                 grads.append(g)
                 states.append(unit.segment_state(i, k, lo, hi, whole, parts))
-            self._step(params, grads, states)
+            self._step(params, grads, states, offsets=[lo for _, lo, _ in segments])
             if self.spill:
                 self.mem.release(unit.index, Part(GRADS, i), dirty=False)
             for part in parts:

@@ -34,11 +34,12 @@ ZO_OPTIMIZERS: dict[str, str] = {"mezo": ".mezo:MeZO", "sparse-mezo": ".sparse_m
 
 _LAZY = {"OutcoreOptimizer": "._base", "StateSpec": "._base",
          **{ref.split(":")[1]: ref.split(":")[0] for ref in (*OPTIMIZERS.values(), *ZO_OPTIMIZERS.values())},
-         "ZOHyper": ".zo_core", "replay": ".zo_replay"}
+         "ZOHyper": ".zo_core", "replay": ".zo_replay", "LeanOptimizer": ".lean", "with_precision": ".lean"}
 
 __all__ = ["OutcoreOptimizer", "StateSpec", "AdamW", "AdamW8bit", "GaLore", "APOLLO",
            "APOLLOMini", "FRUGAL", "MeZO", "SparseMeZO", "ZOHyper", "replay", "OPTIMIZERS",
-           "ZO_OPTIMIZERS", "optimizer_names", "optimizer_class", "build_optimizer"]
+           "ZO_OPTIMIZERS", "optimizer_names", "optimizer_class", "build_optimizer", "LeanOptimizer",
+           "with_precision"]
 
 
 # imported on first use only (torch, and modules of other owners)

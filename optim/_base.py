@@ -23,10 +23,18 @@ import torch
 from torch import Tensor
 
 StateSpec = dict[str, tuple[torch.Size, torch.dtype]]
+#: Group key the out-of-core engine sets when it updates a tensor in pieces: per parameter
+#: passed to :meth:`OutcoreOptimizer.update`, the index of its first element in its whole
+#: tensor (an update whose arithmetic depends on the element's index reads it; absent: 0).
+PIECE_OFFSETS = "piece_offsets"
 
 
 class OutcoreOptimizer(torch.optim.Optimizer):
     """Base class: subclasses implement :meth:`state_spec` and :meth:`update`."""
+
+    #: whether a 16-bit parameter trains through an fp32 master the engine keeps (mixed
+    #: precision); False: :meth:`update` takes the 16-bit weights themselves (``optim/lean.py``)
+    wants_master = True
 
     def state_spec(self, p: Tensor, group: dict[str, Any]) -> StateSpec:
         """Every persistent state tensor of ``p``: name -> (shape, dtype).

@@ -23,7 +23,7 @@ import torch
 
 from ..activations.policy import OFFLOAD, ActivationPolicy
 from .._faults import fault_point
-from ..dtypes import torch_dtype
+from ..dtypes import EXACT, torch_dtype
 from ..errors import ConfigError, Interrupted
 from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent, TaskEvalEvent
 from ..offload.device import device_memory
@@ -370,15 +370,15 @@ def build_optimizer(cfg: FinetuneConfig, params: list[torch.nn.Parameter], strea
     In memory, ``adamw`` is torch's fused AdamW: the reference. Streamed
     (``streaming=True``), it is ``outcore.optim.AdamW``, whose per-unit update is
     the same kernel, so both give the same bits. The memory-lean optimizers
-    come from ``outcore.optim``.
+    come from ``outcore.optim``; ``precision=bf16-lean`` wraps any of them (``optim/lean.py``).
     """
     common = dict(lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if cfg.optim == "adamw" and not streaming:
+    if cfg.optim == "adamw" and not streaming and cfg.precision == EXACT:
         return torch.optim.AdamW(params, betas=cfg.betas, eps=cfg.eps, fused=True, **common)
     from .. import optim as oc_optim
 
-    return oc_optim.build_optimizer(cfg.optim, params, betas=cfg.betas, eps=cfg.eps, **common,
-                                    **cfg.optim_args)
+    return oc_optim.with_precision(oc_optim.build_optimizer(cfg.optim, params, betas=cfg.betas, eps=cfg.eps,
+                                                            **common, **cfg.optim_args), cfg.precision, cfg.seed)
 
 
 def check_offload_supported(cfg: FinetuneConfig) -> None:

@@ -111,33 +111,41 @@ def run_one(name: str, args) -> dict:
     kw = dict(lr=args.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
     opt = (torch.optim.AdamW(model.parameters(), fused=True, **kw) if name == "adamw_fp32"
            else AdamW8bit(model.parameters(), **kw))
-    losses, s_per_step = train(model, opt, train_set, args)
+    return train_and_score(model, opt, train_set, val, args)
+
+
+def train_and_score(model, optimizer, train_set, val, args) -> dict:
+    """Train (:func:`train`) and report the run's figures: the final train loss (mean of the
+    last ``args.tail`` steps), the last, first and validation losses, seconds per step."""
+    losses, s_per_step = train(model, optimizer, train_set, args)
     tail = losses[-min(args.tail, len(losses)):]
     return {"final_train_loss": sum(tail) / len(tail), "last_loss": losses[-1],
             "first_loss": losses[0], "val_loss": evaluate(model, val, args.batch_size, args.eval_batches),
             "s_per_step": s_per_step, "losses": losses}
 
 
-def _child(name: str, args, conn) -> None:
+def _child(name: str, args, conn, runner=None) -> None:
     try:
-        conn.send(run_one(name, args))
+        conn.send((runner or run_one)(name, args))
     except BaseException as exc:  # report, do not hang the parent
         conn.send({"error": repr(exc)})
     finally:
         conn.close()
 
 
-def run_all(args) -> dict[str, dict]:
-    """Both optimizers: side by side in two processes, or one after the other."""
+def run_all(args, names: tuple[str, ...] = OPTIMIZERS, runner=None) -> dict[str, dict]:
+    """Each run ``runner(name, args)`` (default: :func:`run_one`, ``names`` the optimizers): side
+    by side in one process each, or one after the other."""
+    runner = runner or run_one
     if args.sequential:
-        return {name: run_one(name, args) for name in OPTIMIZERS}
+        return {name: runner(name, args) for name in names}
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")  # a clean torch in each child (no inherited thread pools)
     procs = {}
-    for name in OPTIMIZERS:
+    for name in names:
         parent, child = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_child, args=(name, args, child), daemon=True)
+        proc = ctx.Process(target=_child, args=(name, args, child, runner), daemon=True)
         proc.start()
         child.close()
         procs[name] = (proc, parent)
@@ -150,8 +158,8 @@ def run_all(args) -> dict[str, dict]:
     return runs
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_arguments(ap: argparse.ArgumentParser) -> None:
+    """The options of a convergence run (shared with ``bench_lean_convergence.py``)."""
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--quick", action="store_true", help="3 steps each (a smoke test)")
     ap.add_argument("--lr", type=float, default=5e-5)
@@ -163,10 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tail", type=int, default=20, help="final loss = mean of the last N steps")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="threads per run")
+    ap.add_argument("--verbose", action="store_true", help="print every step's loss")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_arguments(ap)
     ap.add_argument("--sequential", action="store_true",
                     help="one run after the other in this process (default: two processes)")
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--verbose", action="store_true", help="print every step's loss")
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.eval_batches = 3, 1

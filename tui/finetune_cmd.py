@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ..recipes.config import (ACTIVATION_COMPRESSION, ACTIVATION_POLICIES, METHODS, OFFLOAD_MODES, OPTIMIZERS,
-                              UI_MODES)
+                              PRECISIONS, UI_MODES)
 
 HELP = "fine-tune a model (no options: the embedded default)"
 DESCRIPTION = f"""\
@@ -39,6 +39,7 @@ FLAGS: tuple[tuple[str, str, Any, str | None, str], ...] = (
     ("--data", "data", str, "PATH", "text file/folder or .jsonl (instruction or chat data), or 'default'"),
     ("--method", "method", str, "NAME", f"one of: {', '.join(METHODS)}"),
     ("--optim", "optim", str, "NAME", f"one of: {', '.join(OPTIMIZERS)}"),
+    ("--precision", "precision", str, "MODE", f"one of: {', '.join(PRECISIONS)} (bf16-lean: no fp32 master)"),
     ("--max-steps", "max_steps", int, "N", "optimizer steps"),
     ("--seq-len", "seq_len", int, "N", "tokens per training sequence"),
     ("--batch-size", "batch_size", int, "N", "sequences per micro-batch"),
