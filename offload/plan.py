@@ -363,7 +363,7 @@ def _build(w: Workload, lay: Layout, st: StepTime, batch: int, offload: str, met
 
 
 def plan_for_config(cfg: Any, model_or_hf_config: Any, probe: Any = None,
-                    budgets: Budgets | None = None) -> MemoryPlan:
+                    budgets: Budgets | None = None, world: int = 1) -> MemoryPlan:
     """The plan for a ``FinetuneConfig`` (what ``outcore plan`` and the trainer call).
 
     Args:
@@ -373,6 +373,7 @@ def plan_for_config(cfg: Any, model_or_hf_config: Any, probe: Any = None,
         probe: ``probe_hardware(cfg.swap_dir)``; ``cfg.device_mem`` / ``cfg.host_mem``
             override its budgets.
         budgets: explicit budgets instead of a probe.
+        world: data-parallel ranks (the plan is one rank's).
 
     Returns:
         The :class:`MemoryPlan`.
@@ -389,6 +390,7 @@ def plan_for_config(cfg: Any, model_or_hf_config: Any, probe: Any = None,
                      offload=cfg.offload, budgets=budgets, grad_accum=cfg.grad_accum,
                      max_grad_norm=float(cfg.max_grad_norm or 0.0), optim_args=cfg.optim_args,
                      lora_r=cfg.lora_r, lora_targets=tuple(cfg.lora_targets),
-                     activations_compress=cfg.activations_compress)
+                     activations_compress=cfg.activations_compress,
+                     world=world if cfg.offload != NONE else 1)  # (in memory, every rank a replica)
 
 

@@ -20,8 +20,10 @@ checkpoint written by 2 ranks resumes on 1 and one written by 1 rank (the single
 format) on 2. ``checkpoint.load_checkpoint`` reads the model part here too, so ``outcore
 export`` of a distributed run is the one-rank export.
 
-The seam for the sharded out-of-core state (``offload.training.offload_model(..., ranks=)``):
-its save/load functions go where ``app_state`` is built and loaded below.
+A full fine-tune out of core across ranks (its state sharded, ``offload/sharding.py``) writes
+``step_X/units_dcp/<unit>`` instead, one DCP checkpoint per unit in a world-independent shard
+space (``offload/sharded_checkpoint.py``), through the same protocol; it resumes at any number of
+ranks (:func:`restore_units`).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from . import checkpoint as ckpt
 from .distributed import broadcast_from_main
 
 DCP_DIR = "dcp"  # inside a checkpoint directory: the DCP files (``.metadata``, ``__R_0.distcp``)
+SHARDED_UNITS_DIR = "units_dcp"  # a sharded out-of-core run's: one DCP checkpoint per unit
 _MODEL, _OPTIM = "model", "optim"
 
 
@@ -56,7 +59,7 @@ def app_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[
 
 def save_distributed(output_dir: str | Path, step: int, model: torch.nn.Module,
                      optimizer: torch.optim.Optimizer, trainer_state: dict[str, Any], keep: int,
-                     ranks: Ranks) -> Path:
+                     ranks: Ranks, engine: Any = None) -> Path:
     """Write one checkpoint of a data-parallel run; every rank calls it at the same step.
 
     Args:
@@ -67,6 +70,8 @@ def save_distributed(output_dir: str | Path, step: int, model: torch.nn.Module,
         trainer_state: step, data position, RNG states (rank 0's is written).
         keep: complete checkpoints kept.
         ranks: this process's ranks.
+        engine: an out-of-core engine sharded over the ranks: its weights and state are saved
+            unit by unit (``offload/sharded_checkpoint.py``) instead of ``model``/``optimizer``.
 
     Returns:
         The checkpoint directory.
@@ -79,7 +84,19 @@ def save_distributed(output_dir: str | Path, step: int, model: torch.nn.Module,
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    state = app_state(model, optimizer)
+    if engine is None:
+        state = app_state(model, optimizer)
+        nbytes = ckpt.tensor_bytes(state)
+
+        def write(tmp: Path) -> None:
+            dcp.save(state, checkpoint_id=tmp / DCP_DIR)
+    else:
+        from ..offload.sharded_checkpoint import save_sharded
+
+        nbytes = ckpt.units_bytes(engine)
+
+        def write(tmp: Path) -> None:
+            save_sharded(engine, tmp / SHARDED_UNITS_DIR)
     out = str(output_dir)
 
     def announce(value: Any, what: str) -> Any:
@@ -89,14 +106,14 @@ def save_distributed(output_dir: str | Path, step: int, model: torch.nn.Module,
 
     def write_dcp(tmp: Path) -> None:
         announce(tmp, "the checkpoint's start")  # 1. every rank learns where
-        dcp.save(state, checkpoint_id=tmp / DCP_DIR)  # 2. collective
+        write(tmp)  # 2. collective
 
     if not ranks.is_main:
         tmp = announce(None, "the checkpoint's start")
         if isinstance(tmp, BaseException):
             raise tmp
         try:
-            dcp.save(state, checkpoint_id=tmp / DCP_DIR)
+            write(tmp)
         except (Exception, CheckpointException):
             pass  # dcp reports a failure to every rank: rank 0's verdict (or a lost rank) follows
         outcome = announce(None, "the checkpoint's commit")
@@ -112,7 +129,7 @@ def save_distributed(output_dir: str | Path, step: int, model: torch.nn.Module,
 
     try:
         path = ckpt.save_checkpoint(output_dir, step, {}, {}, trainer_state, keep=keep,
-                                    write_extra=start_and_write, extra_bytes=ckpt.tensor_bytes(state))
+                                    write_extra=start_and_write, extra_bytes=nbytes)
     except (Exception, CheckpointException) as e:  # dcp's is a BaseException
         announce(e, "the checkpoint's start" if not started else "the checkpoint's commit")
         raise
@@ -186,3 +203,22 @@ def restore_trainable(ckpt_dir: str | Path, weights: dict[str, torch.Tensor], op
     with torch.no_grad():
         for name, t in weights.items():
             named[name].copy_(t)
+
+
+def restore_units(engine: Any, ckpt_dir: str | Path) -> None:
+    """Load an out-of-core checkpoint's weights and state into ``engine``'s store: the sharded
+    format at any number of ranks, or the one-rank format (``checkpoint.load_units``) on one.
+
+    Raises:
+        CheckpointError: a one-rank checkpoint resumed by a sharded engine.
+    """
+    sharded = Path(ckpt_dir) / SHARDED_UNITS_DIR
+    if sharded.is_dir():
+        from ..offload.sharded_checkpoint import load_sharded
+
+        load_sharded(engine, sharded)
+    elif getattr(engine, "world", 1) > 1:
+        raise CheckpointError(f"checkpoint {str(ckpt_dir)!r} was written by a one-process out-of-core run; "
+                              "resume it with one process (its next checkpoint then resumes at any number)")
+    else:
+        ckpt.load_units(engine, Path(ckpt_dir) / "units")

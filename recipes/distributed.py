@@ -12,8 +12,8 @@ each joins the process group here (:func:`join_run`, ``offload.ranks.join`` with
   bit with two operands: a + b is b + a);
 * **LoRA / QLoRA out of core** — each rank streams the frozen base read-only from its own swap
   directory (:func:`rank_swap_dir`) and the adapters' gradients are summed the same way
-  (:class:`DataParallelAdapters`); a full fine-tune out of core waits for the sharded engine
-  (:func:`check_world`);
+  (:class:`DataParallelAdapters`); a full fine-tune out of core shards its optimizer state
+  across the ranks inside the engine (``offload/sharding.py``: reduce-scatter, update, all-gather);
 * **what is written once** — rank 0 holds the output directory's lock, writes ``config.yaml``,
   ``final/`` and commits checkpoints (:func:`prepare_run_dir`; ``checkpoint_dcp.py``); every
   rank writes its own metrics file (``tui.sinks.make_sink(rank=)``), rank 0's with every rank's
@@ -48,18 +48,15 @@ SINGLE = Ranks()  # one process: what every recipe is when not launched distribu
 def join_run(cfg: Any) -> tuple[Ranks, bool]:
     """Join the process group the launcher describes (nothing for one process).
 
-    Out of core with more than one rank waits for the sharded engine (``offload.training``'s
-    ``ranks=``): refused here, the one place that knows.
-
     Args:
-        cfg: the run's ``FinetuneConfig`` (``dist_timeout_s``, ``offload``, ``method``).
+        cfg: the run's ``FinetuneConfig`` (``dist_timeout_s``).
 
     Returns:
         ``(ranks, joined)``: this process's :class:`~outcore.offload.ranks.Ranks`, and whether
         this call joined the group (then the run leaves it at its end: :func:`leaving_group`).
 
     Raises:
-        ConfigError: out of core (``offload`` other than none) with world > 1, or a bad environment.
+        ConfigError: a bad environment.
     """
     import torch.distributed as tdist
 
@@ -69,7 +66,6 @@ def join_run(cfg: Any) -> tuple[Ranks, bool]:
         ranks = Ranks(tdist.get_rank(), tdist.get_world_size(), ranks.local_rank)
     if not ranks.distributed:
         return ranks, False
-    check_world(cfg, ranks.world)
     if joined:
         return ranks, False
     # CPU tensors (the in-memory replicas, the small exchanges) over gloo, CUDA ones over NCCL
@@ -77,28 +73,16 @@ def join_run(cfg: Any) -> tuple[Ranks, bool]:
     return join(timeout_s=cfg.dist_timeout_s, backend=backend), True
 
 
-def check_world(cfg: Any, world: int) -> None:
-    """Refuse what does not run on ``world`` ranks yet: a full fine-tune out of core with world > 1
-    (LoRA / QLoRA out of core run: their base streams read-only on every rank).
-
-    The seam for the sharded out-of-core engine (``offload.training.offload_model(..., ranks=)``):
-    when it is wired into ``full_finetune.offload_from_plan``, this refusal goes.
-
-    Raises:
-        ConfigError: ``offload`` other than none with more than one rank.
-    """
-    if world > 1 and cfg.offload != "none" and not cfg.zeroth_order and not cfg.uses_adapters:
-        raise ConfigError(f"offload={cfg.offload!r} with {world} ranks is not supported yet for method "
-                          f"{cfg.method!r}; launch with --offload none (data parallel in memory), method lora, "
-                          "or one rank")
-
-
 def plan_note(cfg: Any, world: int) -> str:
     """What the plan of one rank means among ``world`` (``outcore plan`` under torchrun or ``--ranks``)."""
-    check_world(cfg, world)
-    what = ("every rank holds the whole model and evaluates its share of the samples" if cfg.zeroth_order
-            else "every rank holds a replica of the model and optimizer state and trains on "
-                 f"{cfg.grad_accum} of the step's {step_size(cfg, Ranks(0, world))} micro-batches")
+    share = f"trains on {cfg.grad_accum} of the step's {step_size(cfg, Ranks(0, world))} micro-batches"
+    if cfg.zeroth_order:
+        what = "every rank holds the whole model and evaluates its share of the samples"
+    elif cfg.offload != "none" and not cfg.uses_adapters:
+        what = f"every rank holds the weights and 1/{world} of the optimizer state, and {share}"
+    else:
+        what = f"every rank holds a replica of the model and optimizer state and {share}"
+
     return f"plan per rank ({world} ranks, data parallel: {what})"
 
 
@@ -248,8 +232,10 @@ class DataParallelAdapters:
 
 
 def data_parallel(engine: Any, ranks: Ranks, output: str | Path) -> Any:
-    """``engine`` as this run trains it: itself with one rank, :class:`DataParallelAdapters` under torchrun."""
-    return DataParallelAdapters(engine, ranks, output) if ranks.distributed else engine
+    """``engine`` as this run trains it: itself with one rank or sharded, :class:`DataParallelAdapters`
+    for LoRA under torchrun."""
+    # (a full fine-tune's engine is sharded: it sums the ranks' gradients itself)
+    return DataParallelAdapters(engine, ranks, output) if ranks.distributed and engine.world == 1 else engine
 
 
 def prepare_run_dir(cfg: Any, ranks: Ranks) -> tuple[Path, int | None]:
@@ -383,8 +369,12 @@ def _leave_if_joined(recipe: Any) -> None:
 
 
 def rank_swap_dir(swap: Path, ranks: Ranks) -> Path:
-    """Each rank's own swap directory: ``swap/rankR`` under torchrun (a swap dir is locked by one process)."""
-    return swap / f"rank{ranks.rank}" if ranks.distributed else swap
+    """Each rank's own swap directory: ``swap/rankR`` under torchrun (a swap dir is locked by one
+    process); their shared parent ``swap`` is created (0700) where it does not exist yet."""
+    if not ranks.distributed:
+        return swap
+    swap.mkdir(mode=0o700, exist_ok=True)  # (every rank may race to it: exist_ok)
+    return swap / f"rank{ranks.rank}"
 
 
 def zo_split(ranks: Ranks, output: str | Path | None = None) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import torch
 
 from ..activations.policy import OFFLOAD, ActivationPolicy
 from .._faults import fault_point
-from ..dtypes import EXACT, torch_dtype
+from ..dtypes import torch_dtype
 from ..errors import ConfigError, Interrupted
 from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent, TaskEvalEvent
 from ..offload.device import device_memory
@@ -31,11 +31,12 @@ from . import checkpoint as ckpt
 from . import distributed as dist
 from ._common import (StopOnSignal, evaluate, holding_output_dir, lr_lambda, peak_rss_bytes, ram_total_bytes,
                       rss_bytes, set_threads, with_lora)
-from .checkpoint_dcp import restore_trainable, save_distributed
+from .checkpoint_dcp import restore_trainable, restore_units, save_distributed
 from .config import FinetuneConfig
 from .evaluate import CausalLMScorer, score_task
 from .export import export_hf, export_offloaded
 from .in_memory import InMemoryModel
+from .offload_setup import build_optimizer, check_offload_supported, make_plan, offload_from_plan, swap_dir_of
 from .wear import WearMeter
 
 # A run stopped by a signal writes a checkpoint unless its newest one is younger than
@@ -143,7 +144,8 @@ class Recipe:
             # Full fine-tune: the optimizer streams its state with the units. LoRA: the
             # adapters and their state stay resident; only the frozen base streams.
             self.optimizer = build_optimizer(cfg, self.params, streaming=not self.lora)
-            engine = offload_from_plan(cfg, self.model, self.optimizer, self.plan, self.out, self.head_loss, fill)
+            engine = offload_from_plan(cfg, self.model, self.optimizer, self.plan, self.out, self.head_loss, fill,
+                                       self.ranks)
             self.trainer = dist.data_parallel(engine, self.ranks, str(self.out))  # LoRA under torchrun
         self.streamed = fill is not None
         # Out of core, a full fine-tune's weights and optimizer state live in the store and
@@ -173,7 +175,7 @@ class Recipe:
         for why in skipped:  # before the dashboard starts: a plain line on stderr
             print(f"outcore: warning: {why}; resuming from {last.name} instead", file=sys.stderr)
         if self.units_in_store:
-            ckpt.load_units(self.trainer, last / "units")
+            restore_units(self.trainer, last)
         else:  # the single-process format, or DCP's (from any number of ranks)
             restore_trainable(last, model_state, optim_state, self.model, self.optimizer)
         # (checkpoints before the one training loop also hold a "scheduler" state: the
@@ -245,7 +247,7 @@ class Recipe:
             n_params = sum(s.numel for u in self.trainer.units for s in u.slots)
             n_params += n_trainable if self.lora else 0  # the resident adapters
             n_trainable = n_trainable if self.lora else n_params
-        self.wear = WearMeter(self.trainer.store, cfg.ssd_tbw, _swap_dir(cfg, self.out), self.out, self.step)
+        self.wear = WearMeter(self.trainer.store, cfg.ssd_tbw, swap_dir_of(cfg, self.out), self.out, self.step)
         self.sink.emit(RunStarted(run_name=self.out.name, model=cfg.model, n_params=n_params,
                                   n_trainable=n_trainable, total_steps=cfg.max_steps, output_dir=str(self.out),
                                   method=cfg.method, optim=cfg.optim, config=cfg.to_dict(),
@@ -270,7 +272,8 @@ class Recipe:
                          "base_eval_loss": self.base_eval_loss, "micro_batches": dist.step_size(self.cfg, self.ranks)}
         keep = self.cfg.keep_checkpoints
         if self.ranks.distributed:  # every rank writes its share (torch.distributed.checkpoint)
-            path = save_distributed(self.out, self.step, self.model, self.optimizer, trainer_state, keep, self.ranks)
+            path = save_distributed(self.out, self.step, self.model, self.optimizer, trainer_state, keep, self.ranks,
+                                    engine=self.trainer if self.units_in_store else None)
         elif self.units_in_store:  # streamed out of the store, unit by unit
             path = ckpt.save_checkpoint(self.out, self.step, {}, {}, trainer_state, keep=keep,
                                         write_extra=lambda d: ckpt.save_units(self.trainer, d / "units"),
@@ -360,77 +363,6 @@ class Recipe:
             self.activations = None
         if getattr(self, "trainer", None) is not None:
             self.trainer.close()
-
-
-# ---------------------------------------------------------------------- builders
-def build_optimizer(cfg: FinetuneConfig, params: list[torch.nn.Parameter], streaming: bool = False
-                    ) -> torch.optim.Optimizer:
-    """The optimizer named by ``cfg.optim`` over ``params``.
-
-    In memory, ``adamw`` is torch's fused AdamW: the reference. Streamed
-    (``streaming=True``), it is ``outcore.optim.AdamW``, whose per-unit update is
-    the same kernel, so both give the same bits. The memory-lean optimizers
-    come from ``outcore.optim``; ``precision=bf16-lean`` wraps any of them (``optim/lean.py``).
-    """
-    common = dict(lr=cfg.lr, weight_decay=cfg.weight_decay)
-    if cfg.optim == "adamw" and not streaming and cfg.precision == EXACT:
-        return torch.optim.AdamW(params, betas=cfg.betas, eps=cfg.eps, fused=True, **common)
-    from .. import optim as oc_optim
-
-    return oc_optim.with_precision(oc_optim.build_optimizer(cfg.optim, params, betas=cfg.betas, eps=cfg.eps,
-                                                            **common, **cfg.optim_args), cfg.precision, cfg.seed)
-
-
-def check_offload_supported(cfg: FinetuneConfig) -> None:
-    """Raise ConfigError for combinations the out-of-core engine does not run yet.
-
-    (Every dtype runs: out of core, ``bfloat16`` / ``float16`` mean mixed precision,
-    16-bit compute with fp32 master weights and optimizer state in the state tier.)
-    """
-    if cfg.zeroth_order:
-        raise ConfigError(f"offload={cfg.offload!r} with method={cfg.method!r} is not supported: "
-                          "use --method full|lora|qlora")
-
-
-def make_plan(cfg: FinetuneConfig, model: torch.nn.Module):
-    """The MemoryPlan of this run (budgets from --device-mem / --host-mem and this machine)."""
-    from ..offload.plan import plan_for_config
-    from ..offload.probe import probe_hardware
-
-    probe = probe_hardware(_swap_dir(cfg, Path(cfg.output)).parent, measure=False)
-    return plan_for_config(cfg, model, probe=probe)
-
-
-def _swap_dir(cfg: FinetuneConfig, out: Path) -> Path:
-    return dist.rank_swap_dir(Path(cfg.swap_dir) if cfg.swap_dir else out / "swap", dist.from_env())
-
-
-def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: Any, plan: Any, out: Path,
-                      head_loss: torch.nn.Module | None = None,
-                      fill: Callable[[str, torch.Tensor], None] | None = None):
-    """Move the model's weights and optimizer state to the tiers ``plan`` chose.
-
-    ``fill(name, out)`` reads a weight of a meta-device model (see ``load_model_lazily``).
-    """
-    from ..models import plain_name
-    from ..offload.handle import Tier
-    from ..offload.modes import CPU, NVME
-    from ..offload.plan import parse_bytes
-    from ..offload.training import offload_model
-
-    home = {Tier.DEVICE: Tier.HOST, Tier.HOST: Tier.HOST, Tier.NVME: Tier.NVME}
-    homes = [(home[u.weights], home[u.state or u.weights]) for u in plan.units]
-    mode = NVME if any(Tier.NVME in h for h in homes) else CPU
-    head_modules = [] if head_loss is None else [head_loss]
-    return offload_model(model, optimizer, offload=mode, swap_dir=_swap_dir(cfg, out), head_modules=head_modules,
-                         prefetch=max(1, plan.prefetch_depth), max_grad_norm=cfg.max_grad_norm,
-                         grad_accum=cfg.grad_accum, homes=homes,
-                         resident_trainable=cfg.uses_adapters, quantize_frozen=cfg.quantizes_base,
-                         spill_grads=any(u.grads is Tier.NVME for u in plan.units),
-                         device_bytes=parse_bytes(cfg.device_mem) if cfg.device_mem else None,
-                         host_bytes=parse_bytes(cfg.host_mem) if cfg.host_mem else None,
-                         nvme_reserve=plan.tier_total(Tier.NVME) if mode == NVME else 0,
-                         init_weights=None if fill is None else (lambda slot, t: fill(plain_name(slot.name), t)))
 
 
 def finetune(config: FinetuneConfig, sink: EventSink | None = None) -> FinetuneResult:

@@ -88,10 +88,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--ranks {args.ranks} must be >= 1 (or 0: torchrun's WORLD_SIZE)")
     config = config_from_args(args)
     world = args.ranks or from_env().world  # under torchrun: its WORLD_SIZE
-    note = plan_note(config, world) if world > 1 else None  # (refuses what does not run on `world` ranks)
+    note = plan_note(config, world) if world > 1 else None
     hf_config = model_config(config.model)
     probe = probe_hardware(config.swap_dir, measure=not args.no_measure)
-    plan = plan_for_config(config, hf_config, probe)
+    plan = plan_for_config(config, hf_config, probe, world=world)
     if args.json:
         print(json.dumps({**plan.to_dict(), **({"ranks": world, "per_rank": note} if note else {})},
                          indent=2, default=str))

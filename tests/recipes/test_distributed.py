@@ -106,6 +106,25 @@ def test_two_ranks_equal_one_rank_accumulating_and_resume_on_one(tiny_run_inputs
     _assert_same(_weights(two), _weights(one))
 
 
+@pytest.mark.slow(ci=True)
+def test_out_of_core_two_ranks_shard_the_state_equal_one_rank_and_resume_on_one(tiny_run_inputs, tmp_path):
+    """A full fine-tune out of core on 2 ranks (each holds half of every unit's state: the
+    engine reduce-scatters, updates its range and all-gathers) == 1 rank accumulating; its
+    sharded DCP checkpoint resumes on one rank with the same bits."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    kw = dict(offload="nvme", max_grad_norm=0.0)  # (with clipping: the norm's order differs, ~1e-6)
+    res = _torchrun(_args(tiny_run_inputs, two, **kw))
+    assert res.returncode == 0, res.stderr[-3000:]
+    _one_rank(_args(tiny_run_inputs, one, grad_accum=2, **kw))
+    _assert_same(_weights(two), _weights(one))
+    assert any((two / "checkpoints" / "step_000002" / "units_dcp").iterdir())
+
+    shutil.rmtree(two / "checkpoints" / "step_000004")
+    shutil.rmtree(two / "final")
+    _one_rank(_args(tiny_run_inputs, two, grad_accum=2, resume=str(two), **kw))
+    _assert_same(_weights(two), _weights(one))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method,optim,offload", [("full", "adamw8bit", "none"), ("lora", "adamw", "none"),
                                                    ("lora", "adamw", "cpu")])  # cpu: the base streamed read-only

@@ -1,0 +1,88 @@
+"""What a recipe builds before it trains: the optimizer, the memory plan and the out-of-core
+engine the plan describes (``full_finetune.Recipe.setup`` and the benchmarks call these)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..dtypes import EXACT
+from ..errors import ConfigError
+from ..offload.ranks import Ranks
+from . import distributed as dist
+from .config import FinetuneConfig
+
+
+def build_optimizer(cfg: FinetuneConfig, params: list[torch.nn.Parameter], streaming: bool = False
+                    ) -> torch.optim.Optimizer:
+    """The optimizer named by ``cfg.optim`` over ``params``.
+
+    In memory, ``adamw`` is torch's fused AdamW: the reference. Streamed
+    (``streaming=True``), it is ``outcore.optim.AdamW``, whose per-unit update is
+    the same kernel, so both give the same bits. The memory-lean optimizers
+    come from ``outcore.optim``; ``precision=bf16-lean`` wraps any of them (``optim/lean.py``).
+    """
+    common = dict(lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.optim == "adamw" and not streaming and cfg.precision == EXACT:
+        return torch.optim.AdamW(params, betas=cfg.betas, eps=cfg.eps, fused=True, **common)
+    from .. import optim as oc_optim
+
+    return oc_optim.with_precision(oc_optim.build_optimizer(cfg.optim, params, betas=cfg.betas, eps=cfg.eps,
+                                                            **common, **cfg.optim_args), cfg.precision, cfg.seed)
+
+
+def check_offload_supported(cfg: FinetuneConfig) -> None:
+    """Raise ConfigError for combinations the out-of-core engine does not run yet.
+
+    (Every dtype runs: out of core, ``bfloat16`` / ``float16`` mean mixed precision,
+    16-bit compute with fp32 master weights and optimizer state in the state tier.)
+    """
+    if cfg.zeroth_order:
+        raise ConfigError(f"offload={cfg.offload!r} with method={cfg.method!r} is not supported: "
+                          "use --method full|lora|qlora")
+
+
+def make_plan(cfg: FinetuneConfig, model: torch.nn.Module):
+    """The MemoryPlan of this run (budgets from --device-mem / --host-mem and this machine)."""
+    from ..offload.plan import plan_for_config
+    from ..offload.probe import probe_hardware
+
+    probe = probe_hardware(swap_dir_of(cfg, Path(cfg.output)).parent, measure=False)
+    return plan_for_config(cfg, model, probe=probe, world=dist.from_env().world)
+
+
+def swap_dir_of(cfg: FinetuneConfig, out: Path) -> Path:
+    """This rank's swap directory: ``--swap-dir`` or OUTPUT/swap (``rankR`` under it with several ranks)."""
+    return dist.rank_swap_dir(Path(cfg.swap_dir) if cfg.swap_dir else out / "swap", dist.from_env())
+
+
+def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: Any, plan: Any, out: Path,
+                      head_loss: torch.nn.Module | None = None,
+                      fill: Callable[[str, torch.Tensor], None] | None = None, ranks: Ranks | None = None):
+    """Move the model's weights and optimizer state to the tiers ``plan`` chose.
+
+    ``fill(name, out)`` reads a weight of a meta-device model (see ``load_model_lazily``).
+    With several ``ranks`` a full fine-tune's optimizer state is sharded across them
+    (``offload/sharding.py``); LoRA's resident adapters are not (``distributed.data_parallel``).
+    """
+    from ..models import plain_name
+    from ..offload.handle import Tier
+    from ..offload.modes import CPU, NVME
+    from ..offload.plan import parse_bytes
+    from ..offload.training import offload_model
+
+    home = {Tier.DEVICE: Tier.HOST, Tier.HOST: Tier.HOST, Tier.NVME: Tier.NVME}
+    homes = [(home[u.weights], home[u.state or u.weights]) for u in plan.units]
+    mode = NVME if any(Tier.NVME in h for h in homes) else CPU
+    head_modules = [] if head_loss is None else [head_loss]
+    return offload_model(model, optimizer, offload=mode, swap_dir=swap_dir_of(cfg, out), head_modules=head_modules,
+                         prefetch=max(1, plan.prefetch_depth), max_grad_norm=cfg.max_grad_norm,
+                         grad_accum=cfg.grad_accum, homes=homes,
+                         resident_trainable=cfg.uses_adapters, quantize_frozen=cfg.quantizes_base,
+                         spill_grads=any(u.grads is Tier.NVME for u in plan.units),
+                         device_bytes=parse_bytes(cfg.device_mem) if cfg.device_mem else None,
+                         host_bytes=parse_bytes(cfg.host_mem) if cfg.host_mem else None,
+                         nvme_reserve=plan.tier_total(Tier.NVME) if mode == NVME else 0,
+                         ranks=None if cfg.uses_adapters else ranks,
+                         init_weights=None if fill is None else (lambda slot, t: fill(plain_name(slot.name), t)))
