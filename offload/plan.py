@@ -279,7 +279,7 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
                           lora_r=lora_r, lora_targets=tuple(lora_targets)))
     traits = method_traits(method)
     grads_kept = traits.trains_weights and traits.backward and (max_grad_norm > 0 or grad_accum > 1)
-    w = Workload(spec, ub, traits, dtype, seq_len, grads_kept, budgets.with_flops())
+    w = Workload(spec, ub, traits, dtype, seq_len, grads_kept, budgets.with_flops(dtype))
     n = len(ub)
     policies = list(_AUTO_ACTIVATIONS) if activations == AUTO else [activations]
     if not traits.backward:

@@ -108,11 +108,12 @@ class Budgets:
         big = 1 << 62
         return cls(device_bytes=big, host_bytes=big, nvme_bytes=big, ram_bytes=big, **speeds)
 
-    def with_flops(self) -> "Budgets":
-        """These budgets with ``flops`` measured (once per process) when it is 0."""
+    def with_flops(self, dtype: str | None = None) -> "Budgets":
+        """These budgets with ``flops`` measured (once per process) when it is 0, in the compute
+        ``dtype`` (a CPU without bf16 units runs bf16 matmuls at another rate than fp32)."""
         if self.flops > 0:
             return self
-        return replace(self, flops=measure_matmul_flops(self.device_kind))
+        return replace(self, flops=measure_matmul_flops(self.device_kind, dtype=dtype))
 
 
 def _first(probe: Any, *names: str) -> Any:
@@ -176,10 +177,11 @@ def budgets_from_probe(probe: Any, device_mem: str | int | None = None, host_mem
 
 
 @functools.lru_cache(maxsize=None)
-def measure_matmul_flops(device_kind: str = "cpu", n: int = 1024, seconds: float = 0.3) -> float:
+def measure_matmul_flops(device_kind: str = "cpu", n: int = 1024, seconds: float = 0.3,
+                         dtype: str | None = None) -> float:
     """Sustained FLOP/s of a square matmul on the compute device (measured once per process).
 
-    fp32 on CPU, bf16 on CUDA. A transformer step reaches a good share of this
+    In ``dtype`` (default: fp32 on CPU, bf16 on CUDA). A transformer step reaches a good share of this
     (its matmuls dominate), so compute estimates built on it are optimistic
     by the share of time spent in non-matmul ops.
 
@@ -187,6 +189,7 @@ def measure_matmul_flops(device_kind: str = "cpu", n: int = 1024, seconds: float
         device_kind: ``"cpu"`` or ``"cuda"``.
         n: matrix size.
         seconds: time budget after one warm-up product.
+        dtype: a name of ``outcore.dtypes.DTYPES``, or None for the device's usual one.
 
     Returns:
         The best observed FLOP/s.
@@ -195,8 +198,10 @@ def measure_matmul_flops(device_kind: str = "cpu", n: int = 1024, seconds: float
 
     from .device import synchronize_device
 
+    from ..dtypes import torch_dtype
+
     dev = torch.device(device_kind)
-    dtype = torch.bfloat16 if device_kind == "cuda" else torch.float32
+    dtype = torch_dtype(dtype) if dtype else (torch.bfloat16 if device_kind == "cuda" else torch.float32)
 
     def sync() -> None:
         synchronize_device(dev)
