@@ -28,6 +28,7 @@ DEFAULT_SHARE = 0.85
 FALLBACK_DISK_READ_GBPS = 1.5
 FALLBACK_DISK_WRITE_GBPS = 1.5
 FALLBACK_COPY_GBPS = {"cpu": 5.0, "cuda": 12.0}
+FALLBACK_CHECKSUM_GBPS = 5.0  # xxh3 of the swap extents, one thread
 
 
 def parse_bytes(value: str | int | float, what: str = "size") -> int:
@@ -91,6 +92,7 @@ class Budgets:
     h2d_gbps: float = FALLBACK_COPY_GBPS["cpu"]  # HOST -> DEVICE
     d2h_gbps: float = FALLBACK_COPY_GBPS["cpu"]  # DEVICE -> HOST
     host_mem_gbps: float = FALLBACK_COPY_GBPS["cpu"]  # RAM bandwidth of a CPU optimizer update
+    checksum_gbps: float = FALLBACK_CHECKSUM_GBPS  # hashing every NVMe byte on the CPU
     flops: float = 0.0  # sustained matmul FLOP/s of the compute device (0: measure on first use)
     measured: bool = False  # True when the speeds come from measurement, not fallbacks
     swap_dir: str | None = None
@@ -170,6 +172,7 @@ def budgets_from_probe(probe: Any, device_mem: str | int | None = None, host_mem
         h2d_gbps=float(h2d or FALLBACK_COPY_GBPS[kind]),
         d2h_gbps=float(d2h or FALLBACK_COPY_GBPS[kind]),
         host_mem_gbps=float(host_bw),
+        checksum_gbps=float(_first(probe, "checksum_gbps") or FALLBACK_CHECKSUM_GBPS),
         flops=float(flops or 0.0),
         measured=all(x is not None for x in (read, write, h2d, d2h)),
         swap_dir=_first(probe, "swap_dir"),

@@ -12,7 +12,9 @@ One run, on the swap directory's disk:
 2. warm-up steps, then per timed step, interleaved (the box is shared: other jobs' I/O and
    CPU load change from minute to minute, so each step is set against the disk as it was
    then): the step, with the bytes that reached the storage layer (``/proc/self/io``) and
-   the store's stall; the disk's sequential ``O_DIRECT`` read and write bandwidth (fio,
+   the store's stall; the same step with everything in RAM (offload cpu, when it fits in
+   half the free RAM): the compute floor, what the step costs with no disk at all; the
+   disk's sequential ``O_DIRECT`` read and write bandwidth (fio,
    1 MiB, else dd: scripts/bench_io.py's rounds); a round reading and writing at once;
    the load average.
 
@@ -76,10 +78,13 @@ def _disk_rounds(work: Path) -> dict[str, float]:
             "together_s": both["seconds"], "parallel_s": max(r_s, w_s)}
 
 
-def _timed_steps(trainer, batches: list, warmup: int, work: Path) -> list[dict[str, Any]]:
-    """Warm up, then per timed step: the step, its bytes and stall, the disk's rounds, the load."""
+def _timed_steps(trainer, in_ram, batches: list, warmup: int, work: Path) -> list[dict[str, Any]]:
+    """Warm up, then per timed step: the step, its bytes and stall, the same step with everything
+    in RAM (``in_ram``: the compute floor, no disk), the disk's rounds, the load."""
     for ids in batches[:warmup]:
         trainer.step(ids)
+        if in_ram is not None:
+            in_ram.step(ids)
     store, rows = trainer.offloaded.store, []
     for ids in batches[warmup:]:
         (r0, w0), stall0 = storage_io(), store.stall_s
@@ -89,6 +94,10 @@ def _timed_steps(trainer, batches: list, warmup: int, work: Path) -> list[dict[s
         r1, w1 = storage_io()
         row = {"step_s": dt, "loss": loss, "read_bytes": r1 - r0, "write_bytes": w1 - w0,
                "stall_s": store.stall_s - stall0, "load_1m": os.getloadavg()[0]}
+        if in_ram is not None:
+            t0 = time.perf_counter()
+            row["in_ram_loss"] = in_ram.step(ids)
+            row["in_ram_step_s"] = time.perf_counter() - t0
         row.update(_disk_rounds(work))
         rows.append(row)
     return rows
@@ -109,11 +118,15 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
            "disk_limited_s": statistics.median(limits), "load_1m": [r["load_1m"] for r in rows],
            "steps": rows}
     out["ratio"] = out["median_step_s"] / out["disk_limited_s"]
+    if all("in_ram_step_s" in r for r in rows):
+        out["in_ram_median_step_s"] = med("in_ram_step_s")
+        out["ratio_vs_in_ram"] = out["median_step_s"] / out["in_ram_median_step_s"]
     return out
 
 
 def run_disk_regime(args) -> int:
     """``bench_step.py --regime disk``: measure, print JSON (``--json``) or a short table. Returns 0."""
+    import psutil
     import torch
 
     from _bench_outcore import OutcoreTrainer
@@ -125,23 +138,31 @@ def run_disk_regime(args) -> int:
     budgets = measured_budgets(args.swap_dir)  # what `outcore doctor` measures, before the run
     estimate = plan_estimate(config, budgets, offload="nvme", optim=OPTIM, dtype=DTYPE, seq=args.seq,
                              batch=args.batch, activations=args.activations)
+    # The same step with everything in RAM, when it fits in half of what is free: the compute floor
+    in_ram = plan_estimate(config, budgets, offload="cpu", optim=OPTIM, dtype=DTYPE, seq=args.seq,
+                           batch=args.batch, activations=args.activations)
+    in_ram_fits = in_ram.get("expected_peak_rss_bytes", 1 << 62) < psutil.virtual_memory().available / 2
     batches = make_batches(args.warmup + args.steps, args.batch, args.seq, config.vocab_size)
     work = Path(tempfile.mkdtemp(prefix="bench_disk_", dir=args.swap_dir))
+    trainers = []
+
+    def build(offload: str):
+        trainers.append(OutcoreTrainer("smol-1.7b-random", config, args.seed, offload=offload, optim=OPTIM,
+                                       seq_len=args.seq, batch_size=args.batch, hyper=HYPER, work_dir=str(work),
+                                       activations=args.activations, dtype=DTYPE))
+        return trainers[-1]
     try:
-        trainer = OutcoreTrainer("smol-1.7b-random", config, args.seed, offload="nvme", optim=OPTIM,
-                                 seq_len=args.seq, batch_size=args.batch, hyper=HYPER, work_dir=str(work),
-                                 activations=args.activations, dtype=DTYPE)
-        try:
-            rows = _timed_steps(trainer, batches, args.warmup, work)
-            prefetch = trainer.plan.prefetch_depth
-        finally:
-            trainer.close()
+        trainer = build("nvme")
+        rows = _timed_steps(trainer, build("cpu") if in_ram_fits else None, batches, args.warmup, work)
+        prefetch = trainer.plan.prefetch_depth
     finally:
+        for t in trainers:
+            t.close()
         shutil.rmtree(work, ignore_errors=True)
     result = {"regime": "disk", "model": "smol-1.7b-random", "layers": config.num_hidden_layers, "dtype": DTYPE,
               "optim": OPTIM, "seq_len": args.seq, "batch_size": args.batch, "warmup": args.warmup,
               "threads": args.threads, "prefetch_depth": prefetch, **summarize(rows), "status": "ok",
-              "plan_estimate": estimate, "budgets": budgets.to_dict(),
+              "plan_estimate": estimate, "plan_estimate_in_ram": in_ram, "budgets": budgets.to_dict(),
               "machine": {"cpus": os.cpu_count(), "swap_dir": args.swap_dir}}
     result["plan_error"] = plan_error(estimate, result)
     print(json.dumps(result, indent=1) if args.json else _table(result))
@@ -161,6 +182,9 @@ def _table(r: dict[str, Any]) -> str:
         f"disk: read {r['disk_read_gbps']:.2f} GB/s, write {r['disk_write_gbps']:.2f} GB/s, {r['disk_model']} "
         f"(read+write at once saved {r['disk_concurrent_saving']:.0%})",
         f"disk-limited step {r['disk_limited_s']:.2f} s; ratio step / disk limit {r['ratio']:.3f}",
+        "the same step all in RAM (no disk): " + (f"{r['in_ram_median_step_s']:.2f} s, step / it "
+                                                   f"{r['ratio_vs_in_ram']:.3f}" if "in_ram_median_step_s" in r
+                                                   else "not run: it does not fit in half the free RAM"),
         "plan estimate: " + (est.get("error") or f"{est['step_s']:.2f} s (disk {est['disk_s']:.2f} s, compute "
                                                   f"{est['compute_s']:.2f} s, update {est['update_s']:.2f} s), "
                                                   f"{'n/a' if err is None else f'{err:+.0%}'} vs measured"),

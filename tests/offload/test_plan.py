@@ -212,7 +212,11 @@ def test_nvme_mode_streams_everything_and_counts_the_traffic(tiny):
     io = plan.time.io_bytes
     assert io["nvme_read"] == weight_reads + 8 * n + STEP * t
     assert io["nvme_write"] == 4 * n + 8 * n + STEP * t  # updated weights and state, once
-    assert io["d2h"] == 4 * n  # gradients to the CPU update
+    assert io["h2d"] == io["d2h"] == 0  # CPU-only: the disk reads into the DEVICE arena, grads are in RAM
+    cuda = make_plan(tiny, offload="nvme", budgets=dataclasses.replace(BIG, device_kind="cuda"), seq_len=32)
+    assert cuda.prefetch_depth == k
+    assert cuda.time.io_bytes["h2d"] == weight_reads  # disk -> pinned HOST -> GPU
+    assert cuda.time.io_bytes["d2h"] == 4 * n  # gradients to the CPU update
 
 
 def test_clipping_keeps_gradients_in_their_tier(tiny):
