@@ -112,3 +112,15 @@ def test_mixed_precision_update_counts_the_widening_and_the_rounding(tiny_llama_
     steps = sum(u.state for u in w32.units) - 8 * n  # the fp32 step counts, one per tensor
     assert t32.update_s == pytest.approx((4 * 2 * n + 4 * n + 2 * (8 * n + steps)) / 10e9)
     assert t16.update_s == pytest.approx((2 * 2 * n + 2 * n + 2 * (12 * n + steps) + 14 * n) / 10e9)
+
+
+def test_the_checksum_rate_comes_from_the_probe():
+    from types import SimpleNamespace
+
+    from outcore.offload.plan_budget import FALLBACK_CHECKSUM_GBPS, budgets_from_probe
+
+    probe = SimpleNamespace(ram_available_bytes=8 * GiB, swap_free_bytes=GiB, disk_read_gbps=2.0,
+                            disk_write_gbps=1.0, h2d_gbps=5.0, d2h_gbps=5.0, checksum_gbps=3.5)
+    assert budgets_from_probe(probe).checksum_gbps == 3.5
+    probe.checksum_gbps = None  # not measured
+    assert budgets_from_probe(probe).checksum_gbps == FALLBACK_CHECKSUM_GBPS
