@@ -151,7 +151,7 @@ def run_disk_regime(args) -> int:
     def build(offload: str):
         trainers.append(OutcoreTrainer("smol-1.7b-random", config, args.seed, offload=offload, optim=OPTIM,
                                        seq_len=args.seq, batch_size=args.batch, hyper=HYPER, work_dir=str(work),
-                                       activations=args.activations, dtype=DTYPE))
+                                       activations=args.activations, dtype=DTYPE, budgets=budgets))
         return trainers[-1]
     try:
         trainer = build("nvme")

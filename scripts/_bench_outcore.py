@@ -102,6 +102,7 @@ class OutcoreTrainer:
         work_dir: a directory for the run's swap files (removed by :meth:`close`).
         activations: the recipe's activation policy (``keep`` is its default).
         dtype: the compute dtype (``bfloat16``: fp32 masters in the state tier, as the recipe does).
+        budgets: measured ``Budgets`` to plan with (None: the recipe's own plan, speeds not measured).
 
     No clipping (``max_grad_norm=0``) and no accumulation, as in the other modes: the
     engine updates each unit during the backward (step-in-backward).
@@ -109,11 +110,12 @@ class OutcoreTrainer:
 
     def __init__(self, kind: str, config: Any, seed: int, *, offload: str, optim: str, seq_len: int,
                  batch_size: int, hyper: dict[str, Any], work_dir: str, activations: str = "keep",
-                 dtype: str = "float32"):
+                 dtype: str = "float32", budgets: Any = None):
         self.work = Path(tempfile.mkdtemp(prefix="bench_outcore_", dir=work_dir))
         self.lr = hyper["lr"]
         try:
-            self._build(kind, config, seed, offload, optim, seq_len, batch_size, hyper, activations, dtype)
+            self._build(kind, config, seed, offload, optim, seq_len, batch_size, hyper, activations, dtype,
+                        budgets)
         except BaseException:  # e.g. the plan does not fit: leave no swap files behind
             import shutil
 
@@ -121,7 +123,7 @@ class OutcoreTrainer:
             raise
 
     def _build(self, kind: str, config: Any, seed: int, offload: str, optim: str, seq_len: int,
-               batch_size: int, hyper: dict[str, Any], activations: str, dtype: str) -> None:
+               batch_size: int, hyper: dict[str, Any], activations: str, dtype: str, budgets: Any) -> None:
         from outcore.dtypes import torch_dtype
         from outcore.kernels.linear_cross_entropy import CausalLMHeadLoss
         from outcore.models import model_parts
@@ -137,7 +139,12 @@ class OutcoreTrainer:
                              weight_decay=hyper["weight_decay"])
         check_offload_supported(cfg)
         self.model, fill = lazy_model(kind, config, seed, torch_dtype(dtype))
-        self.plan = make_plan(cfg, self.model)
+        if budgets is None:
+            self.plan = make_plan(cfg, self.model)
+        else:  # the plan `outcore plan` prints after `outcore doctor` measured the machine
+            from outcore.offload.plan import plan_for_config
+
+            self.plan = plan_for_config(cfg, self.model, budgets=budgets)
         # The recipe's loss: the decoder's hidden states into the chunked LM-head loss.
         self.decoder = self.model.model
         self.head_loss = CausalLMHeadLoss(model_parts(self.model).lm_head)
