@@ -85,21 +85,29 @@ def _timed_steps(trainer, in_ram, batches: list, warmup: int, work: Path) -> lis
         trainer.step(ids)
         if in_ram is not None:
             in_ram.step(ids)
-    store, rows = trainer.offloaded.store, []
+    store, rows, starts, dd = trainer.offloaded.store, [], [], []
     for ids in batches[warmup:]:
-        (r0, w0), stall0 = storage_io(), store.stall_s
+        starts.append(storage_io())
+        stall0 = store.stall_s
         t0 = time.perf_counter()
         loss = trainer.step(ids)
         dt = time.perf_counter() - t0
-        r1, w1 = storage_io()
-        row = {"step_s": dt, "loss": loss, "read_bytes": r1 - r0, "write_bytes": w1 - w0,
-               "stall_s": store.stall_s - stall0, "load_1m": os.getloadavg()[0]}
+        row = {"step_s": dt, "loss": loss, "stall_s": store.stall_s - stall0, "load_1m": os.getloadavg()[0]}
         if in_ram is not None:
             t0 = time.perf_counter()
             row["in_ram_loss"] = in_ram.step(ids)
             row["in_ram_step_s"] = time.perf_counter() - t0
+        d0 = storage_io()
         row.update(_disk_rounds(work))
+        d1 = storage_io()
+        dd.append((d1[0] - d0[0], d1[1] - d0[1]))  # a reaped child's I/O counts in its parent's
         rows.append(row)
+    # A step's bytes run from its start to the next one's, less the disk rounds' (dd): its
+    # write-behind goes on after it returns, while the rest of the row is measured.
+    trainer.offloaded.mem.flush()
+    starts.append(storage_io())
+    for row, (r0, w0), (r1, w1), (dr, dw) in zip(rows, starts, starts[1:], dd):
+        row["read_bytes"], row["write_bytes"] = r1 - r0 - dr, w1 - w0 - dw
     return rows
 
 
