@@ -299,7 +299,7 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
                           world=world if method == "full" else 1))
     traits = method_traits(method)
     grads_kept = traits.trains_weights and traits.backward and (max_grad_norm > 0 or grad_accum > 1)
-    w = Workload(spec, ub, traits, dtype, seq_len, grads_kept, budgets.with_flops(), activations_compress)
+    w = Workload(spec, ub, traits, dtype, seq_len, grads_kept, budgets.with_flops(dtype), activations_compress)
     policies = list(_AUTO_ACTIVATIONS) if activations == AUTO else [activations]
     if not traits.backward:
         policies = [ActivationPolicy.KEEP.value]  # nothing is saved for a backward

@@ -28,6 +28,7 @@ DEFAULT_SHARE = 0.85
 FALLBACK_DISK_READ_GBPS = 1.5
 FALLBACK_DISK_WRITE_GBPS = 1.5
 FALLBACK_COPY_GBPS = {"cpu": 5.0, "cuda": 12.0}
+FALLBACK_CHECKSUM_GBPS = 5.0  # xxh3 of the swap extents, one thread
 
 
 def parse_bytes(value: str | int | float, what: str = "size") -> int:
@@ -91,6 +92,7 @@ class Budgets:
     h2d_gbps: float = FALLBACK_COPY_GBPS["cpu"]  # HOST -> DEVICE
     d2h_gbps: float = FALLBACK_COPY_GBPS["cpu"]  # DEVICE -> HOST
     host_mem_gbps: float = FALLBACK_COPY_GBPS["cpu"]  # RAM bandwidth of a CPU optimizer update
+    checksum_gbps: float = FALLBACK_CHECKSUM_GBPS  # hashing every NVMe byte on the CPU
     flops: float = 0.0  # sustained matmul FLOP/s of the compute device (0: measure on first use)
     measured: bool = False  # True when the speeds come from measurement, not fallbacks
     swap_dir: str | None = None
@@ -108,11 +110,12 @@ class Budgets:
         big = 1 << 62
         return cls(device_bytes=big, host_bytes=big, nvme_bytes=big, ram_bytes=big, **speeds)
 
-    def with_flops(self) -> "Budgets":
-        """These budgets with ``flops`` measured (once per process) when it is 0."""
+    def with_flops(self, dtype: str | None = None) -> "Budgets":
+        """These budgets with ``flops`` measured (once per process) when it is 0, in the compute
+        ``dtype`` (a CPU without bf16 units runs bf16 matmuls at another rate than fp32)."""
         if self.flops > 0:
             return self
-        return replace(self, flops=measure_matmul_flops(self.device_kind))
+        return replace(self, flops=measure_matmul_flops(self.device_kind, dtype=dtype))
 
 
 def _first(probe: Any, *names: str) -> Any:
@@ -169,6 +172,7 @@ def budgets_from_probe(probe: Any, device_mem: str | int | None = None, host_mem
         h2d_gbps=float(h2d or FALLBACK_COPY_GBPS[kind]),
         d2h_gbps=float(d2h or FALLBACK_COPY_GBPS[kind]),
         host_mem_gbps=float(host_bw),
+        checksum_gbps=float(_first(probe, "checksum_gbps") or FALLBACK_CHECKSUM_GBPS),
         flops=float(flops or 0.0),
         measured=all(x is not None for x in (read, write, h2d, d2h)),
         swap_dir=_first(probe, "swap_dir"),
@@ -176,10 +180,11 @@ def budgets_from_probe(probe: Any, device_mem: str | int | None = None, host_mem
 
 
 @functools.lru_cache(maxsize=None)
-def measure_matmul_flops(device_kind: str = "cpu", n: int = 1024, seconds: float = 0.3) -> float:
+def measure_matmul_flops(device_kind: str = "cpu", n: int = 1024, seconds: float = 0.3,
+                         dtype: str | None = None) -> float:
     """Sustained FLOP/s of a square matmul on the compute device (measured once per process).
 
-    fp32 on CPU, bf16 on CUDA. A transformer step reaches a good share of this
+    In ``dtype`` (default: fp32 on CPU, bf16 on CUDA). A transformer step reaches a good share of this
     (its matmuls dominate), so compute estimates built on it are optimistic
     by the share of time spent in non-matmul ops.
 
@@ -187,6 +192,7 @@ def measure_matmul_flops(device_kind: str = "cpu", n: int = 1024, seconds: float
         device_kind: ``"cpu"`` or ``"cuda"``.
         n: matrix size.
         seconds: time budget after one warm-up product.
+        dtype: a name of ``outcore.dtypes.DTYPES``, or None for the device's usual one.
 
     Returns:
         The best observed FLOP/s.
@@ -195,8 +201,10 @@ def measure_matmul_flops(device_kind: str = "cpu", n: int = 1024, seconds: float
 
     from .device import synchronize_device
 
+    from ..dtypes import torch_dtype
+
     dev = torch.device(device_kind)
-    dtype = torch.bfloat16 if device_kind == "cuda" else torch.float32
+    dtype = torch_dtype(dtype) if dtype else (torch.bfloat16 if device_kind == "cuda" else torch.float32)
 
     def sync() -> None:
         synchronize_device(dev)

@@ -244,27 +244,28 @@ class StepTime:
 def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
     """Bytes moved per link and the expected step time, I/O hidden where the schedule overlaps it.
 
-    Weights of a streamed unit cross HOST->DEVICE once per pass that uses them
-    (forward and backward; ZO: once), except the last ``k`` units of the forward,
-    still in the window when the backward starts. Dirty state goes back once per
-    step; frozen (LoRA) weights are never written.
+    Weights of a streamed unit are read once per pass that uses them (forward and
+    backward; ZO: once) but where the engine keeps them resident between passes
+    (:func:`weight_reads`). Dirty state goes back once per step; frozen (LoRA) weights
+    are never written.
     """
     b, us, n = w.budgets, w.units, len(w.units)
     io = dict.fromkeys(LINKS, 0)
-    passes = 2 if w.has_backward else 1
     trains_weights = w.method.trains_weights
     streamed = lay.streamed
-    still_there = set(streamed[-max(lay.prefetch, 1):]) if w.has_backward else set()
+    cuda = b.device_kind == "cuda"
     for i in streamed:
         u = us[i]
-        reads = (1 if i in still_there else passes) * _fetch_bytes(w, lay, i)
-        io["h2d"] += reads
+        reads = weight_reads(w, lay, i) * u.weights
+        # CPU-only: the disk reads straight into the DEVICE arena (transfers.py); a copy
+        # crosses HOST -> DEVICE only from a HOST home, or on CUDA (disk -> pinned HOST -> GPU)
+        io["h2d"] += reads if cuda or lay.weights[i] == Tier.HOST else 0
         if lay.weights[i] == Tier.NVME:
             io["nvme_read"] += reads
             if trains_weights:
                 io["nvme_write"] += u.weights  # the updated weights (compute dtype) go back once
         if w.has_backward and u.grads:
-            io["d2h"] += u.grads  # to the CPU-side update
+            io["d2h"] += u.grads if cuda else 0  # to the CPU-side update (CPU-only: already there)
             if w.grads_kept and lay.grads[i] == Tier.NVME:
                 io["nvme_write"] += u.grads
                 io["nvme_read"] += u.grads
@@ -280,34 +281,68 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
     flops = sum(tokens * forward_flops_per_token(w.spec, u, w.seq_len) * w.compute_passes(u, lay.activations)
                 for u in us)
     compute_s = flops / b.flops if b.flops > 0 else 0.0
-    # Optimizer update: memory-bound; read w, g, state and write w, state (ZO: 4 in-place passes over w).
-    if not w.has_backward:
-        upd_bytes = sum(8 * u.weights for u in us)
-    else:
-        upd_bytes = sum(2 * u.weights + u.grads + 2 * u.state for u in us if u.grads) + \
-            sum(2 * u.adapter_bytes for u in us)
-    update_s = upd_bytes / (b.host_mem_gbps * gb)
+    update_s = _update_bytes(w) / (b.host_mem_gbps * gb)
     disk = io_s["nvme_read"] + io_s["nvme_write"]  # one disk: reads and writes share it
     copy = io_s["h2d"] + io_s["d2h"]  # one copy engine (a DMA engine / one copy thread)
-    if b.device_kind == "cpu":  # the update runs on the same cores as the compute
-        lanes = [compute_s + update_s, disk, copy]
+    # every NVMe byte is hashed on an I/O thread (nvme.py): CPU time, not disk time
+    hashing = (io["nvme_read"] + io["nvme_write"]) / (b.checksum_gbps * gb)
+    if b.device_kind == "cpu":
+        # One set of cores computes, updates, copies into the DEVICE arena and hashes: a
+        # thread taken from the compute's parallel regions stalls all of them, so these add up.
+        lanes = [compute_s + update_s + copy + hashing, disk]
         busy = compute_s + update_s
     else:  # resident units update on the GPU (negligible); streamed ones on the CPU in parallel
         host_update = update_s * (len(streamed) / n if n else 0.0)
-        lanes = [compute_s, disk, copy, host_update]
+        lanes = [compute_s, disk, copy, host_update + hashing]
         busy = compute_s
-    prologue = epilogue = 0.0
-    if streamed:
-        first = streamed[0]
-        prologue = _fetch_bytes(w, lay, first) / (b.h2d_gbps * gb)
-        if lay.weights[first] == Tier.NVME:
-            prologue += _fetch_bytes(w, lay, first) / (b.disk_read_gbps * gb)
-        last = us[streamed[0]]  # the backward ends at the first unit: its write-back is not hidden
-        if lay.state[streamed[0]] == Tier.NVME:
-            epilogue = (last.state + (last.weights if trains_weights else 0)) / (b.disk_write_gbps * gb)
-    step = prologue + max(lanes) + epilogue
+    # Write-behind runs on into the next step (nothing waits for it at the turn), and the
+    # units the backward ends with are kept for the forward: only a first unit read in the
+    # forward (nothing kept: ZO, inference) is fetched before anything can compute.
+    prologue = 0.0
+    if streamed and _read_in_forward(w, lay, streamed[0]):
+        first = _fetch_bytes(w, lay, streamed[0])
+        prologue = first / (b.h2d_gbps * gb)
+        if lay.weights[streamed[0]] == Tier.NVME:
+            prologue += first / (b.disk_read_gbps * gb)
+    step = prologue + max(lanes)
     return StepTime(io_bytes=io, io_s=io_s, compute_s=compute_s, update_s=update_s, step_s=step,
                     exposed_io_s=max(0.0, step - busy))
+
+
+def _update_bytes(w: Workload) -> int:
+    """RAM bytes the optimizer updates of a step touch (memory-bound): read w, g, state and write
+    w, state (ZO: 4 in-place passes over w). Mixed precision (update.py) also widens each
+    gradient to fp32 (read it, write 4 bytes, which the update then reads instead) and rounds
+    the fp32 master into the 16-bit weight (read 4 bytes, write the weight)."""
+    us = w.units
+    if not w.has_backward:
+        return sum(8 * u.weights for u in us)
+    c = DTYPE_BYTES[w.dtype]
+    mixed = (12 + c) if c != 4 and w.method.trains_weights else 0
+    return (sum(2 * u.weights + u.grads + 2 * u.state + mixed * u.trainable for u in us if u.grads)
+            + sum(2 * u.adapter_bytes for u in us))
+
+
+def _read_in_forward(w: Workload, lay: Layout, i: int) -> bool:
+    """Is streamed unit ``i`` read from its home in the forward (not kept from the step before)?"""
+    if any(i in u.borrows for u in w.units):
+        return False
+    return not w.has_backward or i > max(lay.prefetch, 1)
+
+
+def weight_reads(w: Workload, lay: Layout, i: int) -> int:
+    """How many times a step reads streamed unit ``i``'s weights from their home, in a steady loop.
+
+    As the engine keeps them (``OutOfCoreEngine._needed_soon``): the forward keeps its last
+    ``k + 1`` units for the backward, which starts with them; the backward keeps its last
+    ``k + 1`` — the first units — for the next step's forward; a unit another borrows (a
+    tied embedding, used by the head at the turn of the step; ZO holds it for the run) stays
+    resident. ZO: one forward per step, nothing else kept.
+    """
+    if not w.has_backward:
+        return int(_read_in_forward(w, lay, i))
+    k, n = max(lay.prefetch, 1), len(w.units)
+    return int(_read_in_forward(w, lay, i)) + int(i < n - 1 - k and not any(i in u.borrows for u in w.units))
 
 
 def prefetch_depth(w: Workload, lay: Layout, batch: int, max_depth: int = 4) -> int:

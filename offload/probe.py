@@ -47,6 +47,7 @@ class HardwareProbe:
     disk_write_gbps: float | None  # measured sequential write, GB/s
     h2d_gbps: float | None  # host->device copy, GB/s (RAM-arena copy on CPU)
     d2h_gbps: float | None  # device->host copy, GB/s
+    checksum_gbps: float | None = None  # xxh3 of swap extents on one thread, GB/s (every NVMe byte is hashed)
     backends: dict[str, str | None] = field(default_factory=dict)  # package -> version or None
     warnings: list[str] = field(default_factory=list)
     leftover_swap_dirs: list[str] = field(default_factory=list)  # swap dirs no live run holds
@@ -167,6 +168,24 @@ def measure_disk_gbps(directory: str | Path, seconds: float = 2.0,
     return read / t_r / 1e9, written / t_w / 1e9, direct
 
 
+def measure_checksum_gbps(nbytes: int = 64 << 20, seconds: float = 0.2) -> float:
+    """Single-thread throughput (GB/s) of the NVMe tier's extent checksum (``nvme.checksum``).
+
+    Every byte read from or written to the swap file is hashed on an I/O thread: on a
+    machine with few cores that is CPU time the compute does not get (the plan counts it).
+    """
+    from .nvme import checksum
+
+    buf = torch_randbytes(nbytes)
+    checksum(buf)  # warm-up
+    best, t_end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end or best == 0.0:
+        t0 = time.perf_counter()
+        checksum(buf)
+        best = max(best, nbytes / max(time.perf_counter() - t0, 1e-9) / 1e9)
+    return best
+
+
 def torch_randbytes(n: int):
     """``n`` random bytes as a uint8 tensor (incompressible data for disk tests)."""
     import torch
@@ -222,15 +241,16 @@ def probe_hardware(swap_dir: str | Path | None = None, measure: bool = True,
         warnings.append(f"{len(leftovers)} leftover swap dir(s) from runs that did not exit cleanly: "
                         + ", ".join(leftovers))
 
-    r = w = h2d = d2h = None
+    r = w = h2d = d2h = hashing = None
     if measure:
         if writable:
             r, w, _ = measure_disk_gbps(where, seconds=seconds)
         h2d, d2h = dev.measure_copy_gbps(seconds=min(0.5, seconds / 4))
+        hashing = measure_checksum_gbps(seconds=min(0.2, seconds / 8))
 
     return HardwareProbe(
         cpu_threads=threads, ram_total_bytes=int(vm.total), ram_available_bytes=int(vm.available),
         devices=dev.list_devices(), swap_dir=str(target), swap_free_bytes=int(free),
         swap_fs_type=kind, o_direct=o_direct, disk_read_gbps=r, disk_write_gbps=w,
-        h2d_gbps=h2d, d2h_gbps=d2h, backends=backend_versions(), warnings=warnings,
+        h2d_gbps=h2d, d2h_gbps=d2h, checksum_gbps=hashing, backends=backend_versions(), warnings=warnings,
         leftover_swap_dirs=leftovers)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..optim._base import PIECE_OFFSETS
+from .scratch import WidenedGrads
 from .sharding import gather_weights, global_norm, reduce_grads
 from .tied_embedding import dense_range
 from .unit_memory import StoreUnitMemory
@@ -69,6 +70,7 @@ class UnitUpdater:
         self.prefetch_depth, self.max_grad_norm, self.spill = prefetch_depth, max_grad_norm, spill
         self.lr = self.group["lr"]
         self.clip_norm: torch.Tensor | None = None  # this step's global norm (spill mode)
+        self.widen = WidenedGrads()  # mixed precision: the fp32 gradients, one buffer for every unit
 
     def prefetch_state(self, unit: Unit) -> None:
         """Start fetching what the unit's update reads first: its state (the first piece of a
@@ -90,7 +92,7 @@ class UnitUpdater:
                 # made fp32 (exact: a widening cast), then the master is rounded into
                 # the 16-bit weights the next forward computes with.
                 masters = [st.pop("master") for st in states]
-                self.optimizer.update(masters, [g.to(m.dtype) for g, m in zip(grads, masters)], states, group)
+                self.optimizer.update(masters, self.widen(grads, masters[0].dtype), states, group)
                 for p, m in zip(params, masters):
                     p.copy_(m)
             else:

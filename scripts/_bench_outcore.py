@@ -43,7 +43,7 @@ def random_fill(seed: int) -> Callable[[str, torch.Tensor], None]:
     return fill
 
 
-def meta_model(config: Any) -> torch.nn.Module:
+def meta_model(config: Any, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A causal LM of ``config`` on the meta device (computed buffers, e.g. rotary, on the CPU)."""
     from transformers import AutoModelForCausalLM
 
@@ -51,7 +51,7 @@ def meta_model(config: Any) -> torch.nn.Module:
 
     config.use_cache = False
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     materialize_buffers(model, config)
     return model
 
@@ -77,14 +77,15 @@ def full_model(kind: str, config: Any, seed: int) -> torch.nn.Module:
     return model.train()
 
 
-def lazy_model(kind: str, config: Any, seed: int) -> tuple[torch.nn.Module, Callable[[str, torch.Tensor], None]]:
+def lazy_model(kind: str, config: Any, seed: int, dtype: torch.dtype = torch.float32
+               ) -> tuple[torch.nn.Module, Callable[[str, torch.Tensor], None]]:
     """The model on the meta device and ``fill(name, out)`` for its weights (the outcore modes)."""
     if kind == "default":
         from outcore.models import load_model_lazily
 
-        model, _, fill = load_model_lazily("default", dtype=torch.float32, tokenizer=False)
+        model, _, fill = load_model_lazily("default", dtype=dtype, tokenizer=False)
     else:
-        model, fill = meta_model(config), random_fill(seed)
+        model, fill = meta_model(config, dtype), random_fill(seed)
     model.config.use_cache = False
     return model.train(), fill
 
@@ -100,17 +101,21 @@ class OutcoreTrainer:
         hyper: ``lr``, ``betas``, ``eps``, ``weight_decay``.
         work_dir: a directory for the run's swap files (removed by :meth:`close`).
         activations: the recipe's activation policy (``keep`` is its default).
+        dtype: the compute dtype (``bfloat16``: fp32 masters in the state tier, as the recipe does).
+        budgets: measured ``Budgets`` to plan with (None: the recipe's own plan, speeds not measured).
 
     No clipping (``max_grad_norm=0``) and no accumulation, as in the other modes: the
     engine updates each unit during the backward (step-in-backward).
     """
 
     def __init__(self, kind: str, config: Any, seed: int, *, offload: str, optim: str, seq_len: int,
-                 batch_size: int, hyper: dict[str, Any], work_dir: str, activations: str = "keep"):
+                 batch_size: int, hyper: dict[str, Any], work_dir: str, activations: str = "keep",
+                 dtype: str = "float32", budgets: Any = None):
         self.work = Path(tempfile.mkdtemp(prefix="bench_outcore_", dir=work_dir))
         self.lr = hyper["lr"]
         try:
-            self._build(kind, config, seed, offload, optim, seq_len, batch_size, hyper, activations)
+            self._build(kind, config, seed, offload, optim, seq_len, batch_size, hyper, activations, dtype,
+                        budgets)
         except BaseException:  # e.g. the plan does not fit: leave no swap files behind
             import shutil
 
@@ -118,22 +123,28 @@ class OutcoreTrainer:
             raise
 
     def _build(self, kind: str, config: Any, seed: int, offload: str, optim: str, seq_len: int,
-               batch_size: int, hyper: dict[str, Any], activations: str) -> None:
+               batch_size: int, hyper: dict[str, Any], activations: str, dtype: str, budgets: Any) -> None:
+        from outcore.dtypes import torch_dtype
         from outcore.kernels.linear_cross_entropy import CausalLMHeadLoss
         from outcore.models import model_parts
         from outcore.recipes.config import FinetuneConfig
-        from outcore.recipes.full_finetune import (build_optimizer, check_offload_supported, make_plan,
+        from outcore.recipes.offload_setup import (build_optimizer, check_offload_supported, make_plan,
                                                    offload_from_plan)
 
         cfg = FinetuneConfig(offload=offload, optim=optim, seq_len=seq_len, batch_size=batch_size,
-                             max_grad_norm=0.0, grad_accum=1, seed=seed, dtype="float32",
+                             max_grad_norm=0.0, grad_accum=1, seed=seed, dtype=dtype,
                              activations=activations, swap_dir=str(self.work / "swap"),
                              output=str(self.work / "run"), ui="none", export=False,
                              lr=hyper["lr"], betas=tuple(hyper["betas"]), eps=hyper["eps"],
                              weight_decay=hyper["weight_decay"])
         check_offload_supported(cfg)
-        self.model, fill = lazy_model(kind, config, seed)
-        self.plan = make_plan(cfg, self.model)
+        self.model, fill = lazy_model(kind, config, seed, torch_dtype(dtype))
+        if budgets is None:
+            self.plan = make_plan(cfg, self.model)
+        else:  # the plan `outcore plan` prints after `outcore doctor` measured the machine
+            from outcore.offload.plan import plan_for_config
+
+            self.plan = plan_for_config(cfg, self.model, budgets=budgets)
         # The recipe's loss: the decoder's hidden states into the chunked LM-head loss.
         self.decoder = self.model.model
         self.head_loss = CausalLMHeadLoss(model_parts(self.model).lm_head)

@@ -154,6 +154,35 @@ def dd_round(directory: Path, total: int) -> dict:
     return {"write_gbps": w, "read_gbps": r}
 
 
+def dd_concurrent_round(directory: Path, total: int) -> dict:
+    """One dd reading a file while another writes one (O_DIRECT, 1 MiB blocks, ``total`` bytes each).
+
+    Whether the disk serves a read and a write at once at their separate speeds (then a
+    step's disk time is the longer of its reads and writes) or shares one bandwidth
+    between them (the sum) is this round's time against :func:`dd_round`'s two.
+
+    Returns:
+        ``{"seconds", "read_bytes", "write_bytes"}``: wall time until both finished.
+    """
+    src, dst, count = directory / "dd-src.bin", directory / "dd-dst.bin", max(1, total // MiB)
+    dd = ["dd", "bs=1M", f"count={count}"]
+    subprocess.run([*dd, "if=/dev/zero", f"of={src}", "oflag=direct", "conv=fdatasync"], capture_output=True,
+                   check=True)
+    try:
+        t0 = time.perf_counter()
+        procs = [subprocess.Popen([*dd, f"if={src}", "of=/dev/null", "iflag=direct"], stderr=subprocess.DEVNULL),
+                 subprocess.Popen([*dd, "if=/dev/zero", f"of={dst}", "oflag=direct", "conv=fdatasync"],
+                                  stderr=subprocess.DEVNULL)]
+        codes = [p.wait() for p in procs]
+        seconds = time.perf_counter() - t0
+        if any(codes):
+            raise subprocess.CalledProcessError(max(codes), "dd")
+    finally:
+        src.unlink(missing_ok=True)
+        dst.unlink(missing_ok=True)
+    return {"seconds": seconds, "read_bytes": count * MiB, "write_bytes": count * MiB}
+
+
 def checksum_gbps(nbytes: int = 64 * MiB, reps: int = 5) -> float:
     """Single-thread xxh3-64 throughput (GB/s) over a buffer of ``nbytes``."""
     buf = memoryview(torch.randint(0, 256, (nbytes,), dtype=torch.uint8).numpy())

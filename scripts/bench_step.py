@@ -78,8 +78,9 @@ def _gguf_location() -> tuple[str, str]:
     return folder, "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
-def model_config(kind: str):
-    """The HF config of ``kind`` without building weights (``default``: its GGUF cache's)."""
+def model_config(kind: str, layers: int | None = None):
+    """The HF config of ``kind`` without building weights (``default``: its GGUF cache's);
+    ``layers`` cuts a random model to its first blocks."""
     from transformers import AutoConfig, LlamaConfig
 
     if kind == "default":
@@ -87,7 +88,9 @@ def model_config(kind: str):
 
         folder, name = _gguf_location()
         return AutoConfig.from_pretrained(build_gguf_cache(Path(folder) / name))  # built once, then read
-    return LlamaConfig(**(TINY if kind == "tiny" else SMOL_1_7B), bos_token_id=1, eos_token_id=2)
+    dims = TINY if kind == "tiny" else SMOL_1_7B
+    return LlamaConfig(**{**dims, "num_hidden_layers": layers or dims["num_hidden_layers"]}, bos_token_id=1,
+                       eos_token_id=2)
 
 
 def make_batches(n: int, batch: int, seq: int, vocab: int) -> list:
@@ -209,7 +212,7 @@ def child_main(args) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    config = model_config(args.model)
+    config = model_config(args.model, args.layers)
     batches = torch.load(args.batches)
     trace.mark("setup")
     result: dict[str, Any]
@@ -248,7 +251,8 @@ def run_child(mode: str, args, batches_file: str) -> dict[str, Any]:
         cmd = [sys.executable, __file__, "--child", mode, "--result", str(out), "--batches", batches_file,
                "--model", args.model, "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--seq", str(args.seq), "--batch", str(args.batch), "--seed", str(args.seed),
-               "--swap-dir", args.swap_dir, "--threads", str(args.threads), "--activations", args.activations]
+               "--swap-dir", args.swap_dir, "--threads", str(args.threads), "--activations", args.activations,
+               "--layers", str(args.layers or 0)]
         # OpenMP pools outside torch's own (DeepSpeed's CPU Adam) size themselves from this.
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         if args.mmap_threshold:  # glibc: allocations above it are mmapped and unmapped on free
@@ -298,28 +302,18 @@ def add_ratios(results: dict[str, Any]) -> None:
 
 
 def plan_estimates(args) -> dict[str, Any]:
-    """What the memory plan expects of each outcore mode on this machine (measured probe).
+    """What the memory plan expects of each mode here (``outcore plan`` after ``outcore doctor``).
 
-    Printed next to the measurements so the planner's model can be checked against them.
+    Printed next to the measurements, with each measured mode's ``plan_error``, so the
+    planner's model is checked against them.
     """
-    from outcore.offload.plan import budgets_from_probe, make_plan
-    from outcore.offload.probe import probe_hardware
+    from _bench_plan import measured_budgets, plan_estimate
 
-    budgets = budgets_from_probe(probe_hardware(args.swap_dir, measure=True, seconds=1.0)).with_flops()
+    budgets = measured_budgets(args.swap_dir)
     out: dict[str, Any] = {"budgets": budgets.to_dict()}
-    cfg = model_config(args.model)
     for mode, (offload, optim) in {"in_memory": ("none", "adamw"), **OUTCORE}.items():
-        try:
-            plan = make_plan(cfg, offload=offload, optim=optim, seq_len=args.seq, batch_size=args.batch,
-                             budgets=budgets)
-        except Exception as e:  # noqa: BLE001 - a plan that does not fit is a result too
-            out[mode] = {"error": str(e)}
-            continue
-        t = plan.time
-        out[mode] = {"step_s": t.step_s, "compute_s": t.compute_s, "update_s": t.update_s,
-                     "exposed_io_s": t.exposed_io_s, "prefetch_depth": plan.prefetch_depth,
-                     "expected_peak_rss_bytes": plan.expected_peak_rss_bytes,
-                     "nvme_read_bytes": t.io_bytes["nvme_read"], "nvme_write_bytes": t.io_bytes["nvme_write"]}
+        out[mode] = plan_estimate(model_config(args.model, args.layers), budgets, offload=offload, optim=optim,
+                                  dtype="float32", seq=args.seq, batch=args.batch, activations=args.activations)
     return out
 
 
@@ -329,19 +323,21 @@ def parse_args(argv=None):
     p.add_argument("--model", choices=MODELS, default="default",
                    help="default: SmolLM2-135M (packaged GGUF, fp32); tiny: 2 small random layers; "
                         "smol-1.7b-random: SmolLM2-1.7B dimensions, random init")
+    p.add_argument("--regime", choices=("step", "disk"), default="step", help="step: the modes side by side; "
+                   "disk: the 1.7B shape, bf16, against the disk's own limit (scripts/_bench_disk.py)")
+    p.add_argument("--layers", type=int, default=0, help="blocks of a random model (0: all of its shape's)")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     p.add_argument("--steps", type=int, default=5, help="timed steps per mode (>= 5 for a median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed warm-up steps per mode")
-    p.add_argument("--seq", type=int, default=256, help="tokens per sequence")
-    p.add_argument("--batch", type=int, default=2, help="sequences per step")
+    p.add_argument("--seq", type=int, default=0, help="tokens per sequence (default 256; --regime disk: 32)")
+    p.add_argument("--batch", type=int, default=0, help="sequences per step (default 2; --regime disk: 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--activations", default="keep", choices=("keep", "recompute", "offload", "auto"),
                    help="the outcore modes' activation policy (the recipe's `activations`; default keep, "
                         "its default): recompute / offload trade step time or NVMe writes for RSS")
     p.add_argument("--mmap-threshold", type=int, default=0, metavar="BYTES",
-                   help="set glibc's MALLOC_MMAP_THRESHOLD_ in every child (0: glibc's dynamic default). "
-                        "A fixed threshold returns freed activations to the OS at once instead of "
-                        "letting the heap fragment: lower peak RSS, a little more page-fault time")
+                   help="set glibc's MALLOC_MMAP_THRESHOLD_ in every child (0: glibc's dynamic default): freed "
+                        "activations go back to the OS at once, lower peak RSS, a little more page-fault time")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="torch / OpenMP threads for every mode (default: all cores, as BENCHMARKING.md asks; "
                         "on a shared machine fewer threads than cores avoids OpenMP stalls)")
@@ -354,6 +350,8 @@ def parse_args(argv=None):
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--batches", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    disk = args.regime == "disk"
+    args.seq, args.batch = args.seq or (32 if disk else 256), args.batch or (1 if disk else 2)
     if args.quick:
         args.model, args.seq, args.batch, args.steps, args.warmup = "tiny", 64, 1, 5, 1
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -370,13 +368,17 @@ def main(argv=None) -> int:
     if args.child:
         child_main(args)
         return 0
+    if args.regime == "disk":
+        from _bench_disk import run_disk_regime
+
+        return run_disk_regime(args)
     import torch
 
-    config = model_config(args.model)
+    config = model_config(args.model, args.layers)
     results: dict[str, Any] = {
-        "model": args.model, "seq_len": args.seq, "batch_size": args.batch, "steps": args.steps,
-        "warmup": args.warmup, "dtype": "float32", "threads": args.threads, "activations": args.activations,
-        "mmap_threshold": args.mmap_threshold or None,
+        "model": args.model, "layers": config.num_hidden_layers, "seq_len": args.seq, "batch_size": args.batch,
+        "steps": args.steps, "warmup": args.warmup, "dtype": "float32", "threads": args.threads,
+        "activations": args.activations, "mmap_threshold": args.mmap_threshold or None,
         "machine": {"cpus": os.cpu_count(), "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
     }
     with tempfile.TemporaryDirectory(prefix="bench_step_data_") as tmp:
@@ -390,7 +392,10 @@ def main(argv=None) -> int:
     for mode in MODES:
         results.setdefault(mode, {"status": "skipped", "reason": "not in --modes"})
     if args.plan:
-        results["plan_estimates"] = plan_estimates(args)
+        from _bench_plan import plan_error
+
+        est = results["plan_estimates"] = plan_estimates(args)
+        results["plan_error"] = {m: plan_error(est[m], results[m]) for m in ("in_memory", *OUTCORE)}
     add_ratios(results)
     if args.json:
         print(json.dumps(results, indent=1))
@@ -427,8 +432,10 @@ def print_table(results: dict[str, Any]) -> None:
             print(f"  {mode:<18}" + ", ".join(parts) + " GB")
     for mode, est in results.get("plan_estimates", {}).items():
         if mode != "budgets":
+            err = results["plan_error"].get(mode)
             line = est.get("error") or (f"step {est['step_s']:.2f} s (compute {est['compute_s']:.2f} s), "
-                                        f"peak RSS {est['expected_peak_rss_bytes'] / gb:.2f} GB")
+                                        f"peak RSS {est['expected_peak_rss_bytes'] / gb:.2f} GB, "
+                                        f"vs measured {'n/a' if err is None else f'{err:+.0%}'}")
             print(f"plan estimate {mode:<18}{line}")
     for key, v in results.items():
         if key.startswith("ratio_"):

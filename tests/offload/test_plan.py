@@ -203,15 +203,20 @@ def test_nvme_mode_streams_everything_and_counts_the_traffic(tiny):
     assert plan.tier_bytes["HOST"]["NVMe staging"] > 0
     assert plan.arena_bytes("HOST") == plan.tier_total("HOST")
     assert plan.arena_bytes("DEVICE") == plan.tier_total("DEVICE") - plan.tier_bytes["DEVICE"]["activations"]
-    # Reads: weights for forward and backward (the last k units of the forward are still
-    # resident when the backward starts; the tied head also fetches the embedding), plus state.
-    fetch = [4 * e] + [4 * b for b in blocks] + [4 * (h + e)]
-    k = plan.prefetch_depth
-    weight_reads = sum(f * (1 if i >= len(fetch) - k else 2) for i, f in enumerate(fetch))
+    # Reads: weights for forward and backward but where the engine keeps them: the forward's
+    # last k + 1 units for the backward, the backward's last k + 1 for the next forward, the
+    # tied embedding (the head borrows it) throughout; plus state.
+    own = [4 * e] + [4 * b for b in blocks] + [4 * h]
+    k, last = plan.prefetch_depth, len(own) - 1
+    weight_reads = sum(f * ((i > k) + (i < last - k)) for i, f in enumerate(own) if i > 0)
     io = plan.time.io_bytes
     assert io["nvme_read"] == weight_reads + 8 * n + STEP * t
     assert io["nvme_write"] == 4 * n + 8 * n + STEP * t  # updated weights and state, once
-    assert io["d2h"] == 4 * n  # gradients to the CPU update
+    assert io["h2d"] == io["d2h"] == 0  # CPU-only: the disk reads into the DEVICE arena, grads are in RAM
+    cuda = make_plan(tiny, offload="nvme", budgets=dataclasses.replace(BIG, device_kind="cuda"), seq_len=32)
+    assert cuda.prefetch_depth == k
+    assert cuda.time.io_bytes["h2d"] == weight_reads  # disk -> pinned HOST -> GPU
+    assert cuda.time.io_bytes["d2h"] == 4 * n  # gradients to the CPU update
 
 
 def test_clipping_keeps_gradients_in_their_tier(tiny):

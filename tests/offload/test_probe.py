@@ -31,7 +31,9 @@ def test_probe_measures_with_the_engine(tmp_path):
     p = probe_hardware(tmp_path / "not-yet", measure=True, seconds=0.4)
     assert p.disk_read_gbps > 0 and p.disk_write_gbps > 0
     assert p.h2d_gbps > 0 and p.d2h_gbps > 0
+    assert p.checksum_gbps > 0  # the extent checksum every NVMe byte costs the CPU
     assert list(tmp_path.iterdir()) == []  # the measurement file is gone
+    assert probe_hardware(tmp_path, measure=False).checksum_gbps is None
 
 
 def test_probe_lists_leftover_swap_dirs_but_not_live_ones(tmp_path):

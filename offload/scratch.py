@@ -1,0 +1,47 @@
+"""A reusable buffer for the fp32 copies of 16-bit gradients a mixed-precision update reads.
+
+The update of a unit in bf16 / fp16 runs on its fp32 master weights with its gradients
+widened to fp32 (``update.py``). ``g.to(float32)`` would allocate a fresh tensor the size
+of the unit's gradients at every update; a buffer that large is ``mmap``-ed by the
+allocator and given back on free, so every update page-faults it in again (the kernel
+zeroes each page first): measured on a 2-core CPU, widening a 67M-element block's
+gradients took 0.6-1.2 s that way against 0.1-0.2 s into a buffer kept across units.
+The widening is exact, so the update's bits are the same either way.
+"""
+from __future__ import annotations
+
+import torch
+
+#: each gradient's copy starts at a multiple of this many elements (64 bytes of fp32), as a
+#: fresh allocation would: vector kernels see the alignment they would otherwise get
+ALIGN_ELEMENTS = 16
+
+
+class WidenedGrads:
+    """Widen gradients into one buffer, grown to the largest update seen and reused after."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+
+    def __call__(self, grads: list[torch.Tensor], dtype: torch.dtype) -> list[torch.Tensor]:
+        """``[g.to(dtype) for g in grads]``, as views of the kept buffer (valid until the next call).
+
+        Args:
+            grads: the 16-bit gradients (CPU tensors).
+            dtype: the masters' dtype (fp32).
+
+        Returns:
+            One tensor per gradient, its shape, ``dtype``, holding the same values.
+        """
+        starts, at = [], 0
+        for g in grads:
+            starts.append(at)
+            at += -(-g.numel() // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
+        if self._buffer is None or self._buffer.numel() < at or self._buffer.dtype != dtype:
+            self._buffer = torch.empty(at, dtype=dtype)
+        out = []
+        for g, s in zip(grads, starts):
+            wide = self._buffer[s:s + g.numel()].view(g.shape)
+            wide.copy_(g)
+            out.append(wide)
+        return out
