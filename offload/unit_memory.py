@@ -161,7 +161,23 @@ class StoreUnitMemory:
         for f in pending:
             f.result()
         self._writes.clear()
-        return bool(pending)
+        return bool(pending) or self._drop_prefetch(tier)
+
+    def _drop_prefetch(self, tier: Tier) -> bool:
+        """Give up the most recently started prefetch in ``tier`` that no consumer holds yet:
+        a fetch needed now wins over one needed later (which ``acquire`` fetches again). Without
+        it a tight window can fill with later pieces' prefetches, or fragment around them."""
+        for unit in reversed(self.units):
+            for part in reversed(list(unit.prefetched)):
+                if self._tier(part) is not tier:
+                    continue
+                h = unit.handles[part]
+                self.store.result(unit.prefetched.pop(part))  # the transfer lands, then its slot goes
+                self.store.release(h, tier)
+                if not h.copies[tier].pins and tier is not h.home:
+                    self.store.evict(h, tier).result()
+                return True
+        return False
 
     def _reap(self) -> None:
         """Drop finished write-backs, raising the first error (a full disk, an I/O error)."""

@@ -103,7 +103,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                  and not w.startswith("-") and "=" in w]
         rest = [w for w in extra if w not in words]
         if rest:
-            (args._parser if cmd is not None else parser).error(f"unrecognized arguments: {' '.join(rest)}")
+            shown = " ".join(w if w.isprintable() else repr(w) for w in rest)  # the error stays one line
+            (args._parser if cmd is not None else parser).error(f"unrecognized arguments: {shown}")
         args.overrides = list(getattr(args, "overrides", []) or []) + words
     return args
 
