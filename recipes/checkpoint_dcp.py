@@ -222,3 +222,26 @@ def restore_units(engine: Any, ckpt_dir: str | Path) -> None:
                               "resume it with one process (its next checkpoint then resumes at any number)")
     else:
         ckpt.load_units(engine, Path(ckpt_dir) / "units")
+
+
+def sharded_unit_weights(ckpt_dir: str | Path, unit_name: str) -> dict[str, torch.Tensor]:
+    """One unit's weights by parameter name from a sharded out-of-core checkpoint
+    (``units_dcp/<unit>``; every rank saved the whole weights), read without a process group:
+    what ``outcore export`` of such a run writes.
+
+    Raises:
+        CheckpointError: the unit's DCP state is missing or unreadable.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(ckpt_dir) / SHARDED_UNITS_DIR / unit_name
+    try:
+        meta = dcp.FileSystemReader(str(path)).read_metadata()
+        state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+                 if not k.startswith("state.") and isinstance(m, TensorStorageMetadata)}
+        _load_here(state, path)
+    except Exception as e:  # digests matched, yet unreadable: name it
+        raise CheckpointError(f"checkpoint {str(ckpt_dir)!r}: unit {unit_name} is unreadable ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:160]}); delete it to export the previous one") from None
+    return state

@@ -202,8 +202,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     if last is None:
         raise CheckpointError(f"run {str(run)!r} has no complete checkpoint to export")
     model_state, _, _ = ckpt.load_checkpoint(last)  # verifies every file's checksum
-    if (last / "units").is_dir():
-        return _export_units(cfg, last / "units", out)
+    if (last / "units").is_dir() or (last / "units_dcp").is_dir():
+        return _export_units(cfg, last, out)
 
     from ..models import load_model
     from ..dtypes import torch_dtype
@@ -219,17 +219,23 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     return export_hf(model, tokenizer, out)
 
 
-def _export_units(cfg: Any, directory: Path, out: Path) -> Path:
-    """Export an out-of-core full fine-tune's checkpoint (one file per unit) with bounded
-    memory: the model is built on the meta device and each unit's weights go from its
-    checkpoint file to its shard, one unit at a time."""
+def _export_units(cfg: Any, last: Path, out: Path) -> Path:
+    """Export an out-of-core full fine-tune's checkpoint (one file per unit: ``units/``, or one
+    DCP checkpoint per unit of a sharded run: ``units_dcp/``) with bounded memory: the model is
+    built on the meta device and each unit's weights go from the checkpoint to its shard, one
+    unit at a time."""
     from ..models import load_model_lazily
     from ..offload.units import WEIGHTS, causal_lm_units
     from ..dtypes import torch_dtype
+    from .checkpoint_dcp import sharded_unit_weights
+
+    def weights(unit: Any) -> dict[str, torch.Tensor]:
+        if (last / "units").is_dir():
+            return _by_name(unit, load_file(str(last / "units" / f"{unit.name}.safetensors"))[WEIGHTS])
+        return sharded_unit_weights(last, unit.name)
 
     model, tokenizer, _ = load_model_lazily(cfg.model, dtype=torch_dtype(cfg.dtype))
-    shards = (_unit_shard(model, unit, _by_name(unit, load_file(str(directory / f"{unit.name}.safetensors"))[WEIGHTS]))
-              for unit in causal_lm_units(model) if unit.slots)
+    shards = (_unit_shard(model, unit, weights(unit)) for unit in causal_lm_units(model) if unit.slots)
     return write_hf_dir(out, shards, model, tokenizer)
 
 

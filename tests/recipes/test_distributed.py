@@ -118,6 +118,11 @@ def test_out_of_core_two_ranks_shard_the_state_equal_one_rank_and_resume_on_one(
     _one_rank(_args(tiny_run_inputs, one, grad_accum=2, **kw))
     _assert_same(_weights(two), _weights(one))
     assert any((two / "checkpoints" / "step_000002" / "units_dcp").iterdir())
+    from outcore.recipes.export import export_run  # outcore export of the sharded checkpoint == 1 rank's
+
+    exported = export_run(two, tmp_path / "x2")
+    _assert_same({k: v for f in sorted(exported.glob("*.safetensors")) for k, v in load_file(str(f)).items()},
+                 _weights(one))
 
     shutil.rmtree(two / "checkpoints" / "step_000004")
     shutil.rmtree(two / "final")
