@@ -12,7 +12,7 @@ budget larger than the need would only waste RAM.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -30,8 +30,7 @@ from .units import causal_lm_units
 def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_dir: str | Path | None,
                   prefetch: int = 2, max_grad_norm: float = 0.0, grad_accum: int = 1,
                   device_bytes: int | None = None, host_bytes: int | None = None,
-                  homes: list[tuple[Tier, Tier]] | None = None,
-                  head_modules: list[torch.nn.Module] | tuple[torch.nn.Module, ...] = (),
+                  homes: list[tuple[Tier, Tier]] | None = None, head_modules: Sequence[torch.nn.Module] = (),
                   init_weights: Callable[[Any, torch.Tensor], None] | None = None,
                   resident_trainable: bool = False, master_weights: bool = True,
                   quantize_frozen: bool = False, spill_grads: bool | None = None,

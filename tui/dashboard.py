@@ -156,6 +156,38 @@ class Dashboard:
                              (_params(ev.n_params, ev.n_trainable), "dim"), dot,
                              (f"{ev.total_steps} steps", ""), ("  -> ", "dim"), (ev.output_dir, "underline"))
 
+    def _memory_row(self, ev: Any) -> Any:
+        """RSS against the machine's RAM and, on a GPU, the device memory in use: bars and bytes."""
+        from rich.progress_bar import ProgressBar
+        from rich.table import Table
+        from rich.text import Text
+
+        mem = Table.grid(padding=(0, 1))
+        width = self._width()
+        bar = 16 if width >= MAX_WIDTH else 6
+        cells: list[Any] = []
+        if ev.ram_bytes:
+            ratio = ev.rss_bytes / ev.ram_bytes
+            cells += [Text("RSS", style="dim"),
+                      ProgressBar(total=1.0, completed=min(ratio, 1.0), width=bar,
+                                  complete_style=_ratio_style(ratio)),
+                      Text(f"{fmt_bytes(ev.rss_bytes)} / {fmt_bytes(ev.ram_bytes)}"
+                           + (" RAM" if width >= MAX_WIDTH else "")
+                           + (f"  ({fmt_percent(ratio)})" if width >= 90 else ""))]
+        else:
+            cells += [Text("RSS", style="dim"), Text(fmt_bytes(ev.rss_bytes))]
+        if ev.device_bytes is not None:
+            cells.append(Text("   device", style="dim"))
+            if ev.device_total_bytes:
+                ratio = ev.device_bytes / ev.device_total_bytes
+                cells += [ProgressBar(total=1.0, completed=min(ratio, 1.0), width=bar,
+                                      complete_style=_ratio_style(ratio)),
+                          Text(f"{fmt_bytes(ev.device_bytes)} / {fmt_bytes(ev.device_total_bytes)}")]
+            else:
+                cells.append(Text(fmt_bytes(ev.device_bytes)))
+        mem.add_row(*cells)
+        return mem
+
     def _main_panel(self, snap: _Snapshot) -> Any:
         from rich import box
         from rich.panel import Panel
@@ -204,31 +236,7 @@ class Dashboard:
                 speed.append_text(Text.assemble("   ", ("grad norm ", "dim"), fmt_float(ev.grad_norm, 3)))
             grid.add_row("speed", speed)
 
-            mem = Table.grid(padding=(0, 1))
-            width = self._width()
-            bar = 16 if width >= MAX_WIDTH else 6
-            cells: list[Any] = []
-            if ev.ram_bytes:
-                ratio = ev.rss_bytes / ev.ram_bytes
-                cells += [Text("RSS", style="dim"),
-                          ProgressBar(total=1.0, completed=min(ratio, 1.0), width=bar,
-                                      complete_style=_ratio_style(ratio)),
-                          Text(f"{fmt_bytes(ev.rss_bytes)} / {fmt_bytes(ev.ram_bytes)}"
-                               + (" RAM" if width >= MAX_WIDTH else "")
-                               + (f"  ({fmt_percent(ratio)})" if width >= 90 else ""))]
-            else:
-                cells += [Text("RSS", style="dim"), Text(fmt_bytes(ev.rss_bytes))]
-            if ev.device_bytes is not None:
-                cells.append(Text("   device", style="dim"))
-                if ev.device_total_bytes:
-                    ratio = ev.device_bytes / ev.device_total_bytes
-                    cells += [ProgressBar(total=1.0, completed=min(ratio, 1.0), width=bar,
-                                          complete_style=_ratio_style(ratio)),
-                              Text(f"{fmt_bytes(ev.device_bytes)} / {fmt_bytes(ev.device_total_bytes)}")]
-                else:
-                    cells.append(Text(fmt_bytes(ev.device_bytes)))
-            mem.add_row(*cells)
-            grid.add_row("memory", mem)
+            grid.add_row("memory", self._memory_row(ev))
             wear = wear_text(ev.ssd_written_bytes, ev.ssd_written_per_step_bytes, ev.ssd_life_used_pct,
                              ev.ssd_life_per_1000_steps_pct)
             if wear:  # SSD wear: what this run wrote to its swap disk (recipes/wear.py)
