@@ -144,20 +144,41 @@ def distributed_backend() -> str:
     return "nccl" if cuda_available() else "gloo"
 
 
+def use_local_device(local_rank: int) -> None:
+    """Make GPU ``local_rank`` this process's current CUDA device (nothing without CUDA).
+
+    Every rank on a machine otherwise lands on GPU 0: NCCL needs one GPU per rank, and the
+    store's DEVICE tier (``Device()``) takes the current device. Called before the process
+    group is made, so NCCL's communicator binds to the same GPU.
+
+    Raises:
+        RuntimeError: more ranks on this machine than GPUs.
+    """
+    if not cuda_available():
+        return
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise RuntimeError(f"LOCAL_RANK={local_rank} but this machine has {count} GPU(s): "
+                           f"launch at most {count} processes per node (torchrun --nproc-per-node {count})")
+    torch.cuda.set_device(local_rank)
+
+
 class Device:
     """The compute device as the tiered store sees it.
 
     Args:
         kind: ``"cuda"``, ``"cpu"`` or ``None`` (CUDA when available).
-        index: CUDA device index.
+        index: CUDA device index (None: the current one, this rank's under torchrun).
     """
 
-    def __init__(self, kind: str | None = None, index: int = 0):
+    def __init__(self, kind: str | None = None, index: int | None = None):
         kind = kind or ("cuda" if cuda_available() else "cpu")
         if kind not in ("cuda", "cpu"):
             raise ValueError(f"device kind {kind!r} must be 'cuda' or 'cpu'")
         if kind == "cuda" and not cuda_available():
             raise RuntimeError("device kind 'cuda' asked for but torch sees no CUDA device")
+        if kind == "cuda" and index is None:
+            index = torch.cuda.current_device()
         self.kind = kind
         self.torch_device = torch.device("cuda", index) if kind == "cuda" else torch.device("cpu")
         self._stream = None  # side stream for copies, created on first use (never at import)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from ..activations.policy import ACTIVATION_POLICIES, AUTO, ActivationPolicy
-from ..dtypes import EXACT
+from ..dtypes import EXACT, torch_dtype
 from ..errors import BudgetError, ConfigError
 from ..optim import ZO_OPTIMIZERS, optimizer_names
 from .handle import Tier
@@ -39,6 +39,7 @@ from .modes import CPU, NONE, NVME, OFFLOAD_MODES
 from .modes import AUTO as AUTO_OFFLOAD
 from .plan_budget import (RUNTIME_OVERHEAD_BYTES, Budgets, budgets_from_probe, format_bytes, parse_bytes)
 from .plan_choice import Candidate, choose, describe
+from .plan_compute import measure_compute_rates
 from .plan_layout import Layout, StepTime, Workload, account, prefetch_depth, step_time
 from .plan_sizes import ModelSpec, method_traits, model_spec, unit_bytes
 
@@ -299,7 +300,11 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
                           world=world if method == "full" else 1))
     traits = method_traits(method)
     grads_kept = traits.trains_weights and traits.backward and (max_grad_norm > 0 or grad_accum > 1)
-    w = Workload(spec, ub, traits, dtype, seq_len, grads_kept, budgets.with_flops(dtype), activations_compress)
+    measure = budgets.flops <= 0  # no rate given: time this machine (once per shape and process)
+    budgets = budgets.with_flops(dtype)
+    rates = measure_compute_rates(spec, torch_dtype(dtype), seq_len, budgets.device_kind,
+                                  budgets.flops) if measure else None
+    w = Workload(spec, ub, traits, dtype, seq_len, grads_kept, budgets, activations_compress, rates)
     policies = list(_AUTO_ACTIVATIONS) if activations == AUTO else [activations]
     if not traits.backward:
         policies = [ActivationPolicy.KEEP.value]  # nothing is saved for a backward
@@ -353,6 +358,10 @@ def _build(w: Workload, lay: Layout, st: StepTime, batch: int, offload: str, met
                      "and updates run after the backward")
     if w.budgets.device_kind == "cpu" and lay.streamed:
         notes.append("CPU-only: DEVICE is a RAM arena; copy and I/O threads share the cores with compute")
+    if w.rates:
+        r = w.rates
+        notes.append(f"compute timed here on one block and the head: {r.block / 1e9:.0f} and {r.head / 1e9:.0f} "
+                     f"GFLOP/s (a square matmul: {r.matmul / 1e9:.0f})")
     trainable = sum(u.trainable for u in w.units)
     return MemoryPlan(
         model_type=w.spec.model_type, params=w.spec.numel, trainable=trainable, method=method,

@@ -17,6 +17,7 @@ from ..dtypes import DTYPE_BYTES
 from .handle import Tier
 from .modes import CPU, NONE, NVME
 from .plan_budget import Budgets
+from .plan_compute import ComputeRates
 from .plan_sizes import (MethodTraits, ModelSpec, UnitBytes, block_activation_bytes, checkpoint_bytes,
                          forward_flops_per_token, head_activation_bytes)
 from .unit_sizes import step_window, window_bytes
@@ -44,10 +45,17 @@ class Workload:
     grads_kept: bool  # clipping / accumulation: gradients are stored until every unit has one
     budgets: Budgets
     activations_compress: str = "none"  # how offloaded activations are stored (activations.policy)
+    rates: ComputeRates | None = None  # measured per unit kind (plan_compute.py); None: budgets.flops
 
     @property
     def has_backward(self) -> bool:
         return self.method.backward
+
+    def compute_s(self, unit: UnitBytes, tokens: int, activations: str) -> float:
+        """Seconds of compute ``unit`` costs per step over ``tokens`` tokens (0 without a rate)."""
+        rate = self.rates.of(unit.kind) if self.rates else self.budgets.flops
+        flops = tokens * forward_flops_per_token(self.spec, unit, self.seq_len) * self.compute_passes(unit, activations)
+        return flops / rate if rate > 0 else 0.0
 
     def compute_passes(self, unit: UnitBytes, activations: str) -> float:
         """Forward-equivalents of compute ``unit`` costs per step: the method's passes, plus
@@ -231,7 +239,7 @@ class StepTime:
 
     io_bytes: dict[str, int]  # bytes per link per step
     io_s: dict[str, float]  # seconds per link (NVMe read + write share one disk)
-    compute_s: float  # forward + backward (+ recompute) matmul time
+    compute_s: float  # forward + backward (+ recompute) time
     update_s: float  # optimizer update (on the CPU for streamed units)
     step_s: float  # prologue + the slowest overlapped lane + epilogue
     exposed_io_s: float  # step_s - compute - update on the same cores
@@ -277,10 +285,7 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
             "nvme_write": io["nvme_write"] / (b.disk_write_gbps * gb),
             "h2d": io["h2d"] / (b.h2d_gbps * gb), "d2h": io["d2h"] / (b.d2h_gbps * gb)}
 
-    tokens = batch * w.seq_len
-    flops = sum(tokens * forward_flops_per_token(w.spec, u, w.seq_len) * w.compute_passes(u, lay.activations)
-                for u in us)
-    compute_s = flops / b.flops if b.flops > 0 else 0.0
+    compute_s = sum(w.compute_s(u, batch * w.seq_len, lay.activations) for u in us)
     update_s = _update_bytes(w) / (b.host_mem_gbps * gb)
     disk = io_s["nvme_read"] + io_s["nvme_write"]  # one disk: reads and writes share it
     copy = io_s["h2d"] + io_s["d2h"]  # one copy engine (a DMA engine / one copy thread)
@@ -389,6 +394,4 @@ def _unit_io_s(w: Workload, lay: Layout, i: int) -> float:
 
 def _unit_compute_s(w: Workload, lay: Layout, i: int, batch: int) -> float:
     """Seconds of compute per visit of unit ``i`` (forward, or backward at twice the forward)."""
-    u = w.units[i]
-    flops = batch * w.seq_len * forward_flops_per_token(w.spec, u, w.seq_len) * w.compute_passes(u, lay.activations)
-    return flops / max(w.budgets.flops, 1.0) / (2 if w.has_backward else 1)
+    return w.compute_s(w.units[i], batch * w.seq_len, lay.activations) / (2 if w.has_backward else 1)

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .device import distributed_backend
+from .device import distributed_backend, use_local_device
 
 DEFAULT_TIMEOUT_S = 300.0  # a collective's longest wait: a step's slowest unit, with room
 
@@ -84,6 +84,7 @@ def join(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> Ra
 
     ranks = from_env()
     if ranks.distributed and not dist.is_initialized():
+        use_local_device(ranks.local_rank)
         dist.init_process_group(backend or distributed_backend(),
                                 timeout=datetime.timedelta(seconds=timeout_s))
     if dist.is_available() and dist.is_initialized():

@@ -206,20 +206,18 @@ def restore_trainable(ckpt_dir: str | Path, weights: dict[str, torch.Tensor], op
 
 
 def restore_units(engine: Any, ckpt_dir: str | Path) -> None:
-    """Load an out-of-core checkpoint's weights and state into ``engine``'s store: the sharded
-    format at any number of ranks, or the one-rank format (``checkpoint.load_units``) on one.
+    """Load an out-of-core checkpoint's weights and state into ``engine``'s store, at any
+    number of ranks: the sharded format (``units_dcp/``) or the one-process one (``units/``).
 
-    Raises:
-        CheckpointError: a one-rank checkpoint resumed by a sharded engine.
+    A one-process checkpoint holds each unit's whole flat buffers, laid out as at any world
+    size (``Unit.layout`` does not depend on the shard), so every rank reads the whole unit
+    and ``overwrite`` keeps the pieces of its own range (and the kinds kept whole).
     """
     sharded = Path(ckpt_dir) / SHARDED_UNITS_DIR
     if sharded.is_dir():
         from ..offload.sharded_checkpoint import load_sharded
 
         load_sharded(engine, sharded)
-    elif getattr(engine, "world", 1) > 1:
-        raise CheckpointError(f"checkpoint {str(ckpt_dir)!r} was written by a one-process out-of-core run; "
-                              "resume it with one process (its next checkpoint then resumes at any number)")
     else:
         ckpt.load_units(engine, Path(ckpt_dir) / "units")
 

@@ -27,3 +27,19 @@ def test_bad_environment_is_one_line(monkeypatch, rank, world):
     monkeypatch.setenv("WORLD_SIZE", world)
     with pytest.raises(ConfigError, match="RANK|WORLD_SIZE"):
         from_env()
+
+
+@pytest.mark.gpu
+def test_each_local_rank_gets_its_own_gpu_and_too_many_ranks_are_one_line():
+    import torch
+
+    from outcore.offload.device import Device, use_local_device
+
+    last = torch.cuda.device_count() - 1
+    use_local_device(last)  # what join() does under torchrun, before NCCL's group
+    try:
+        assert Device().torch_device == torch.device("cuda", last)
+    finally:
+        torch.cuda.set_device(0)
+    with pytest.raises(RuntimeError, match=f"LOCAL_RANK={last + 1} but this machine has"):
+        use_local_device(last + 1)

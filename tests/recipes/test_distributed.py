@@ -142,14 +142,18 @@ def test_two_ranks_equal_one_rank_for_adamw8bit_and_lora(tiny_run_inputs, tmp_pa
     _assert_same(_weights(two), _weights(one))
 
 
-@pytest.mark.slow
-def test_a_one_rank_checkpoint_resumes_on_two_ranks(tiny_run_inputs, tmp_path):
+@pytest.mark.parametrize("offload", [pytest.param("none", marks=pytest.mark.slow),
+                                     pytest.param("nvme", marks=pytest.mark.slow(ci=True))])
+def test_a_one_rank_checkpoint_resumes_on_two_ranks(tiny_run_inputs, tmp_path, offload):
+    """1 → 2: a one-process checkpoint (out of core: whole units in ``units/``, each rank keeps
+    its range of the state) resumed by 2 ranks == the one-process run going on."""
     one, ref = tmp_path / "one", tmp_path / "ref"
-    _one_rank(_args(tiny_run_inputs, ref, grad_accum=2, optim="adamw8bit"))
-    _one_rank(_args(tiny_run_inputs, one, grad_accum=2, optim="adamw8bit"))
+    kw = dict(optim="adamw8bit", offload=offload, max_grad_norm=0.0)
+    _one_rank(_args(tiny_run_inputs, ref, grad_accum=2, **kw))
+    _one_rank(_args(tiny_run_inputs, one, grad_accum=2, **kw))
     shutil.rmtree(one / "checkpoints" / "step_000004")
     shutil.rmtree(one / "final")
-    res = _torchrun(_args(tiny_run_inputs, one, optim="adamw8bit", grad_accum=1, resume=str(one)))  # 1 × 2 ranks
+    res = _torchrun(_args(tiny_run_inputs, one, grad_accum=1, resume=str(one), **kw))  # 1 × 2 ranks
     assert res.returncode == 0, res.stderr[-3000:]
     _assert_same(_weights(one), _weights(ref))
 
