@@ -197,8 +197,10 @@ def account(w: Workload, lay: Layout, batch: int) -> Accounting:
             acc.add(lay.grads[i], "grads", u.grads)
             acc.add(lay.grads[i], "alignment", _slack(u))
         if u.state:
-            acc.add(lay.state[i], "optimizer state", u.state)
+            ram = u.ram_state if lay.state[i] == Tier.NVME else 0  # scales stay in RAM (unit_sizes.ram_kinds)
+            acc.add(lay.state[i], "optimizer state", u.state - ram)
             acc.add(lay.state[i], "alignment", _slack(u, u.state_kinds))
+            acc.add(Tier.HOST, "optimizer scales", ram)
     streamed = lay.streamed
     if streamed:
         k = max(lay.prefetch, 1)
@@ -212,7 +214,8 @@ def account(w: Workload, lay: Layout, batch: int) -> Accounting:
         acc.add(Tier.DEVICE, "alignment", (k + 3) * slack)
         nvme_w = [us[i].weights for i in streamed if lay.weights[i] == Tier.NVME]
         # a unit whose state streams in pieces stages a piece at a time, its spilled gradient too
-        nvme_s = [us[i].state_piece or us[i].state for i in streamed if lay.state[i] == Tier.NVME]
+        nvme_s = [_streamed_state(us[i], us[i].state_piece or us[i].state) for i in streamed
+                  if lay.state[i] == Tier.NVME]
         nvme_g = [us[i].grads * us[i].state_piece // us[i].state if us[i].state_piece else us[i].grads
                   for i in streamed if lay.grads[i] == Tier.NVME and w.grads_kept]
         kinds = max(us[i].state_kinds for i in streamed)
@@ -278,8 +281,8 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
                 io["nvme_write"] += u.grads
                 io["nvme_read"] += u.grads
         if lay.state[i] == Tier.NVME and u.state:
-            io["nvme_read"] += u.state
-            io["nvme_write"] += u.state
+            io["nvme_read"] += u.state - u.ram_state
+            io["nvme_write"] += u.state - u.ram_state
     gb = 1e9
     io_s = {"nvme_read": io["nvme_read"] / (b.disk_read_gbps * gb),
             "nvme_write": io["nvme_write"] / (b.disk_write_gbps * gb),
@@ -312,6 +315,12 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
     step = prologue + max(lanes)
     return StepTime(io_bytes=io, io_s=io_s, compute_s=compute_s, update_s=update_s, step_s=step,
                     exposed_io_s=max(0.0, step - busy))
+
+
+def _streamed_state(u: UnitBytes, nbytes: int) -> int:
+    """Of ``nbytes`` of ``u``'s state (the whole, or a piece), what streams from NVMe: all but
+    the small kinds kept in RAM."""
+    return nbytes - u.ram_state * nbytes // u.state if u.state else 0
 
 
 def _update_bytes(w: Workload) -> int:
@@ -384,7 +393,7 @@ def _unit_io_s(w: Workload, lay: Layout, i: int) -> float:
         read += passes * fetch
         write += u.weights if w.method.trains_weights else 0
     if lay.state[i] == Tier.NVME and u.state:
-        read, write = read + u.state, write + u.state
+        read, write = read + u.state - u.ram_state, write + u.state - u.ram_state
     if w.has_backward and u.grads and w.grads_kept and lay.grads[i] == Tier.NVME:
         read, write = read + u.grads, write + u.grads
     disk = max(read / (b.disk_read_gbps * 1e9), write / (b.disk_write_gbps * 1e9))

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from ..dtypes import DTYPE_BYTES, EXACT
 from ..errors import ConfigError, ModelError
-from .unit_sizes import piece_size
+from .unit_sizes import piece_size, ram_kinds
 
 NF4_BLOCK = 64  # QLoRA NF4: 4-bit codes, one fp32 absmax per 64 weights (no double quantization)
 
@@ -283,6 +283,7 @@ class UnitBytes:
     tensors: int = 0  # parameters the unit owns (each is 64-byte aligned in the unit's flat buffer)
     state_kinds: int = 0  # flat state buffers per unit (exp_avg, exp_avg_sq, ..., fp32 master)
     state_piece: int = 0  # when its state streams in pieces (unit_sizes.state_pieces): a piece's bytes
+    ram_state: int = 0  # of ``state``, the small kinds kept in RAM when the rest is on NVMe (unit_sizes.ram_kinds)
 
 
 def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str, precision: str = EXACT,
@@ -338,15 +339,15 @@ def _trained_unit(u: UnitSpec, c: int, state: OptimizerState | None, master: int
     """A unit whose every weight trains (``full``, ``zo``): its state per ``state_spec``,
     plus ``master`` bytes of fp32 master weight per element."""
     n = u.numel
-    kinds: set[str] = {"master"} if master and u.params else set()
-    st = master * n
+    kinds: dict[str, int] = {"master": master * n} if master and u.params else {}
     for p in u.params if state is not None else ():
-        per_kind = state.spec(p.shape)
-        kinds |= per_kind.keys()
-        st += sum(count * size for count, size in per_kind.values())
+        for kind, (count, size) in state.spec(p.shape).items():
+            kinds[kind] = kinds.get(kind, 0) + count * size
+    st = sum(kinds.values())
     return UnitBytes(u.name, u.kind, weights=c * n, grads=0 if state is None else c * n, state=st,
                      trainable=n, frozen_weights=0, adapter_bytes=0, matmul_params=matmul,
-                     borrows=u.borrows, tensors=len(u.params), state_kinds=len(kinds) if st else 0)
+                     borrows=u.borrows, tensors=len(u.params), state_kinds=len(kinds) if st else 0,
+                     ram_state=sum(kinds[k] for k in ram_kinds(kinds)))
 
 
 def _adapter_unit(u: UnitSpec, c: int, traits: MethodTraits, state: OptimizerState, matmul: int,
@@ -374,7 +375,7 @@ def _with_state_pieces(units: list[UnitBytes], piecable: list[bool], world: int 
     piece size (``unit_sizes.piece_size``, ``unit_sizes.state_pieces``). With ``world`` ranks
     each unit's state is a rank's share, pieced the same way."""
     if world > 1:
-        units = [replace(u, state=-(-u.state // world)) for u in units]
+        units = [replace(u, state=-(-u.state // world), ram_state=-(-u.ram_state // world)) for u in units]
     piece = piece_size([u.state for u in units], [u.kind == "block" for u in units])
     if piece is None:
         return units

@@ -15,7 +15,7 @@ import torch
 from .handle import Tier
 from .nf4 import NF4Layout
 from .store import TieredStore
-from .unit_sizes import MASTER_DTYPE, _unit_dtype, needs_master, state_pieces
+from .unit_sizes import MASTER_DTYPE, _unit_dtype, needs_master, ram_kinds, state_pieces
 from .units import WEIGHTS, ParamSlot, Part, StateSlot, Unit, _pad
 
 InitWeights = Callable[[ParamSlot, torch.Tensor], None]
@@ -62,9 +62,12 @@ def store_unit(store: TieredStore, unit: Unit, optimizer: Any, homes: tuple[Tier
     unit.flat[WEIGHTS] = (h.numel, h.dtype)
     del w
     inits = _state_layout(unit, optimizer, masters)
-    for kind, (numel, dtype) in list(unit.flat.items())[1:]:
+    states = list(unit.flat.items())[1:]
+    in_ram = ram_kinds({kind: numel * dtype.itemsize for kind, (numel, dtype) in states}) if s_home is Tier.NVME else ()
+    for kind, (numel, dtype) in states:
+        home = Tier.HOST if kind in in_ram else s_home  # a small kind (scales) stays in RAM
         for part, lo, hi in unit.kind_parts(kind):
-            unit.handles[part] = store.register(f"{unit.name}:{part}", home=s_home, shape=(hi - lo,), dtype=dtype,
+            unit.handles[part] = store.register(f"{unit.name}:{part}", home=home, shape=(hi - lo,), dtype=dtype,
                                                 data=_initial_state(unit, kind, lo, hi, dtype, inits))
     # The initial state goes before the weights: freed the other way round, glibc's heap
     # stayed fragmented and RSS grew ~8 MB per block (tests/offload/test_bounded_rss.py).

@@ -22,6 +22,20 @@ from .units import GRADS, Unit, _pad
 #: piece boundaries fall on multiples of this many elements: whole 8-bit quantization
 #: blocks (256) and whole pages of every dtype
 PIECE_ALIGN = 4096
+#: a state kind this small a share of its unit's state stays in RAM when the rest streams
+#: from NVMe (:func:`ram_kinds`)
+RAM_KIND_SHARE = 1 / 64
+
+
+def ram_kinds(kind_bytes: dict[str, int]) -> set[str]:
+    """The state kinds of a unit kept in RAM (HOST) when its state's home is NVMe: those of at
+    most ``RAM_KIND_SHARE`` of the unit's state — AdamW8bit's block scales (``m_absmax``,
+    ``v_absmax``: 8 B per 256 elements, 1/64 of the codes), step counts, a norm's fp32 moments.
+    Reading and writing them every step would cost 0.8% more bytes than the codes for no
+    RAM worth saving (an 8B model's scales: ~250 MB), and would keep bf16-lean + AdamW8bit
+    above 4 bytes written per parameter per step."""
+    total = sum(kind_bytes.values())
+    return {kind for kind, n in kind_bytes.items() if n <= total * RAM_KIND_SHARE}
 
 
 @dataclass
@@ -278,24 +292,26 @@ def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier]], k:
     it in block-sized pieces when the optimizer is element-wise (its spilled gradient too).
     """
     w_sizes = [weights_arena_bytes(u, quantize_frozen) for u in units]
-    s_sizes = [_arena_bytes(kinds) for kinds in unit_state_bytes(units, optimizer, master_weights, spill_grads)]
+    kinds_of = unit_state_bytes(units, optimizer, master_weights, spill_grads)
+    s_sizes = [_arena_bytes(kinds) for kinds in kinds_of]
     world = max((u.shard.world for u in units if u.shard), default=1)  # a rank stores 1/world of each
     piece_bytes = (piece_size([-(-s // world) for s in s_sizes], [u.name.startswith("block.") for u in units])
                    if split_state else None)
-    window_sizes = list(s_sizes)
+    window_sizes, host_home = list(s_sizes), 0
     for i, unit in enumerate(units):
-        split = (state_pieces(unit, optimizer, piece_bytes, master_weights)
-                 if homes[i][1] is Tier.NVME or unit.shard else None)
-        if split is not None:
-            grads = {}
-            if spill_grads:
-                elems = max((b - a for a, b in split.ranges), default=0)
-                grads = {GRADS: elems * _unit_dtype(unit).itemsize}
-            window_sizes[i] = _arena_bytes({**split.handle_bytes, **grads})
-            if unit.shard:  # the rank stores its range only (and spills its range's gradient)
-                s_sizes[i] = split.stored + sum(_arena_bytes((b - a) * _unit_dtype(unit).itemsize)
-                                                for a, b in split.ranges if spill_grads)
-    host_home = sum(w for w, (hw, _) in zip(w_sizes, homes) if hw is Tier.HOST)
+        streams = homes[i][1] is Tier.NVME
+        ram = ram_kinds({k: n for k, n in kinds_of[i].items() if k != GRADS}) if streams else set()
+        split = state_pieces(unit, optimizer, piece_bytes, master_weights) if streams or unit.shard else None
+        handles = {k: n for k, n in (split.handle_bytes if split else kinds_of[i]).items() if k not in ram}
+        if split is not None and spill_grads:
+            handles[GRADS] = max((b - a for a, b in split.ranges), default=0) * _unit_dtype(unit).itemsize
+        window_sizes[i] = _arena_bytes(handles)  # the kinds kept in RAM never stream
+        pieces = len(split.ranges) if split else 1
+        host_home += sum(n + pieces * align_up(1) for k, n in kinds_of[i].items() if k in ram)
+        if split is not None and unit.shard:  # the rank stores its range only (and spills its range's gradient)
+            s_sizes[i] = split.stored + sum(_arena_bytes((b - a) * _unit_dtype(unit).itemsize)
+                                            for a, b in split.ranges if spill_grads)
+    host_home += sum(w for w, (hw, _) in zip(w_sizes, homes) if hw is Tier.HOST)
     host_home += sum(s for s, (_, hs) in zip(s_sizes, homes) if hs is Tier.HOST)
     streams = any(hs is Tier.NVME for _, hs in homes)
     return WorkingSet(device=step_window(w_sizes, 2 * k + 2, [u.borrows for u in units]),

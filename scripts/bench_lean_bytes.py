@@ -15,12 +15,12 @@ measures, over ``--steps`` steps after one warm-up step:
   (``tier_stats()["NVME"].held_bytes``), per parameter, and the file's allocated blocks
   (``st_blocks``, which include the reservation margin, see docs/architecture.md §2).
 
-Measured (2026-11-24, SmolLM2-135M, 134,515,008 parameters, bf16-lean AdamW8bit, 2 steps): 4.039
-B written per parameter per step by the store's counter and 4.040 by ``/proc/self/io``; 4.039 B
-per parameter held on NVMe, 4.159 allocated (the reservation margin). 2 B of bf16 weight and
-2 x (1 + 4/256) of 8-bit moments with their block absmax make 4.031; the rest is the fp32 moments
-of tensors under 4096 elements and the 4 KiB alignment of each extent. At most 4 B cannot be
-had with two 8-bit moments and 16-bit weights: any absmax at all puts it over.
+Measured (2026-11-24, SmolLM2-135M, 134,515,008 parameters, bf16-lean AdamW8bit, 2 steps):
+3.99996 B written per parameter per step by the store's counter and 4.00002 by
+``/proc/self/io`` (the journal's lines); 3.99996 B per parameter held on NVMe, 4.258 allocated
+(the reservation's 1/16 cushion). 2 B of bf16 weight and 2 x 1 B of 8-bit moments: the block
+absmax, step counts and small tensors' moments stay in RAM (``unit_sizes.ram_kinds``); before
+they did, 4.039.
 
     python scripts/bench_lean_bytes.py [--precision bf16-lean] [--optim adamw8bit] [--steps 2]
         [--swap-dir DIR] [--json OUT]

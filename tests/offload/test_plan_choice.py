@@ -80,6 +80,7 @@ def test_nvme_writes_per_step_are_the_write_backs(tiny):
     units = plan.units
     # every step writes back the weights and the optimizer state, and spills the gradients
     expected = sum(u.weights_bytes + u.state_bytes + u.grads_bytes for u in units)
+    expected -= plan.tier_bytes["HOST"]["optimizer scales"]  # small state kinds stay in RAM
     assert plan.written_per_step_bytes == plan.time.io_bytes["nvme_write"] == expected
 
 
