@@ -188,3 +188,30 @@ def test_projection_optimizers_update_whole_tensors_alike(tiny_llama_factory, tm
         assert torch.equal(_in_memory_step(ref, opt, ids, 0.0), om.train_step(_loss, [ids], LR))
     _assert_same_weights(om, ref)
     om.close()
+
+
+def test_lean_adamw8bit_writes_only_weights_and_codes(tiny_llama_factory, tmp_path):
+    """With the state on NVMe, the 8-bit moments' block scales, the step counts and the small
+    tensors' moments stay in RAM (``unit_sizes.ram_kinds``): a step writes each tensor's bf16
+    weight and two 1-byte codes per element (and a unit of small tensors alone, the tied head's
+    final norm, keeps its state on NVMe: no kind of it is small next to the others)."""
+    model = _model(tiny_llama_factory)
+    n = sum(p.numel() for p in model.parameters())
+    om = offload_model(model, _lean(model, "adamw8bit"), offload="nvme", swap_dir=tmp_path / "swap", prefetch=2)
+    coded = [u for u in om.mem.units if "m_codes" in u.kinds()]
+    assert len(coded) == len(om.mem.units) - 1  # all but the head
+    for unit in coded:
+        for part, h in unit.handles.items():
+            expect = "NVME" if part.kind in ("w", "m_codes", "v_codes") else "HOST"
+            assert h.home.name == expect, (unit.name, str(part))
+    batches = _batches(3)
+    om.train_step(_loss, [batches[0]], LR)
+    om.mem.flush()  # write-behind runs on past the step: count whole steps' write-backs
+    before = om.tier_stats()["NVME"].written_bytes
+    for ids in batches[1:]:
+        om.train_step(_loss, [ids], LR)
+    om.mem.flush()
+    per_step = (om.tier_stats()["NVME"].written_bytes - before) / 2
+    extents = sum(len(u.handles) for u in om.mem.units)  # each write is 4 KiB-padded
+    assert 4 * n - 4096 * extents <= per_step <= 4 * n + 4096 * extents, (per_step, 4 * n)
+    om.close()
