@@ -12,9 +12,6 @@ in TORCH_EXTENSIONS_DIR); tests that need it skip when it cannot be built.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -364,10 +361,8 @@ print("ok")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-def test_triton_bit_identical_in_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}  # must be set before triton is imported
-    out = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, capture_output=True,
-                         text=True, timeout=300)
+def test_triton_bit_identical_in_interpreter(run_in_triton_interpreter):
+    out = run_in_triton_interpreter(_TRITON_CHECK)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
 
 

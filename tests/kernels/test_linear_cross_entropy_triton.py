@@ -6,9 +6,6 @@ variable set; other test modules in this process are not affected.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -44,10 +41,8 @@ _CHECK = textwrap.dedent("""
 
 
 @needs_triton
-def test_triton_chunk_kernel_matches_reference_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _CHECK], env=env, capture_output=True,
-                         text=True, timeout=300)
+def test_triton_chunk_kernel_matches_reference_in_interpreter(run_in_triton_interpreter):
+    out = run_in_triton_interpreter(_CHECK)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.strip().endswith("ok")
 

@@ -2,9 +2,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -108,11 +105,8 @@ print("ok")
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-def test_triton_quantize_bit_identical_in_interpreter():
-    # its own process: TRITON_INTERPRET must be set before triton is imported
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, capture_output=True,
-                         text=True, timeout=300)
+def test_triton_quantize_bit_identical_in_interpreter(run_in_triton_interpreter):
+    out = run_in_triton_interpreter(_TRITON_CHECK)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
 
 

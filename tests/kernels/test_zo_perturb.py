@@ -1,7 +1,4 @@
 """outcore::zo_perturb_ — the seeded perturbation op (reference path; Triton when usable)."""
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -75,8 +72,7 @@ def test_bad_inputs_name_the_value(bad, match):
         bad()
 
 
-# Triton picks interpreter vs compiler when ``@triton.jit`` runs (at import of the
-# kernel module), so the CPU check runs in a fresh subprocess with TRITON_INTERPRET=1.
+# Run in the Triton interpreter by the `run_in_triton_interpreter` fixture (tests/kernels/conftest.py).
 _TRITON_CHECK = textwrap.dedent("""
     import torch
     from outcore.kernels.zo_perturb_triton import triton_usable, zo_perturb_triton_
@@ -99,10 +95,8 @@ _TRITON_CHECK = textwrap.dedent("""
 
 
 @pytest.mark.skipif(not is_triton_available(), reason="triton is not installed")
-def test_triton_kernel_contract():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    out = subprocess.run([sys.executable, "-c", _TRITON_CHECK], env=env, capture_output=True,
-                         text=True, timeout=300)
+def test_triton_kernel_contract(run_in_triton_interpreter):
+    out = run_in_triton_interpreter(_TRITON_CHECK)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
