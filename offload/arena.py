@@ -110,6 +110,29 @@ class FreeList:
         if new_capacity > old:
             self.free(old, new_capacity - old)
 
+    def shrink(self, new_capacity: int) -> None:
+        """Cut the managed range to ``new_capacity`` (a multiple of ``ALIGN``); what is cut must be free."""
+        if new_capacity % ALIGN or not 0 <= new_capacity <= self.capacity:
+            raise ValueError(f"cannot shrink from {self.capacity} to {new_capacity}")
+        if new_capacity == self.capacity:
+            return
+        last = self._starts[-1] if self._starts else None
+        if last is None or last > new_capacity or last + self._sizes[last] != self.capacity:
+            raise ValueError(f"cannot shrink from {self.capacity} to {new_capacity}: "
+                             f"[{new_capacity}, {self.capacity}) is not free")
+        self.capacity = new_capacity
+        del self._sizes[last]
+        self._starts.pop()
+        if new_capacity > last:
+            self._starts.append(last)
+            self._sizes[last] = new_capacity - last
+
+    @property
+    def end_of_allocations(self) -> int:
+        """The end of the highest allocated range (0 when nothing is allocated)."""
+        last = self._starts[-1] if self._starts else None
+        return last if last is not None and last + self._sizes[last] == self.capacity else self.capacity
+
     @property
     def largest_free(self) -> int:
         return max(self._sizes.values(), default=0)

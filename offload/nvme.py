@@ -37,16 +37,15 @@ from ._futures import chain as _chain
 DATA_FILE, INDEX_FILE = "extents.bin", "extents.idx"
 
 
-JOURNAL_ROOM = 4 << 20  # left free beside the swap file for the journal's appends
 #: the journal is rewritten with one line per live extent once it holds this many times as
 #: many lines (and at least JOURNAL_COMPACT_MIN): a long run's journal stays bounded
 JOURNAL_COMPACT_RATIO, JOURNAL_COMPACT_MIN = 4, 1024
 
 
 def reserve_margin(nbytes: int) -> int:
-    """Room an unbounded swap file reserves beyond what is asked: 1/16 of it, at least 16 MiB
-    (so a run whose need grows a little, e.g. with offloaded activations, does not
-    preallocate at every extent, nor hold gigabytes a small model never uses)."""
+    """Room an unbounded swap file grows by beyond a request past its end: 1/16 of the new
+    size, at least 16 MiB (so a run whose need grows a little, e.g. with offloaded activations,
+    does not preallocate at every extent, nor hold gigabytes a small model never uses)."""
     return max(16 << 20, align_up(nbytes // 16))
 
 
@@ -134,18 +133,30 @@ class NvmeBackend:
             self._free.grow(capacity)
 
     def reserve(self, nbytes: int) -> None:
-        """Preallocate room for ``nbytes`` of extents now, plus :func:`reserve_margin` where the
-        disk has it: what the plan says the tier will hold, so a disk too small fails before training.
+        """Preallocate room for ``nbytes`` of extents now: what the plan says the tier will
+        hold, so a disk too small fails before training. No margin: the plan counts the padded
+        extents, so the file holds what training writes (the write-lean mode's ~4 B per
+        parameter); a need beyond it grows the file by :func:`reserve_margin` steps.
 
         Raises:
             DiskFullError: the swap dir's disk has not the room (free and needed bytes named).
         """
         if self.budget is None and nbytes > 0:
             with self._lock:
-                # the margin is a cushion, not a need: it shrinks to the room there is, less
-                # what the journal (a line per write) and the lock file take beside the swap file
-                room = self.swap.free_bytes + self._free.capacity - JOURNAL_ROOM
-                self._grow_to(nbytes + min(reserve_margin(nbytes), max(0, room - align_up(nbytes))))
+                self._grow_to(nbytes)
+
+    def trim(self, keep: int = 0) -> None:
+        """Give back the reserved room past the last extent beyond ``keep`` bytes (an unbounded
+        tier only): once a run's lasting extents are placed, the file holds what they take plus
+        what comes and goes during the steps (spilled gradients, offloaded activations), not
+        the plan's padding bound. A later need grows the file again."""
+        if self.budget is not None:
+            return
+        with self._lock:
+            target = align_up(self._free.end_of_allocations + max(keep, 0))
+            if target < self._free.capacity:
+                os.ftruncate(self.fd, target)  # the blocks past it go back to the file system
+                self._free.shrink(target)
 
     @property
     def held(self) -> int:

@@ -58,8 +58,7 @@ class TieredStore:
         nvme_bytes: NVME budget, preallocated in the swap dir now; ``None`` =
             grow on demand.
         nvme_reserve: with ``nvme_bytes=None``, what the NVME tier will hold (the plan's
-            figure), preallocated now with a margin (``nvme.reserve_margin``), so a disk
-            too small is refused before training.
+            figure), preallocated now, so a disk too small is refused before training.
         swap_dir: the swap directory (required for handles whose home is NVME).
         device: a :class:`Device`, ``"cuda"``/``"cpu"``, or None (CUDA if available).
         queue_depth: NVMe syscalls in flight.

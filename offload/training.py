@@ -34,7 +34,8 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                   init_weights: Callable[[Any, torch.Tensor], None] | None = None,
                   resident_trainable: bool = False, master_weights: bool = True,
                   quantize_frozen: bool = False, spill_grads: bool | None = None,
-                  split_state: bool = True, nvme_reserve: int = 0, ranks: Ranks | None = None) -> OutOfCoreEngine:
+                  split_state: bool = True, nvme_reserve: int = 0, nvme_keep: int = 0,
+                  ranks: Ranks | None = None) -> OutOfCoreEngine:
     """Move ``model``'s weights and ``optimizer``'s state into tiers and wrap it for training.
 
     Args:
@@ -65,7 +66,11 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
             in block-sized pieces when the optimizer updates element-wise (see
             ``unit_sizes.state_pieces``), so the HOST window is a few blocks, not the
             embedding's whole state. Bit-identical either way.
-        nvme_reserve: bytes the plan puts on NVMe, preallocated now (0: grow on demand).
+        nvme_reserve: bytes the plan puts on NVMe, preallocated now (0: grow on demand), so a
+            disk too small fails before the units are written.
+        nvme_keep: once the units are stored, the swap file keeps this much room past their
+            extents (what comes and goes during the steps: spilled gradients, offloaded
+            activations) and gives the rest of the reservation back (see ``NvmeBackend.trim``).
         ranks: data parallelism (``world > 1``): each rank keeps 1/world of the state (``sharding.py``).
 
     Returns:
@@ -103,6 +108,8 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                                                                  state_piece_bytes=need.piece_bytes),
                                  prefetch=k, max_grad_norm=max_grad_norm, grad_accum=grad_accum, units=units,
                                  spill_grads=spill_grads, world=world)
+        if store.nvme is not None:
+            store.nvme.trim(keep=nvme_keep)
     except BaseException:
         store.close()
         raise

@@ -52,6 +52,13 @@ def make_plan(cfg: FinetuneConfig, model: torch.nn.Module):
     return plan_for_config(cfg, model, probe=probe, world=dist.from_env().world)
 
 
+def _nvme_during_steps(plan: Any) -> int:
+    """What the plan puts on NVMe only during the steps (spilled gradients), with its padding
+    bound: the room the swap file keeps past the units' extents."""
+    nvme = plan.tier_bytes.get("NVME", {})
+    return nvme["grads"] + nvme.get("alignment", 0) if nvme.get("grads") else 0
+
+
 def swap_dir_of(cfg: FinetuneConfig, out: Path) -> Path:
     """This rank's swap directory: ``--swap-dir`` or OUTPUT/swap (``rankR`` under it with several ranks)."""
     return dist.rank_swap_dir(Path(cfg.swap_dir) if cfg.swap_dir else out / "swap", dist.from_env())
@@ -84,5 +91,6 @@ def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: An
                          device_bytes=parse_bytes(cfg.device_mem) if cfg.device_mem else None,
                          host_bytes=parse_bytes(cfg.host_mem) if cfg.host_mem else None,
                          nvme_reserve=plan.tier_total(Tier.NVME) if mode == NVME else 0,
+                         nvme_keep=_nvme_during_steps(plan),
                          ranks=None if cfg.uses_adapters else ranks,
                          init_weights=None if fill is None else (lambda slot, t: fill(plain_name(slot.name), t)))

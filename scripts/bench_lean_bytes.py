@@ -13,12 +13,12 @@ measures, over ``--steps`` steps after one warm-up step:
   layer from this process: the extents, and the swap directory's journal);
 * ``disk_per_param`` — the swap file's extents held on NVMe after training
   (``tier_stats()["NVME"].held_bytes``), per parameter, and the file's allocated blocks
-  (``st_blocks``, which include the reservation margin, see docs/architecture.md §2).
+  (``st_blocks``, see docs/architecture.md §2).
 
 Measured (2026-11-24, SmolLM2-135M, 134,515,008 parameters, bf16-lean AdamW8bit, 2 steps):
 3.99996 B written per parameter per step by the store's counter and 4.00002 by
-``/proc/self/io`` (the journal's lines); 3.99996 B per parameter held on NVMe, 4.258 allocated
-(the reservation's 1/16 cushion). 2 B of bf16 weight and 2 x 1 B of 8-bit moments: the block
+``/proc/self/io`` (the journal's lines); 3.99996 B per parameter held on NVMe, 3.99999 allocated
+(the swap file is trimmed to its extents once the units are stored; before, a 1/16 cushion: 4.258). 2 B of bf16 weight and 2 x 1 B of 8-bit moments: the block
 absmax, step counts and small tensors' moments stay in RAM (``unit_sizes.ram_kinds``); before
 they did, 4.039.
 

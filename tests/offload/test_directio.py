@@ -114,6 +114,22 @@ def test_free_list_double_free_and_take():
         fl.take(0, ALIGN)
 
 
+def test_free_list_shrinks_only_over_free_space():
+    fl = FreeList(8 * ALIGN)
+    a, b = fl.alloc(2 * ALIGN), fl.alloc(ALIGN)
+    assert fl.end_of_allocations == 3 * ALIGN
+    with pytest.raises(ValueError, match="not free"):
+        fl.shrink(2 * ALIGN)  # would cut the allocated [2, 3)
+    fl.shrink(5 * ALIGN)
+    assert fl.capacity == 5 * ALIGN and fl.free_ranges() == [(3 * ALIGN, 2 * ALIGN)]
+    fl.shrink(3 * ALIGN)
+    assert fl.free_ranges() == [] and fl.end_of_allocations == 3 * ALIGN and fl.alloc(1) is None
+    fl.free(b, ALIGN)
+    assert fl.end_of_allocations == 2 * ALIGN
+    fl.grow(4 * ALIGN)  # grows again after a shrink, the freed tail merged
+    assert fl.free_ranges() == [(2 * ALIGN, 2 * ALIGN)] and a == 0
+
+
 def test_arena_slabs_are_lazy_and_views_are_typed():
     made = []
     arena = Arena(10 * ALIGN, lambda n: made.append(n) or aligned_empty(n), slab_bytes=4 * ALIGN)

@@ -341,6 +341,23 @@ def test_a_planned_reservation_that_does_not_fit_names_the_true_free_space(tmp_p
         assert s.nvme.capacity == 118 * MiB and disk.free == 2 * MiB  # room for the journal
 
 
+def test_trim_gives_back_the_reservation_past_the_extents(tmp_path):
+    """The plan's reservation is a padding bound: once the extents are placed, the file keeps
+    them plus ``keep`` and the disk gets the rest back; a later need grows the file again."""
+    swap_file = tmp_path / "s" / "extents.bin"
+    with TieredStore(MiB, MiB, swap_dir=tmp_path / "s", device="cpu", nvme_reserve=40 * MiB) as s:
+        h = s.register("w", data=torch.ones(MiB))  # 4 MiB of weights
+        assert s.nvme.capacity == 40 * MiB
+        s.nvme.trim(keep=MiB)
+        assert s.nvme.capacity == 5 * MiB and s.nvme.held == 4 * MiB
+        assert swap_file.stat().st_size == 5 * MiB and swap_file.stat().st_blocks * 512 <= 5 * MiB
+        s.nvme.trim()
+        assert s.nvme.capacity == 4 * MiB
+        g = s.register("g", data=torch.full((2 * MiB,), 2.0))  # 8 MiB more: the file grows
+        assert s.nvme.capacity >= 12 * MiB
+        assert torch.equal(s.load(h), torch.ones(MiB)) and torch.equal(s.load(g), torch.full((2 * MiB,), 2.0))
+
+
 def test_swap_files_are_private(tmp_path):
     with TieredStore(MiB, MiB, swap_dir=tmp_path / "s", device="cpu") as s:
         s.register("w", data=torch.ones(10))
