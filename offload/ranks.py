@@ -85,8 +85,16 @@ def join(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> Ra
     ranks = from_env()
     if ranks.distributed and not dist.is_initialized():
         use_local_device(ranks.local_rank)
-        dist.init_process_group(backend or distributed_backend(),
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+        store.set_timeout(timeout)
+        # torchrun's store outlives a failed attempt: the ranks it restarts would read the dead
+        # ranks' addresses under the default keys (gloo: "connection refused"), so each attempt
+        # keys its own rendezvous.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"outcore/attempt_{attempt}/default_pg", store)
+        dist.init_process_group(backend or distributed_backend(), store=store, rank=rank, world_size=world,
+                                timeout=timeout)
     if dist.is_available() and dist.is_initialized():
         return Ranks(dist.get_rank(), dist.get_world_size(), ranks.local_rank)
     return ranks

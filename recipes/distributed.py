@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -38,7 +39,7 @@ from typing import Any, Callable
 import torch
 
 from .._faults import fault_point
-from ..errors import CheckpointError, ConfigError, OutcoreError, RankLostError
+from ..errors import CheckpointError, OutcoreError, RankLostError
 from ..offload.device import distributed_backend
 from ..offload.ranks import Ranks, from_env, join, leave
 
@@ -243,7 +244,9 @@ def prepare_run_dir(cfg: Any, ranks: Ranks) -> tuple[Path, int | None]:
 
     Rank 0 alone holds the run lock and writes ``config.yaml``: the ranks of one run share
     its directory while a second run (another launch, whose rank 0 finds the lock held) is
-    refused on every one of its ranks with rank 0's error.
+    refused on every one of its ranks with rank 0's error. After a torchrun restart of the
+    launch that wrote the directory, every rank continues that run (``elastic.py``: ``cfg``'s
+    ``resume`` or ``overwrite`` set as rank 0 decided).
 
     Returns:
         ``(output directory, lock descriptor)``; the lock is None on ranks other than 0.
@@ -252,17 +255,27 @@ def prepare_run_dir(cfg: Any, ranks: Ranks) -> tuple[Path, int | None]:
         OutcoreError: rank 0's error, on every rank.
     """
     from ._common import prepare_output_dir
+    from .elastic import continue_after_restart, mark_launch
+
+    def on_main() -> tuple[Path, int | None]:
+        note = continue_after_restart(cfg, Path(cfg.output))
+        if note:
+            sys.stderr.write(note + "\n")
+        out, lock = prepare_output_dir(cfg)
+        mark_launch(out)
+        return out, lock
 
     if not ranks.distributed:
-        return prepare_output_dir(cfg)
+        return on_main()
     result: tuple[Path, int | None] = (Path(cfg.output), None)
     verdict: Exception | None = None
     if ranks.is_main:
         try:
-            result = prepare_output_dir(cfg)
+            result = on_main()
         except OutcoreError as e:
             verdict = e
-    verdict = broadcast_from_main(verdict, ranks, "the output directory check", cfg.output)
+    verdict, cfg.resume, cfg.overwrite = broadcast_from_main((verdict, cfg.resume, cfg.overwrite), ranks,
+                                                             "the output directory check", cfg.output)
     if verdict is not None:
         raise verdict
     return result

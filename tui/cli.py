@@ -130,13 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(cmd.run(args) or EXIT_OK)
     except OutcoreError as e:
-        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        # one write, newline included: under torchrun every rank may say it at once, and
+        # print's two writes (unbuffered stderr) would splice the ranks' lines together
+        sys.stderr.write(f"{PROG}: error: {_one_line(e)}\n")
         return e.exit_code
     except KeyboardInterrupt as e:
         # The trainer has already closed its sink and kept its last checkpoint;
         # say so in one line instead of a traceback.
         stop = e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
-        print(f"{PROG}: interrupted: {stop}", file=sys.stderr)
+        sys.stderr.write(f"{PROG}: interrupted: {stop}\n")
         return stop.exit_code
     except BrokenPipeError:
         # stdout was closed by the reader (``outcore doctor --json | head``): not an error

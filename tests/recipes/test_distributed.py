@@ -44,6 +44,15 @@ from outcore.tui.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
+RESTART_WRAPPER = """\
+import os, sys
+if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":  # the first attempt only
+    os.environ["OUTCORE_FAULT_AT"] = os.environ["DIE_AT"]
+from outcore.tui.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def _args(inputs: Path, out: Path, **kw) -> dict:
     base = dict(model=str(inputs / "model"), data=str(inputs / "data.txt"), seq_len=32, batch_size=2,
                 max_steps=4, eval_every=0, eval_batches=2, lr=1e-3, warmup_steps=1, output=str(out),
@@ -51,11 +60,12 @@ def _args(inputs: Path, out: Path, **kw) -> dict:
     return {**base, **kw}
 
 
-def _torchrun(args: dict, *, script: list[str] | None = None, env: dict | None = None, timeout: float = 600):
+def _torchrun(args: dict, *, script: list[str] | None = None, env: dict | None = None, timeout: float = 600,
+              launcher: tuple[str, ...] = ()):
     """Run ``outcore finetune`` under ``torchrun --nproc-per-node 2`` (key=value words)."""
     words = [f"{k}={','.join(v) if isinstance(v, list) else v}" for k, v in args.items()]
     entry = script or ["-m", "outcore"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *launcher,
            *entry, "finetune", *words]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "CI": "1", **(env or {})})
 
@@ -179,6 +189,23 @@ def test_a_killed_rank_stops_the_other_with_one_line_and_the_checkpoint_is_intac
     # resumable, here on one rank with the same 2 micro-batches a step
     res = _one_rank(_args(tiny_run_inputs, run, grad_accum=2, resume=str(run)))
     assert res.steps_done == 4
+
+
+@pytest.mark.slow(ci=True)
+@pytest.mark.parametrize("die_at,continued", [("grad_all_reduce:3", "continuing from step_000002"),
+                                              ("grad_all_reduce:1", "no complete checkpoint yet: starting over")])
+def test_torchrun_restarts_continue_the_launch_s_own_run(tiny_run_inputs, tmp_path, die_at, continued):
+    """``--max-restarts 1``: rank 1 dies in step 3 (or 1) of the first attempt; the restarted ranks
+    continue from step 2's checkpoint (or start over) and end with the uninterrupted run's weights."""
+    run, one = tmp_path / "run", tmp_path / "one"
+    wrapper = tmp_path / "die_once.py"
+    wrapper.write_text(RESTART_WRAPPER)
+    res = _torchrun(_args(tiny_run_inputs, run), script=[str(wrapper)], env={"DIE_AT": die_at},
+                    launcher=("--max-restarts", "1", "--monitor-interval", "0.5"))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert f"outcore: torchrun restart 1 of 1: {continued} in {run}" in res.stderr, res.stderr[-3000:]
+    _one_rank(_args(tiny_run_inputs, one, grad_accum=2))
+    _assert_same(_weights(run), _weights(one))
 
 
 @pytest.mark.slow
