@@ -32,9 +32,12 @@ def launch_id() -> str | None:
     """
     if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
         return None
-    agent = psutil.Process(os.getppid())
-    return (f"{socket.gethostname()} {agent.pid} {agent.create_time():.3f} "
-            f"{os.environ.get('TORCHELASTIC_RUN_ID', '')}")
+    try:
+        agent = psutil.Process(os.getppid())
+        started = agent.create_time()
+    except psutil.Error:  # the agent is gone: no launch to continue
+        return None
+    return f"{socket.gethostname()} {agent.pid} {started:.3f} {os.environ.get('TORCHELASTIC_RUN_ID', '')}"
 
 
 def mark_launch(out: Path) -> None:
@@ -54,8 +57,9 @@ def continue_after_restart(cfg: Any, out: Path) -> str | None:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
     if restart <= 0 or cfg.resume or cfg.overwrite:
         return None
+    launch = launch_id()
     try:
-        ours = (out / LAUNCH_MARKER).read_text() == launch_id()
+        ours = launch is not None and (out / LAUNCH_MARKER).read_text() == launch
     except OSError:
         return None
     if not ours:
