@@ -134,9 +134,9 @@ class NvmeBackend:
 
     def reserve(self, nbytes: int) -> None:
         """Preallocate room for ``nbytes`` of extents now: what the plan says the tier will
-        hold, so a disk too small fails before training. No margin: the plan counts the padded
-        extents, so the file holds what training writes (the write-lean mode's ~4 B per
-        parameter); a need beyond it grows the file by :func:`reserve_margin` steps.
+        hold, so a disk too small fails before training. No margin: the plan's figure already
+        bounds the padding from above, and :meth:`trim` gives back what the extents do not
+        use; a need beyond it grows the file by :func:`reserve_margin` steps.
 
         Raises:
             DiskFullError: the swap dir's disk has not the room (free and needed bytes named).
