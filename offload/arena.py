@@ -112,20 +112,19 @@ class FreeList:
 
     def shrink(self, new_capacity: int) -> None:
         """Cut the managed range to ``new_capacity`` (a multiple of ``ALIGN``); what is cut must be free."""
-        if new_capacity % ALIGN or not 0 <= new_capacity <= self.capacity:
+        if new_capacity % ALIGN or new_capacity > self.capacity:
             raise ValueError(f"cannot shrink from {self.capacity} to {new_capacity}")
+        end = self.end_of_allocations
+        if new_capacity < end:
+            raise ValueError(f"cannot shrink from {self.capacity} to {new_capacity}: "
+                             f"[{new_capacity}, {end}) is not free")
         if new_capacity == self.capacity:
             return
-        last = self._starts[-1] if self._starts else None
-        if last is None or last > new_capacity or last + self._sizes[last] != self.capacity:
-            raise ValueError(f"cannot shrink from {self.capacity} to {new_capacity}: "
-                             f"[{new_capacity}, {self.capacity}) is not free")
+        del self._sizes[self._starts.pop()]  # the free tail [end, capacity)
+        if new_capacity > end:
+            self._starts.append(end)
+            self._sizes[end] = new_capacity - end
         self.capacity = new_capacity
-        del self._sizes[last]
-        self._starts.pop()
-        if new_capacity > last:
-            self._starts.append(last)
-            self._sizes[last] = new_capacity - last
 
     @property
     def end_of_allocations(self) -> int:
