@@ -70,6 +70,17 @@ def from_env() -> Ranks:
     return Ranks(rank, world, local)
 
 
+def elastic_attempt() -> int | None:
+    """torchrun's attempt at this launch (0, then one more per restart), or None outside torchrun.
+
+    Raises:
+        ConfigError: a malformed ``TORCHELASTIC_RESTART_COUNT``.
+    """
+    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+        return None
+    return _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+
+
 def join(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> Ranks:
     """Join the process group the environment describes (nothing to join for one rank).
 
@@ -91,8 +102,7 @@ def join(timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> Ra
         # torchrun's store outlives a failed attempt: the ranks it restarts would read the dead
         # ranks' addresses under the default keys (gloo: "connection refused"), so each attempt
         # keys its own rendezvous.
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        store = dist.PrefixStore(f"outcore/attempt_{attempt}/default_pg", store)
+        store = dist.PrefixStore(f"outcore/attempt_{elastic_attempt() or 0}/default_pg", store)
         dist.init_process_group(backend or distributed_backend(), store=store, rank=rank, world_size=world,
                                 timeout=timeout)
     if dist.is_available() and dist.is_initialized():

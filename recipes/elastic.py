@@ -19,6 +19,7 @@ from typing import Any
 
 import psutil
 
+from ..offload.ranks import elastic_attempt
 from .checkpoint import latest_checkpoint
 
 LAUNCH_MARKER = ".outcore-launch"  # in the output directory: the launch that wrote it
@@ -30,7 +31,7 @@ def launch_id() -> str | None:
     The elastic agent is the torchrun process, every worker's parent: its host, pid and start
     time name it (a pid alone may be reused), with the rendezvous id where one was given.
     """
-    if "TORCHELASTIC_RESTART_COUNT" not in os.environ:
+    if elastic_attempt() is None:
         return None
     try:
         agent = psutil.Process(os.getppid())
@@ -54,8 +55,8 @@ def continue_after_restart(cfg: Any, out: Path) -> str | None:
     Returns:
         The line to print, or None when this is no such restart (``cfg`` untouched).
     """
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
-    if restart <= 0 or cfg.resume or cfg.overwrite:
+    restart = elastic_attempt() or 0
+    if restart == 0 or cfg.resume or cfg.overwrite:
         return None
     launch = launch_id()
     try:

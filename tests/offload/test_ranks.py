@@ -2,7 +2,7 @@
 import pytest
 
 from outcore.errors import ConfigError
-from outcore.offload.ranks import Ranks, from_env, join
+from outcore.offload.ranks import Ranks, elastic_attempt, from_env, join
 
 
 def test_no_launcher_is_one_rank(monkeypatch):
@@ -27,6 +27,16 @@ def test_bad_environment_is_one_line(monkeypatch, rank, world):
     monkeypatch.setenv("WORLD_SIZE", world)
     with pytest.raises(ConfigError, match="RANK|WORLD_SIZE"):
         from_env()
+
+
+def test_the_torchrun_attempt(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert elastic_attempt() is None  # not under torchrun
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert elastic_attempt() == 2
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "two")
+    with pytest.raises(ConfigError, match="TORCHELASTIC_RESTART_COUNT='two'"):
+        elastic_attempt()
 
 
 @pytest.mark.gpu
