@@ -247,7 +247,7 @@ def _resident_bytes(t: torch.Tensor) -> int:
     return sum(b & 1 for b in vec) * page
 
 
-def test_held_equals_sum_of_resident_blocks_and_rss(tmp_path):
+def test_held_equals_sum_of_resident_blocks_and_the_slab_is_resident(tmp_path):
     """Store accounting against physical memory: the arena is touched when created, and is all there is."""
     with TieredStore(64 * MiB, 0, swap_dir=tmp_path / "s", device="cpu") as s:
         h = s.register("x", data=torch.ones(4 * MiB))  # 16 MiB
