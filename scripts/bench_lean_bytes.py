@@ -17,10 +17,10 @@ measures, over ``--steps`` steps after one warm-up step:
 
 Measured (2026-11-24, SmolLM2-135M, 134,515,008 parameters, bf16-lean AdamW8bit, 2 steps):
 3.99996 B written per parameter per step by the store's counter and 4.00002 by
-``/proc/self/io`` (the journal's lines); 3.99996 B per parameter held on NVMe, 3.99999 allocated
-(the swap file is trimmed to its extents once the units are stored; before, a 1/16 cushion: 4.258). 2 B of bf16 weight and 2 x 1 B of 8-bit moments: the block
-absmax, step counts and small tensors' moments stay in RAM (``unit_sizes.ram_kinds``); before
-they did, 4.039.
+``/proc/self/io`` (the journal's lines); 3.99996 B per parameter held on NVMe, 3.99999
+allocated (the swap file is trimmed to its extents once the units are stored; before, a 1/16
+cushion: 4.258). 2 B of bf16 weight and 2 x 1 B of 8-bit moments: the block absmax, step
+counts and small tensors' moments stay in RAM (``unit_sizes.ram_kinds``); before they did, 4.039.
 
     python scripts/bench_lean_bytes.py [--precision bf16-lean] [--optim adamw8bit] [--steps 2]
         [--swap-dir DIR] [--json OUT]
