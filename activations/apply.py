@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import ConfigError, ModelError
 from ..models._structure import decoder_layers
-from ..offload.device import free_device_bytes
+from ..offload.device import free_device_bytes, is_accelerator
 from .compress import codec_for
 from .offload import _MIN_BYTES, ActivationOffloader
 from .pack import BlockPack
@@ -74,6 +74,7 @@ class ActivationHandle:
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._prefetch_depth, self._min_bytes, self._keep_last = prefetch_depth, min_bytes, keep_last
         self._compress = compress
+        self._device = next(model.parameters()).device  # where the blocks compute
         self.offloader: ActivationOffloader | None = None
         self._measure: list[list[float]] = [[0, 0, 0.0, 0] for _ in layers]  # saved, input, seconds, stored
         self._ensure_offloader()
@@ -89,8 +90,9 @@ class ActivationHandle:
             host = (self._auto or {}).get("host_budget", 1 << 30)
             need_host = ActivationPolicy.OFFLOAD_HOST in self.policies
             self._tmp = tempfile.TemporaryDirectory(prefix="outcore-act-")
+            # on the model's device: its HOST buffers are pinned for that device's copies
             self._store = TieredStore(device_bytes=0, host_bytes=host if need_host else 0,
-                                      swap_dir=f"{self._tmp.name}/swap")
+                                      swap_dir=f"{self._tmp.name}/swap", device=self._device)
             self._own_store = True
         self.offloader = ActivationOffloader(self._store, prefetch_depth=self._prefetch_depth,
                                              min_bytes=self._min_bytes, compress=self._compress)
@@ -161,7 +163,7 @@ class ActivationHandle:
             host_bps=a.get("host_bps", 0.0), nvme_budget=a.get("nvme_budget"),
             nvme_read_bps=a.get("nvme_read_bps", _DEFAULT_NVME_BPS[0]),
             nvme_write_bps=a.get("nvme_write_bps", _DEFAULT_NVME_BPS[1]), keep_last=self._keep_last,
-            copy_bps=a["copy_bps"] if "copy_bps" in a else _copy_bps(next(self.model.parameters()).device))
+            copy_bps=a["copy_bps"] if "copy_bps" in a else _copy_bps(self._device))
         self._ensure_offloader()
 
     def remove(self) -> None:
@@ -240,7 +242,7 @@ def apply_activation_policy(model: nn.Module,
 
 
 def _copy_bps(device: torch.device, nbytes: int = 16 << 20) -> float:
-    """Bytes/s of a large copy on a CPU device (it competes with compute); 0 on CUDA (DMA)."""
+    """Bytes/s of a large copy on a CPU device (it competes with compute); 0 on an accelerator (DMA)."""
     if device.type != "cpu":
         return 0.0
     src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
@@ -251,7 +253,7 @@ def _copy_bps(device: torch.device, nbytes: int = 16 << 20) -> float:
 
 
 def _available_device_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
+    if is_accelerator(device):
         return free_device_bytes(device)  # a sync point, once per apply
     import psutil
     return int(psutil.virtual_memory().available)

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from ..errors import BudgetError
-from ..offload.device import SideStreams, compute_event, hand_to_compute
+from ..offload.device import SideStreams, compute_event, hand_to_compute, is_accelerator
 from .compress import codec_for
 from .pack import BlockPack, PackedRef
 from .policy import ActivationPolicy
@@ -184,7 +184,7 @@ class ActivationOffloader:
         self.max_inflight = int(max_inflight_bytes)
         self.pool = BufferPool(store.device.alloc_host_slab,
                                prefetch_depth + 1 if pool_keep is None else pool_keep,
-                               can_discard=not store.device.is_cuda)  # pinned pages must stay
+                               can_discard=not store.device.is_accelerator)  # pinned pages must stay
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="outcore-act-w")
         self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="outcore-act-r")
         self._cv = threading.Condition()
@@ -320,8 +320,10 @@ class ActivationOffloader:
         if ready is None:
             pack.copy_into(buf)
             return
-        # D2H into pinned memory; blocks this thread, not the compute stream, until the bytes are on the host
+        # D2H into pinned memory; blocks this thread, not the compute stream, until the bytes are
+        # on the host: only then may the saved tensors go back to the caching allocator
         self._side.run_after(ready, pack.device, lambda: pack.copy_into(buf, non_blocking=True))
+        pack.release_sources()
 
     def _raise_failed(self) -> None:
         exc, self._failed = self._failed, None
@@ -360,7 +362,7 @@ class ActivationOffloader:
             host = lend(buf, nbytes, lambda: self.pool.give(buf))
         else:
             host = lend(self.store.view_of(where, Tier.HOST), nbytes, lambda: self._unregister(where))
-        if device.type != "cuda":
+        if not is_accelerator(device):
             return host, None
         return self._side.to_device(host, device)  # the HOST buffer goes back to the pool once the copy read it
 

@@ -164,11 +164,14 @@ class BlockPack:
         return self.nbytes
 
     def copy_into(self, buf: torch.Tensor, non_blocking: bool = False) -> None:
-        """Copy every group into ``buf`` and drop the references to the sources.
+        """Copy every group into ``buf`` and drop the references to the sources (unless
+        ``non_blocking``: the copies may not have read them yet).
 
         Args:
-            buf: uint8 ``[>= nbytes]`` (HOST; pinned when the sources are on CUDA and
-                ``non_blocking``: then the caller synchronizes before reading it).
+            buf: uint8 ``[>= nbytes]`` (HOST; pinned when the sources are on an accelerator and
+                ``non_blocking``: then the caller synchronizes before reading it, and only then
+                calls :meth:`release_sources` — freed sooner, the caching allocator could hand
+                their blocks to the compute stream while the copy still reads them).
             non_blocking: asynchronous device-to-host copies (on the current stream).
 
         Raises:
@@ -196,11 +199,12 @@ class BlockPack:
                 np.copyto(dst.numpy(), src.numpy())
             else:
                 dst.copy_(src, non_blocking=non_blocking)
-        self.release_sources()
+        if not non_blocking:
+            self.release_sources()
 
     def _encode(self, g: _Group, dst: torch.Tensor, non_blocking: bool) -> None:
-        """Store group ``g`` 8-bit into ``dst``: encoded where the tensor is (on CUDA on the
-        device, so only the 8-bit bytes cross to the host)."""
+        """Store group ``g`` 8-bit into ``dst``: encoded where the tensor is (on an accelerator on
+        the device, so only the 8-bit bytes cross to the host)."""
         n = g.hi - g.start
         src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(g.storage, g.start, (n,), (1,))
         src = src.view(g.encoded)

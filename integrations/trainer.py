@@ -140,6 +140,10 @@ class OutOfCoreMixin:
         self._offload = dict(offload=offload, swap_dir=swap_dir, prefetch=prefetch)
         self.engine: Any = None  # built with the optimizer, when training starts
 
+    def _move_model_to_device(self, model: Any, device: Any) -> None:
+        """Nothing: the engine places the model (its units stream; the rest goes to the device
+        when the engine is built). The Trainer's own move would put all of it in GPU memory."""
+
     def _check_streamed_optimizer(self) -> None:
         """A streamed model updates through an ``outcore.optim`` optimizer (its state lives in the tiers)."""
         if self.optimizer is not None and not isinstance(self.optimizer, OutcoreOptimizer):
@@ -162,8 +166,10 @@ class OutOfCoreMixin:
         else:
             inner = self.optimizer if isinstance(self.optimizer, OutcoreOptimizer) else self._adamw()
             clip = self.args.max_grad_norm
+        # on the Trainer's device, where it puts the batches
         self.engine = offload_model(self.model, inner, max_grad_norm=clip, resident_trainable=self.adapters,
-                                    grad_accum=self.args.gradient_accumulation_steps, **self._offload)
+                                    grad_accum=self.args.gradient_accumulation_steps, device=self.args.device,
+                                    **self._offload)
         # closed once: by close(), or when the Trainer is collected (or at exit): the swap dir goes with it
         self._close_engine = weakref.finalize(self, self.engine.close)
         self.optimizer = EngineOptimizer(self.engine)

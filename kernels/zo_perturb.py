@@ -12,11 +12,15 @@ Per element the arithmetic is always ``out = src + fl32(scale * z) * mask``,
 the same sequence on every path, which is what makes in-memory, streamed and
 replayed runs bit-identical in fp32.
 
-Backends: the pure-PyTorch reference (registered for every device; the CPU
-path) and, where Triton works, a Triton kernel for CUDA
-(:mod:`outcore.kernels.zo_perturb_triton`). The Triton kernel draws ``z`` from
-Triton's Philox stream, which differs from torch's CPU generator: a run is
-replayable with the *same backend* it was trained with (the run log records it).
+Backends — where ``z`` is drawn, which decides its bits (the run log records it, and a
+resume or replay draws from the same one, whatever device it computes on):
+
+- ``torch-cpu``: torch's CPU generator. Any device can draw it (on the CPU, then copied:
+  the arithmetic after the draw is IEEE-exact everywhere), so a CPU run replays exactly on a
+  GPU machine. The default off CUDA (the simulated accelerator included).
+- ``torch-cuda``: torch's CUDA generator (a CUDA machine without Triton).
+- ``triton``: the Triton kernel's Philox stream (:mod:`outcore.kernels.zo_perturb_triton`), the
+  default on CUDA: fast, and needs a CUDA device to replay.
 """
 from __future__ import annotations
 
@@ -26,6 +30,9 @@ from ..errors import ConfigError
 from ._library import cuda_kernel_registrar
 
 CHUNK = 1 << 20  # elements per generator re-seed: bounds the transient z buffer to 4 MiB
+TORCH_CPU, TORCH_CUDA, TRITON = "torch-cpu", "torch-cuda", "triton"
+BACKENDS = (TORCH_CPU, TORCH_CUDA, TRITON)
+_LEGACY = {"torch": TORCH_CPU}  # run logs from before the GPU path ran: every one was drawn on a CPU
 _MASK64 = (1 << 64) - 1
 
 
@@ -70,24 +77,63 @@ def _check(w: torch.Tensor, seed: int, mask: torch.Tensor | None, src: torch.Ten
         raise ConfigError(f"zo_perturb_: src dtype {src.dtype} != tensor dtype {w.dtype}")
 
 
-@torch.library.custom_op("outcore::zo_perturb_", mutates_args=("w",))
-def _zo_perturb_op(w: torch.Tensor, seed: int, scale: float, mask: torch.Tensor | None,
-                   src: torch.Tensor | None) -> None:
-    """Reference implementation (any device): chunked torch generator draws."""
+def noise_backend(device: torch.device) -> str:
+    """The backend a new run computing on ``device`` draws ``z`` from."""
+    if device.type == "cuda":
+        from ._library import triton_usable
+
+        return TRITON if triton_usable(torch.empty(0, device=device)) else TORCH_CUDA
+    return TORCH_CPU
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """``backend`` as recorded (None: ``device``'s own; an older log's ``torch``: ``torch-cpu``),
+    checked drawable on ``device``.
+
+    Raises:
+        ConfigError: an unknown backend, or one this machine cannot draw (a GPU run's ``triton``
+            or ``torch-cuda`` noise replayed without CUDA).
+    """
+    if backend is None:
+        return noise_backend(device)
+    backend = _LEGACY.get(backend, backend)
+    if backend not in BACKENDS:
+        raise ConfigError(f"zeroth-order noise backend {backend!r} is not one of {', '.join(BACKENDS)}")
+    if backend != TORCH_CPU and device.type != "cuda":
+        raise ConfigError(f"this run drew its noise with {backend!r} on a GPU: resume or replay it on a CUDA "
+                          f"device (this one is {device.type})")
+    if backend == TRITON and noise_backend(device) != TRITON:
+        raise ConfigError("this run drew its noise with Triton's Philox stream: resume or replay it where "
+                          "triton is installed")
+    return backend
+
+
+def _reference(w: torch.Tensor, seed: int, scale: float, mask: torch.Tensor | None, src: torch.Tensor | None,
+               draw: torch.device) -> None:
+    """Chunked torch generator draws on ``draw`` (``w``'s device, or the CPU for ``torch-cpu``
+    noise on another device: drawn there, scaled, then copied — the bits of a CPU run)."""
     flat_w = w.view(-1)
     flat_src = flat_w if src is None else src.contiguous().view(-1)
     flat_mask = None if mask is None else mask.contiguous().view(-1)
-    gen = torch.Generator(device=w.device)
+    gen = torch.Generator(device=draw)
     n = flat_w.numel()
     for c, start in enumerate(range(0, n, CHUNK)):
         stop = min(start + CHUNK, n)
         gen.manual_seed(zo_seed(seed, c))
-        z = torch.randn(stop - start, generator=gen, device=w.device, dtype=torch.float32)
+        z = torch.randn(stop - start, generator=gen, device=draw, dtype=torch.float32)
         z.mul_(scale)  # d = fl32(scale * z): rounded once, identically on every path
+        z = z.to(w.device)
         if flat_mask is not None:
             z.mul_(flat_mask[start:stop])  # exact: multiplies by 0 or 1
         d = z if w.dtype == torch.float32 else z.to(w.dtype)
         torch.add(flat_src[start:stop], d, out=flat_w[start:stop])
+
+
+@torch.library.custom_op("outcore::zo_perturb_", mutates_args=("w",))
+def _zo_perturb_op(w: torch.Tensor, seed: int, scale: float, mask: torch.Tensor | None,
+                   src: torch.Tensor | None) -> None:
+    """Reference implementation (any device): chunked torch generator draws on ``w``'s device."""
+    _reference(w, seed, scale, mask, src, w.device)
 
 
 @_zo_perturb_op.register_fake
@@ -105,7 +151,7 @@ _maybe_register_triton = cuda_kernel_registrar(_zo_perturb_op, _triton_impl)
 
 
 def zo_perturb_(w: torch.Tensor, seed: int, scale: float, mask: torch.Tensor | None = None,
-                src: torch.Tensor | None = None) -> torch.Tensor:
+                src: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
     """Set ``w = src + scale * z(seed) * mask`` in place (``src`` defaults to ``w``).
 
     Args:
@@ -116,6 +162,7 @@ def zo_perturb_(w: torch.Tensor, seed: int, scale: float, mask: torch.Tensor | N
             keep ``src``'s value (Sparse MeZO).
         src: optional clean tensor of ``w``'s shape and dtype; the result is computed
             from it, so ``w`` can be a scratch copy and ``src`` stays untouched.
+        backend: where ``z`` is drawn (see the module doc; None: ``w``'s device's own).
 
     Returns:
         ``w``.
@@ -125,9 +172,12 @@ def zo_perturb_(w: torch.Tensor, seed: int, scale: float, mask: torch.Tensor | N
             mask/src of another shape or dtype.
     """
     _check(w, seed, mask, src)
-    if w.is_cuda:
+    backend = resolve_backend(backend, w.device)
+    if backend == TRITON:
         _maybe_register_triton()
-    torch.ops.outcore.zo_perturb_(w, int(seed), float(scale), mask, src)
+        torch.ops.outcore.zo_perturb_(w, int(seed), float(scale), mask, src)
+    else:  # the reference itself: on CUDA the op dispatches to Triton
+        _reference(w, int(seed), float(scale), mask, src, torch.device("cpu" if backend == TORCH_CPU else w.device))
     return w
 
 

@@ -1,33 +1,94 @@
 """Every device-specific call of outcore lives here (docs/architecture.md §7).
 
-``torch.cuda``, streams, events, pinned memory and kvikio are touched only in
-this module; the store, the prefetcher and the scheduler above it are the same
-code on CUDA and on CPU.
+Streams, events, pinned memory, the compute device's choice and its RNG are touched only in
+this module; the store, the prefetcher and the scheduler above it are the same code on every
+device. It is written against torch's device-generic API (``torch.accelerator``,
+``torch.Stream``, ``torch.Event``), so CUDA, ROCm (which torch also calls ``cuda``) and the
+simulated accelerator the tests run on (``offload/simdevice.py``, device type ``sim``) take
+one path; only registering existing host memory as pinned is per backend.
 
-- On a CUDA machine the DEVICE tier is device memory, the HOST tier is pinned
-  RAM, and copies run on a side stream; a copy thread waits on the stream's
-  event so the caller gets an ordinary ``Future``.
-- On a CPU-only machine the DEVICE tier is a RAM arena with its own budget,
-  and copies into it are real copies done on a copy thread (``Tensor.copy_``
-  releases the GIL), so the overlap logic runs in every test.
+- On an accelerator the DEVICE tier is device memory, the HOST tier is pinned RAM, and
+  copies run on a side stream. Ordering is by events, never by luck: a copy *into* device
+  memory waits for the compute work that was queued before the bytes it overwrites were
+  freed (the CPU runs ahead of the device: kernels reading a freed slot may still be queued);
+  a copy *out of* device memory waits for the compute work queued before it was issued
+  (the bytes it reads may still be being written). A copy thread waits on the copy's event,
+  so the caller gets an ordinary ``Future`` that completes when the bytes have landed.
+- On a CPU-only machine the DEVICE tier is a RAM arena with its own budget, and copies
+  into it are real copies done on a copy thread (``Tensor.copy_`` releases the GIL), so
+  the overlap logic runs in every test.
 
-Nothing here does CUDA work at import time.
+Nothing here does device work at import time.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from .directio import aligned_empty
+from .modes import DEVICE_CHOICES
+
 
 
 def cuda_available() -> bool:
     """True when torch sees a CUDA device (a cheap query; no context is created on CPU builds)."""
     return torch.cuda.is_available()
+
+
+def resolve_device(kind: str | torch.device | None = "auto") -> torch.device:
+    """The compute device ``--device`` names.
+
+    Args:
+        kind: ``auto`` (the GPU when there is one, else the CPU), ``cuda``, ``cpu``, ``sim``
+            (the simulated accelerator: built and enabled now), or a ``torch.device``.
+
+    Raises:
+        ValueError: an unknown kind.
+        RuntimeError: ``cuda`` without a CUDA device, or ``sim`` where it cannot be built.
+    """
+    if isinstance(kind, torch.device):
+        return kind if kind.type == "cpu" or kind.index is not None else resolve_device(kind.type)
+    kind = kind or "auto"
+    if kind not in DEVICE_CHOICES:
+        raise ValueError(f"device={kind!r}: choose one of {', '.join(DEVICE_CHOICES)}")
+    if kind == "auto":
+        kind = "cuda" if cuda_available() else "cpu"
+    if kind == "cuda":
+        if not cuda_available():
+            raise RuntimeError("device=cuda but torch sees no CUDA device (a CPU-only torch build, or no driver); "
+                               "use --device cpu")
+        return torch.device("cuda", torch.cuda.current_device())
+    if kind == "sim":
+        from .simdevice import enable
+
+        return enable()
+    return torch.device("cpu")
+
+
+def is_accelerator(device: torch.device | None) -> bool:
+    """Is ``device`` an accelerator with its own memory and streams (not the CPU, not meta)?"""
+    return device is not None and device.type not in ("cpu", "meta")
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` (a tensor, or a dict / list / tuple of them) on ``device``.
+
+    A blocking copy: the loader's batches are pageable memory, where an accelerator's
+    ``non_blocking`` copy would be synchronous anyway (and a batch is a few KiB).
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.device == device else batch.to(device)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
 
 
 def list_devices() -> list[dict]:
@@ -42,44 +103,60 @@ def list_devices() -> list[dict]:
     return out
 
 
-def cuda_rng_state() -> list[torch.Tensor] | None:
-    """Every CUDA device's RNG state (for checkpoints); None without CUDA."""
-    return torch.cuda.get_rng_state_all() if cuda_available() else None
+def rng_state(device: torch.device | None) -> torch.Tensor | None:
+    """The RNG state of the compute ``device`` alone (for checkpoints); None on the CPU (whose
+    state is saved apart). One device's only: a run resumed on a machine with another number
+    of GPUs restores it all the same."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return None
 
 
-def set_cuda_rng_state(state: list[torch.Tensor] | None) -> None:
-    """Restore what :func:`cuda_rng_state` captured (nothing without CUDA or state)."""
-    if state is not None and cuda_available():
-        torch.cuda.set_rng_state_all(state)
+def set_rng_state(device: torch.device | None, state: Any) -> None:
+    """Restore what :func:`rng_state` captured. A checkpoint of an older layout holds a list
+    (every GPU's state): its entry for this device is taken, when there is one."""
+    if state is None or device is None or device.type != "cuda":
+        return
+    if isinstance(state, (list, tuple)):
+        index = device.index or 0
+        if index >= len(state):
+            return
+        state = state[index]
+    torch.cuda.set_rng_state(state, device)
 
 
-def device_memory() -> dict[str, int]:
-    """``{"device_bytes", "device_total_bytes"}`` of CUDA device 0 (for StepEvent); ``{}`` on CPU."""
-    if not cuda_available():
+def device_memory(device: torch.device | None = None) -> dict[str, int]:
+    """``{"device_bytes", "device_total_bytes"}`` of the CUDA ``device`` (default: the current
+    one, this rank's under torchrun) for StepEvent; ``{}`` elsewhere."""
+    if not cuda_available() or (device is not None and device.type != "cuda"):
         return {}
-    return {"device_bytes": int(torch.cuda.memory_allocated()),
-            "device_total_bytes": int(torch.cuda.get_device_properties(0).total_memory)}
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    return {"device_bytes": int(torch.cuda.memory_allocated(index)),
+            "device_total_bytes": int(torch.cuda.get_device_properties(index).total_memory)}
 
 
 def free_device_bytes(device: torch.device) -> int:
-    """Free bytes on a CUDA ``device`` (a host sync point: call it rarely)."""
-    return int(torch.cuda.mem_get_info(device)[0])
+    """Free bytes on an accelerator ``device`` (a host sync point: call it rarely)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    free, _ = torch.accelerator.get_memory_info(device)
+    return int(free)
 
 
 def synchronize_device(device: torch.device) -> None:
-    """Wait until all work queued on ``device`` is done (a host sync on CUDA: the only way
-    to time device work; nothing to wait for on CPU, where work runs as it is called)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """Wait until all work queued on ``device`` is done (a host sync on an accelerator: the only
+    way to time device work; nothing to wait for on CPU, where work runs as it is called)."""
+    if is_accelerator(device):
+        torch.accelerator.synchronize(device)
 
 
 def compute_event(device: torch.device | None) -> Any:
     """An event recorded on ``device``'s current (compute) stream, which a side stream can
-    wait on to see everything computed so far; None off CUDA (work there is already done)."""
-    if device is None or device.type != "cuda":
+    wait on to see everything computed so far; None off accelerators (work there is done)."""
+    if not is_accelerator(device):
         return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
+    event = torch.Event(device=device)
+    event.record(torch.accelerator.current_stream(device))
     return event
 
 
@@ -87,15 +164,26 @@ def hand_to_compute(tensor: torch.Tensor, event: Any) -> None:
     """Let the compute stream of ``tensor``'s device use ``tensor``, made on a side stream
     whose copy ``event`` marks: compute waits for the event (on the device, not the host)
     and the caching allocator learns the tensor is used there."""
-    stream = torch.cuda.current_stream(tensor.device)
+    stream = torch.accelerator.current_stream(tensor.device)
     stream.wait_event(event)
     tensor.record_stream(stream)
 
 
+@contextlib.contextmanager
+def _on_stream(stream: Any) -> Iterator[None]:
+    """Make ``stream`` this thread's current stream of its device inside the block."""
+    previous = torch.accelerator.current_stream(stream.device)
+    torch.accelerator.set_stream(stream)
+    try:
+        yield
+    finally:
+        torch.accelerator.set_stream(previous)
+
+
 class SideStreams:
-    """One CUDA side stream per device, made on first use and shared by the I/O threads
-    that copy on it, so copies overlap the compute stream. Each call blocks only its
-    calling thread, until its copy is done."""
+    """One side stream per device, made on first use and shared by the I/O threads that copy
+    on it, so copies overlap the compute stream. Each call blocks only its calling thread,
+    until its copy is done."""
 
     def __init__(self) -> None:
         self._streams: dict[torch.device, Any] = {}
@@ -105,7 +193,7 @@ class SideStreams:
         with self._lock:
             side = self._streams.get(device)
             if side is None:
-                side = self._streams[device] = torch.cuda.Stream(device=device)
+                side = self._streams[device] = torch.Stream(device=device)
         return side
 
     def run_after(self, event: Any, device: torch.device, copy: Callable[[], Any]) -> None:
@@ -114,12 +202,12 @@ class SideStreams:
 
         Args:
             event: what the copy must see computed first.
-            device: the CUDA device.
+            device: the accelerator.
             copy: queues the copy (e.g. a ``non_blocking`` device -> pinned HOST copy).
         """
         side = self._stream(device)
         side.wait_event(event)
-        with torch.cuda.stream(side):
+        with _on_stream(side):
             copy()
         side.synchronize()
 
@@ -130,18 +218,21 @@ class SideStreams:
         Returns:
             ``(tensor, event)``: pass both to :func:`hand_to_compute` before computing with it.
         """
-        with torch.cuda.stream(self._stream(device)):
+        side = self._stream(device)
+        with _on_stream(side):
             out = torch.empty(host.shape, dtype=host.dtype, device=device)
             out.copy_(host, non_blocking=True)
-            copied = torch.cuda.Event()
-            copied.record()
+            copied = torch.Event(device=device)
+            copied.record(side)
         copied.synchronize()
         return out, copied
 
 
-def distributed_backend() -> str:
-    """The torch.distributed backend for this machine: nccl with CUDA, else gloo."""
-    return "nccl" if cuda_available() else "gloo"
+def distributed_backend(device: torch.device | None = None) -> str:
+    """The torch.distributed backend for ``device`` (default: this machine's): nccl on CUDA,
+    else gloo."""
+    cuda = cuda_available() if device is None else device.type == "cuda"
+    return "nccl" if cuda else "gloo"
 
 
 def use_local_device(local_rank: int) -> None:
@@ -163,52 +254,94 @@ def use_local_device(local_rank: int) -> None:
     torch.cuda.set_device(local_rank)
 
 
+def _register_host(device: torch.device, t: torch.Tensor) -> Callable[[], None]:
+    """Pin ``t``'s memory (page-aligned) for DMA with ``device``'s runtime; returns the unregister.
+
+    Registering memory we allocated page-aligned (rather than ``torch.empty(pin_memory=True)``)
+    keeps the slab its own size: torch's host caching allocator rounds every pinned block up
+    to a power of two and keeps it for the life of the process (a 40 GiB HOST tier would pin
+    64 GiB, never given back).
+
+    Raises:
+        RuntimeError: the runtime refused (e.g. the pinned-memory limit, ``ulimit -l``).
+    """
+    ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+    if device.type == "cuda":
+        cudart = torch.cuda.cudart()
+        err = cudart.cudaHostRegister(ptr, nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes / 2**20:.1f} MiB of HOST memory failed "
+                               f"(error {int(err)}): lower --host-mem, or raise the locked-memory limit (ulimit -l)")
+        return lambda: cudart.cudaHostUnregister(ptr)
+    if device.type == "sim":
+        from . import simdevice
+
+        simdevice.host_register(t)
+        return lambda: simdevice.host_unregister_ptr(ptr)  # (a closure over `t` would keep it alive)
+    raise RuntimeError(f"pinning HOST memory for a {device.type!r} device is not supported")
+
+
+def pinned_empty(device: torch.device, nbytes: int) -> torch.Tensor:
+    """A page-aligned uint8 HOST buffer of ``align_up(nbytes)`` bytes, pinned for ``device``'s
+    DMA and unpinned when its last view is gone (the memory stays mapped until then)."""
+    # A numpy array in between: its weak reference is cleared *before* it lets go of the
+    # mapping, so the runtime unregisters memory that is still mapped.
+    arr = aligned_empty(nbytes).numpy()
+    unregister = _register_host(device, torch.from_numpy(arr))
+    weakref.finalize(arr, unregister)
+    return torch.from_numpy(arr)
+
+
 class Device:
     """The compute device as the tiered store sees it.
 
     Args:
-        kind: ``"cuda"``, ``"cpu"`` or ``None`` (CUDA when available).
+        kind: ``"auto"`` / None (the GPU when there is one), ``"cuda"``, ``"cpu"``, ``"sim"``,
+            or a ``torch.device``.
         index: CUDA device index (None: the current one, this rank's under torchrun).
     """
 
-    def __init__(self, kind: str | None = None, index: int | None = None):
-        kind = kind or ("cuda" if cuda_available() else "cpu")
-        if kind not in ("cuda", "cpu"):
-            raise ValueError(f"device kind {kind!r} must be 'cuda' or 'cpu'")
-        if kind == "cuda" and not cuda_available():
-            raise RuntimeError("device kind 'cuda' asked for but torch sees no CUDA device")
-        if kind == "cuda" and index is None:
-            index = torch.cuda.current_device()
-        self.kind = kind
-        self.torch_device = torch.device("cuda", index) if kind == "cuda" else torch.device("cpu")
-        self._stream = None  # side stream for copies, created on first use (never at import)
+    def __init__(self, kind: str | torch.device | None = None, index: int | None = None):
+        if isinstance(kind, str) and kind == "cuda" and index is not None:
+            kind = torch.device("cuda", index)
+        self.torch_device = resolve_device(kind)
+        self.kind = self.torch_device.type
+        self._side: Any = None  # the copy stream, made on first use (never at import)
+        self._freed: Any = None  # compute event recorded at the newest DEVICE free
+        self._lock = threading.Lock()
         # One copy thread: transfers HOST<->DEVICE are serialized like a DMA engine.
         self._copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="outcore-copy")
+        # The stream compute runs on: this thread's current one now (the default stream).
+        # I/O threads that start copies read it from here, not from their own thread state.
+        self._compute = torch.accelerator.current_stream(self.torch_device) if self.is_accelerator else None
 
     @property
-    def is_cuda(self) -> bool:
-        return self.kind == "cuda"
+    def is_accelerator(self) -> bool:
+        """Device memory of its own, copies on streams (not the CPU's RAM arena)."""
+        return is_accelerator(self.torch_device)
 
     def alloc_device_slab(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer ``[nbytes]`` in DEVICE memory (a populated RAM arena slab on CPU)."""
-        if self.is_cuda:
+        if self.is_accelerator:
             return torch.empty(nbytes, dtype=torch.uint8, device=self.torch_device)
         return aligned_empty(nbytes)
 
     def alloc_host_slab(self, nbytes: int) -> torch.Tensor:
-        """A 4 KiB-aligned uint8 HOST buffer ``[>= nbytes]``: pinned on CUDA (fast DMA), plain RAM on CPU.
-
-        Pinning is only attempted on CUDA: CPU-only torch raises on ``pin_memory``.
-        """
-        if self.is_cuda:
-            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            if t.data_ptr() % 4096 == 0:
-                return t
-            # cudaHostAlloc is page-aligned in practice; fall back rather than break O_DIRECT
-            t = aligned_empty(nbytes)
-            torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
-            return t
+        """A 4 KiB-aligned uint8 HOST buffer ``[>= nbytes]``: pinned on an accelerator (DMA),
+        plain RAM on CPU."""
+        if self.is_accelerator:
+            return pinned_empty(self.torch_device, nbytes)
         return aligned_empty(nbytes)
+
+    def note_free(self) -> None:
+        """A DEVICE block was freed: later copies into DEVICE memory wait for the compute work
+        queued until now, which may still read it. (Events on one stream complete in order, so
+        the newest covers every earlier free.)"""
+        if self.is_accelerator:
+            event = torch.Event(device=self.torch_device)
+            event.record(self._compute)
+            with self._lock:
+                self._freed = event
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> Future:
         """Copy ``src`` into ``dst`` (same shape) off the calling thread.
@@ -217,31 +350,38 @@ class Device:
             A Future that completes when the bytes are in ``dst`` and any stream
             may read them.
         """
-        if self.is_cuda:
-            return self._copier.submit(self._copy_cuda, dst, src)
-        return self._copier.submit(dst.copy_, src)
+        if not self.is_accelerator:
+            return self._copier.submit(dst.copy_, src)
+        if dst.device.type == self.kind:  # into DEVICE memory: after its previous readers
+            with self._lock:
+                after = self._freed
+        else:  # out of DEVICE memory: after the compute that wrote it, queued before now
+            after = torch.Event(device=self.torch_device)
+            after.record(self._compute)
+        return self._copier.submit(self._copy_on_side, dst, src, after)
 
-    def _copy_cuda(self, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device=self.torch_device)
-        with torch.cuda.stream(self._stream):
+    def _copy_on_side(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> torch.Tensor:
+        if self._side is None:
+            self._side = torch.Stream(device=self.torch_device)
+        if after is not None:
+            self._side.wait_event(after)
+        with _on_stream(self._side):
             dst.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self._stream)
+        done = torch.Event(device=self.torch_device)
+        done.record(self._side)
         # Host wait on the copy thread (not the caller): completing the Future must
         # mean the copy is done, so consumers on any stream may use `dst`.
-        ev.synchronize()
+        done.synchronize()
         return dst
 
     def synchronize(self) -> None:
-        """Wait for all queued copies (and, on CUDA, all device work)."""
+        """Wait for all queued copies (and, on an accelerator, all device work)."""
         self._copier.submit(lambda: None).result()
-        if self.is_cuda:
-            torch.cuda.synchronize(self.torch_device)
+        synchronize_device(self.torch_device)
 
     def memory_allocated(self) -> int:
         """Bytes torch holds on the device now (0 on CPU: the arena is counted by the store)."""
-        return int(torch.cuda.memory_allocated(self.torch_device)) if self.is_cuda else 0
+        return int(torch.accelerator.memory_allocated(self.torch_device)) if self.kind == "cuda" else 0
 
     def close(self) -> None:
         self._copier.shutdown(wait=True)

@@ -31,21 +31,24 @@ import torch
 from torch import nn
 
 from ..events import TierStats
+from .device import to_device
 from .handle import Tier
 from .store import TieredStore
 from .tied_embedding import row_gradient_embedding
 from .unit_memory import StoreUnitMemory
-from .units import GRADS, WEIGHTS, Unit, causal_lm_units
+from .units import GRADS, WEIGHTS, Unit, causal_lm_units, place_rest
 from .update import UnitUpdater, step_in_memory
 
-_EMPTY: dict[torch.dtype, torch.Tensor] = {}
+_EMPTY: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
-def _empty(dtype: torch.dtype) -> torch.Tensor:
-    """A 0-element tensor a parameter points at while its unit is not resident."""
-    if dtype not in _EMPTY:
-        _EMPTY[dtype] = torch.empty(0, dtype=dtype)
-    return _EMPTY[dtype]
+def _empty(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 0-element tensor a parameter points at while its unit is not resident: on the compute
+    device, so the parameter's device is the one it computes on, resident or not."""
+    key = (device, dtype)
+    if key not in _EMPTY:
+        _EMPTY[key] = torch.empty(0, dtype=dtype, device=device)
+    return _EMPTY[key]
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ class OutOfCoreEngine:
         self._micro, self._n_micro = 0, 1  # which micro-batch of the step is running
         self._clipped = False  # this step's gradients clipped (clip() ran)
         self.mem = memory(self.units, optimizer)
+        self.device = self.store.device.torch_device  # where every unit computes
+        place_rest(model, self.units, self.device)
         # optimizer state passes through the HOST window rather than living there
         self._state_streams = any(h.home is Tier.NVME for u in self.units
                                   for part, h in u.handles.items() if part.kind != WEIGHTS)
@@ -115,7 +120,7 @@ class OutOfCoreEngine:
         for u in self.units:
             u.trainable = len(u.train_slots)
             for s in u.slots:
-                s.param.data = _empty(s.param.dtype)
+                s.param.data = _empty(s.param.dtype, self.device)
         self._handles = []
         self._install_hooks()
         self._restore_embedding = self._row_gradient_embedding(grad_accum)
@@ -176,7 +181,7 @@ class OutOfCoreEngine:
             self.mem.release(index, WEIGHTS, dirty=False)
             return
         for slot in unit.slots:
-            slot.param.data = _empty(slot.param.dtype)
+            slot.param.data = _empty(slot.param.dtype, self.device)
         unit.bound = None
         self.mem.release(index, WEIGHTS, dirty=dirty, keep=self._needed_soon(index))
 
@@ -324,16 +329,17 @@ class OutOfCoreEngine:
             lr: this step's learning rate.
 
         Returns:
-            The summed (accumulation-scaled) loss, still a tensor: no host sync here.
+            The summed (accumulation-scaled) loss, still a tensor on the compute device: no
+            host sync here.
         """
         self.begin_step(lr, len(micro_batches))
-        total = torch.zeros(())
+        total = None
         for batch in micro_batches:
             with self.micro_batch():
-                loss = loss_fn(self.model, batch) / len(micro_batches)
+                loss = loss_fn(self.model, to_device(batch, self.device)) / len(micro_batches)
                 # ranks sum their gradients: each backs 1 / (world x micro-batches) of its loss
                 (loss / self.world if self.world > 1 else loss).backward()
-            total += loss.detach()
+            total = loss.detach() if total is None else total + loss.detach()
         self.end_step()
         return total
 

@@ -39,6 +39,7 @@ class StreamedInference:
         head_modules: modules computed after the LM head that are part of its unit (a
             loss head that uses its weight: ``CausalLMHeadLoss``).
         device_bytes, host_bytes: DEVICE / HOST arena budgets (None: what the engine needs).
+        device: where it computes (``auto``: the GPU when there is one).
 
     Raises:
         ConfigError: an unknown ``offload``, or ``nvme`` without a swap dir.
@@ -48,13 +49,13 @@ class StreamedInference:
     def __init__(self, model: torch.nn.Module, *, offload: str, swap_dir: str | Path | None, prefetch: int = 2,
                  init_weights: Callable[[Any, torch.Tensor], None] | None = None,
                  head_modules: Sequence[torch.nn.Module] = (), device_bytes: int | None = None,
-                 host_bytes: int | None = None):
+                 host_bytes: int | None = None, device: str | torch.device | None = "auto"):
         for p in model.parameters():
             p.requires_grad_(False)  # no gradient, so no optimizer state and no write-back
         self.engine: OutOfCoreEngine = offload_model(model, None, offload=offload, swap_dir=swap_dir,
                                                      prefetch=prefetch, init_weights=init_weights,
                                                      head_modules=tuple(head_modules), device_bytes=device_bytes,
-                                                     host_bytes=host_bytes, master_weights=False)
+                                                     host_bytes=host_bytes, master_weights=False, device=device)
         head = self.engine.units[-1].modules[-1]
         # The first forward starts cold; each later one is fetched while the previous token is sampled.
         self._hooks = [model.register_forward_pre_hook(lambda m, a: self.engine.prefetch_first()),

@@ -14,3 +14,8 @@ NVME = "nvme"  # streamed from NVMe; HOST and DEVICE hold windows
 OFFLOAD_MODES = (NONE, AUTO, CPU, NVME)
 #: the modes that always stream units from an authoritative copy off DEVICE (``offload_model``)
 STREAMED_MODES = (CPU, NVME)
+
+#: the compute devices (``--device``, ``FinetuneConfig.device``; resolved by
+#: ``device.resolve_device``): auto is the GPU when there is one; sim, the simulated
+#: accelerator (``simdevice.py``), is for tests and dry runs
+DEVICE_CHOICES = ("auto", "cuda", "cpu", "sim")

@@ -358,6 +358,9 @@ def _build(w: Workload, lay: Layout, st: StepTime, batch: int, offload: str, met
                      "and updates run after the backward")
     if w.budgets.device_kind == "cpu" and lay.streamed:
         notes.append("CPU-only: DEVICE is a RAM arena; copy and I/O threads share the cores with compute")
+    elif lay.streamed and w.has_backward and any(u.state for u in w.units):
+        notes.append("each update runs on the GPU, its optimizer state streamed there and back: the copy "
+                     "link carries no more than the disk, and a GPU updates faster than a consumer CPU")
     if w.rates:
         r = w.rates
         notes.append(f"compute timed here on one block and the head: {r.block / 1e9:.0f} and {r.head / 1e9:.0f} "

@@ -28,6 +28,9 @@ DEFAULT_SHARE = 0.85
 FALLBACK_DISK_READ_GBPS = 1.5
 FALLBACK_DISK_WRITE_GBPS = 1.5
 FALLBACK_COPY_GBPS = {"cpu": 5.0, "cuda": 12.0}
+# a consumer GPU's memory bandwidth, well under what it reaches (the update is element-wise,
+# several kernels per tensor): a small share of the step either way
+FALLBACK_DEVICE_MEM_GBPS = 300.0
 FALLBACK_CHECKSUM_GBPS = 5.0  # xxh3 of the swap extents, one thread
 
 
@@ -92,6 +95,7 @@ class Budgets:
     h2d_gbps: float = FALLBACK_COPY_GBPS["cpu"]  # HOST -> DEVICE
     d2h_gbps: float = FALLBACK_COPY_GBPS["cpu"]  # DEVICE -> HOST
     host_mem_gbps: float = FALLBACK_COPY_GBPS["cpu"]  # RAM bandwidth of a CPU optimizer update
+    device_mem_gbps: float = FALLBACK_DEVICE_MEM_GBPS  # GPU memory bandwidth of its optimizer update
     checksum_gbps: float = FALLBACK_CHECKSUM_GBPS  # hashing every NVMe byte on the CPU
     flops: float = 0.0  # sustained matmul FLOP/s of the compute device (0: measure on first use)
     measured: bool = False  # True when the speeds come from measurement, not fallbacks

@@ -148,7 +148,7 @@ def _fetch_bytes(w: Workload, lay: Layout, i: int) -> int:
 
 def _grad_window(w: Workload, streamed: list[UnitBytes]) -> int:
     """Gradient bytes beside the weights on DEVICE. On a GPU, one unit's being produced and
-    one being handed off to the host. On a CPU the update runs in the backward's hook (or the
+    one being updated (or spilled). On a CPU the update runs in the backward's hook (or the
     spill does), so one unit's gradients at a time (the head's, computed in the forward with
     the loss, live until its update) plus the update's fp32 copy of what it updates at once —
     a piece, or a whole unit — when it steps fp32 masters from 16-bit gradients."""
@@ -228,8 +228,10 @@ def account(w: Workload, lay: Layout, batch: int) -> Accounting:
         if nvme_g:
             acc.add(Tier.HOST, "NVMe staging", 2 * max(nvme_g))
             acc.add(Tier.HOST, "alignment", 2 * slack)
-        if w.budgets.device_kind == "cuda" and w.has_backward:  # grads land in HOST for the CPU update
-            acc.add(Tier.HOST, "grad window", 2 * max(us[i].grads for i in streamed))
+        state = [us[i].state_piece or us[i].state for i in streamed if us[i].state]
+        if w.budgets.device_kind != "cpu" and state:  # the update runs on the GPU: its state streams there
+            acc.add(Tier.DEVICE, "state window", window_bytes(state, k + 1))
+            acc.add(Tier.DEVICE, "alignment", (k + 2) * kinds * slack)
     dev, host = activation_bytes(w, lay.activations, batch, lay.prefetch)
     acc.add(Tier.DEVICE, "activations", dev)
     acc.add(Tier.HOST, "activations", host)
@@ -243,7 +245,7 @@ class StepTime:
     io_bytes: dict[str, int]  # bytes per link per step
     io_s: dict[str, float]  # seconds per link (NVMe read + write share one disk)
     compute_s: float  # forward + backward (+ recompute) time
-    update_s: float  # optimizer update (on the CPU for streamed units)
+    update_s: float  # optimizer update (on the CPU-only machine's cores, or on the GPU)
     step_s: float  # prologue + the slowest overlapped lane + epilogue
     exposed_io_s: float  # step_s - compute - update on the same cores
 
@@ -258,7 +260,9 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
     Weights of a streamed unit are read once per pass that uses them (forward and
     backward; ZO: once) but where the engine keeps them resident between passes
     (:func:`weight_reads`). Dirty state goes back once per step; frozen (LoRA) weights
-    are never written.
+    are never written. On a GPU the update runs there (``StoreUnitMemory.tier``): a streamed
+    unit's state crosses to the device and back, its updated weights go back to their home,
+    and gradients never leave the device unless they are spilled.
     """
     b, us, n = w.budgets, w.units, len(w.units)
     io = dict.fromkeys(LINKS, 0)
@@ -275,11 +279,18 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
             io["nvme_read"] += reads
             if trains_weights:
                 io["nvme_write"] += u.weights  # the updated weights (compute dtype) go back once
+        if cuda and trains_weights:
+            io["d2h"] += u.weights  # the updated weights, to their home
         if w.has_backward and u.grads:
-            io["d2h"] += u.grads if cuda else 0  # to the CPU-side update (CPU-only: already there)
+            if w.grads_kept and lay.grads[i] != Tier.DEVICE:  # spilled home, read back by the update
+                io["d2h"] += u.grads if cuda else 0
+                io["h2d"] += u.grads if cuda else 0
             if w.grads_kept and lay.grads[i] == Tier.NVME:
                 io["nvme_write"] += u.grads
                 io["nvme_read"] += u.grads
+        if cuda and u.state:  # the update's state, to the GPU and back
+            io["h2d"] += u.state
+            io["d2h"] += u.state
         if lay.state[i] == Tier.NVME and u.state:
             io["nvme_read"] += u.state - u.ram_state
             io["nvme_write"] += u.state - u.ram_state
@@ -289,7 +300,7 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
             "h2d": io["h2d"] / (b.h2d_gbps * gb), "d2h": io["d2h"] / (b.d2h_gbps * gb)}
 
     compute_s = sum(w.compute_s(u, batch * w.seq_len, lay.activations) for u in us)
-    update_s = _update_bytes(w) / (b.host_mem_gbps * gb)
+    update_s = _update_bytes(w) / ((b.host_mem_gbps if b.device_kind == "cpu" else b.device_mem_gbps) * gb)
     disk = io_s["nvme_read"] + io_s["nvme_write"]  # one disk: reads and writes share it
     copy = io_s["h2d"] + io_s["d2h"]  # one copy engine (a DMA engine / one copy thread)
     # every NVMe byte is hashed on an I/O thread (nvme.py): CPU time, not disk time
@@ -299,10 +310,9 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
         # thread taken from the compute's parallel regions stalls all of them, so these add up.
         lanes = [compute_s + update_s + copy + hashing, disk]
         busy = compute_s + update_s
-    else:  # resident units update on the GPU (negligible); streamed ones on the CPU in parallel
-        host_update = update_s * (len(streamed) / n if n else 0.0)
-        lanes = [compute_s, disk, copy, host_update + hashing]
-        busy = compute_s
+    else:  # every update runs on the GPU, between the backward's kernels
+        lanes = [compute_s + update_s, disk, copy, hashing]
+        busy = compute_s + update_s
     # Write-behind runs on into the next step (nothing waits for it at the turn), and the
     # units the backward ends with are kept for the forward: only a first unit read in the
     # forward (nothing kept: ZO, inference) is fetched before anything can compute.

@@ -27,7 +27,7 @@ class WidenedGrads:
         """``[g.to(dtype) for g in grads]``, as views of the kept buffer (valid until the next call).
 
         Args:
-            grads: the 16-bit gradients (CPU tensors).
+            grads: the 16-bit gradients (on the device the update runs on).
             dtype: the masters' dtype (fp32).
 
         Returns:
@@ -37,8 +37,10 @@ class WidenedGrads:
         for g in grads:
             starts.append(at)
             at += -(-g.numel() // ALIGN_ELEMENTS) * ALIGN_ELEMENTS
-        if self._buffer is None or self._buffer.numel() < at or self._buffer.dtype != dtype:
-            self._buffer = torch.empty(at, dtype=dtype)
+        device = grads[0].device if grads else torch.device("cpu")
+        if (self._buffer is None or self._buffer.numel() < at or self._buffer.dtype != dtype
+                or self._buffer.device != device):
+            self._buffer = torch.empty(at, dtype=dtype, device=device)
         out = []
         for g, s in zip(grads, starts):
             wide = self._buffer[s:s + g.numel()].view(g.shape)

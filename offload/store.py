@@ -275,8 +275,8 @@ class TieredStore:
             if c.writing is not None and not c.writing.done():
                 return c.writing
             gen = c.generation
-            if h.home is Tier.NVME and d is Tier.DEVICE and self.device.is_cuda:
-                # GPU -> disk is staged in pinned HOST memory; the HOST copy stays (clean).
+            if h.home is Tier.NVME and d is Tier.DEVICE and self.device.is_accelerator:
+                # device -> disk is staged in pinned HOST memory, freed once the disk has it
                 staged = self.moves.ensure(h, Tier.HOST)  # source: the dirty DEVICE copy
 
                 def to_disk(_):
@@ -291,6 +291,8 @@ class TieredStore:
                     if c.generation == gen and c.residency is Residency.DIRTY:
                         c.residency = Residency.RESIDENT
                     h.copies[h.home].residency = Residency.RESIDENT
+                    if d is Tier.DEVICE:
+                        self.moves.drop_staging(h)
             c.writing = then(f, clean)
             return c.writing
 
@@ -372,7 +374,7 @@ class TieredStore:
             Bytes discarded.
         """
         tier = Tier.parse(tier)
-        if tier is Tier.NVME or self.device.is_cuda:
+        if tier is Tier.NVME or self.device.is_accelerator:
             return 0
         with self._lock:  # no block is allocated or freed while the free list is walked
             return self.space.arenas[tier].discard_free()

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import ConfigError
+from .device import Device
 from .engine import OutOfCoreEngine
 from .handle import Tier
 from .modes import NVME, STREAMED_MODES
@@ -35,7 +36,7 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                   resident_trainable: bool = False, master_weights: bool = True,
                   quantize_frozen: bool = False, spill_grads: bool | None = None,
                   split_state: bool = True, nvme_reserve: int = 0, nvme_keep: int = 0,
-                  ranks: Ranks | None = None) -> OutOfCoreEngine:
+                  ranks: Ranks | None = None, device: str | torch.device | None = "auto") -> OutOfCoreEngine:
     """Move ``model``'s weights and ``optimizer``'s state into tiers and wrap it for training.
 
     Args:
@@ -72,6 +73,9 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
             extents (what comes and goes during the steps: spilled gradients, offloaded
             activations) and gives the rest of the reservation back (see ``NvmeBackend.trim``).
         ranks: data parallelism (``world > 1``): each rank keeps 1/world of the state (``sharding.py``).
+        device: where the model computes (``auto``: the GPU when there is one; see
+            ``device.resolve_device``): the DEVICE tier's memory, and, on an accelerator, where
+            the update runs.
 
     Returns:
         The :class:`OutOfCoreEngine`, owning the store (``close()`` it when done).
@@ -94,12 +98,13 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
     if spill_grads is None:  # (sharded: the ranks' gradients are summed as each unit's completes)
         spill_grads = world > 1 or any(s is Tier.NVME for _, s in homes)
     spill_grads = spill_grads and (max_grad_norm > 0 or grad_accum > 1) and not resident_trainable
+    compute = Device(device)  # the store's, closed with it
     need = working_set(units, optimizer, homes, k, master_weights=master_weights, spill_grads=spill_grads,
-                       quantize_frozen=quantize_frozen, split_state=split_state)
-    device = min(device_bytes, need.device) if device_bytes else need.device
+                       quantize_frozen=quantize_frozen, split_state=split_state, accelerator=compute.is_accelerator)
+    device_cap = min(device_bytes, need.device) if device_bytes else need.device
     host = min(host_bytes, need.host) if host_bytes else need.host
-    store = TieredStore(device_bytes=device, host_bytes=max(host, 4096), swap_dir=swap_dir if uses_nvme else None,
-                        nvme_reserve=nvme_reserve)
+    store = TieredStore(device_bytes=device_cap, host_bytes=max(host, 4096),
+                        swap_dir=swap_dir if uses_nvme else None, nvme_reserve=nvme_reserve, device=compute)
     try:
         engine = OutOfCoreEngine(model, optimizer,
                                  lambda us, opt: StoreUnitMemory(store, us, opt, homes=homes, init_weights=init_weights,

@@ -43,6 +43,8 @@ class Transfers:
         assert all(f.done() for f in c.outgoing), f"freeing {h.key!r} in {tier.name} while a transfer reads it"
         if c.slot is not None:
             self.space.free(tier, c.slot)
+            if tier is Tier.DEVICE:
+                self.device.note_free()  # a copy into these bytes waits for their queued readers
         c.slot, c.residency, c.future, c.writing = None, Residency.ABSENT, None, None
 
     def bytes_of(self, tier: Tier, h: TensorHandle) -> torch.Tensor:
@@ -62,11 +64,13 @@ class Transfers:
         self._pull(h, tier)  # a transfer failing at once aborts (and clears c.future) inside
         return fut
 
-    def _pull(self, h: TensorHandle, tier: Tier) -> None:
+    def _pull(self, h: TensorHandle, tier: Tier, staged: bool = False) -> None:
         """Copy into ``tier``'s allocated slot from the best settled source. Completes its Future.
 
-        On CUDA a disk -> GPU fetch first stages the HOST copy and runs again when
-        that landed, re-choosing the source under the lock at that moment.
+        On an accelerator a disk -> device fetch first stages a HOST copy (pinned: the
+        device's DMA reads it) and runs again when that landed (``staged``), re-choosing the
+        source under the lock at that moment; the staging copy is freed once the device copy
+        has landed, so the HOST tier holds only what is in flight.
         """
         with self.lock:
             c = h.copies[tier]
@@ -79,15 +83,14 @@ class Transfers:
                     c.residency = Residency.DIRTY
                     c.future.set_result(None)
                     return
-                if src is Tier.NVME and tier is Tier.DEVICE and self.device.is_cuda:
-                    # Disk -> GPU goes through pinned HOST memory (a HOST copy stays resident).
-                    self.ensure(h, Tier.HOST).add_done_callback(lambda f: self._pull(h, tier))
+                if src is Tier.NVME and tier is Tier.DEVICE and self.device.is_accelerator:
+                    self.ensure(h, Tier.HOST).add_done_callback(lambda f: self._pull(h, tier, staged=True))
                     return
                 f = self.copy(h, src, tier)
             except BaseException as e:  # noqa: BLE001 - the fetch's waiter gets it
                 self._abort(h, tier, e)
                 return
-        f.add_done_callback(lambda f: self._landed(h, tier, f.exception()))
+        f.add_done_callback(lambda f: self._landed(h, tier, f.exception(), staged and src is Tier.HOST))
 
     def copy(self, h: TensorHandle, src: Tier, dst: Tier, durable: bool = False) -> Future:
         """Move the bytes of ``h`` from ``src`` to ``dst`` (both slots allocated). Lock held.
@@ -113,7 +116,7 @@ class Transfers:
         f.add_done_callback(count)
         return f
 
-    def _landed(self, h: TensorHandle, tier: Tier, exc: BaseException | None) -> None:
+    def _landed(self, h: TensorHandle, tier: Tier, exc: BaseException | None, staged: bool = False) -> None:
         with self.lock:
             c = h.copies[tier]
             if exc is not None:
@@ -121,6 +124,16 @@ class Transfers:
             elif c.residency is Residency.IN_FLIGHT:
                 c.residency = Residency.RESIDENT
                 c.future.set_result(None)
+            if staged:
+                self.drop_staging(h)
+
+    def drop_staging(self, h: TensorHandle) -> None:
+        """Free ``h``'s HOST copy if it only staged a disk <-> device copy: not the home, no
+        consumer holds it, nothing reads it, and it is no newer than the home. Lock held."""
+        c = h.copies[Tier.HOST]
+        if (h.home is not Tier.HOST and c.residency is Residency.RESIDENT and not c.pins
+                and all(f.done() for f in c.outgoing)):
+            self.free_slot(Tier.HOST, h)
 
     def _abort(self, h: TensorHandle, tier: Tier, exc: BaseException) -> None:
         """A transfer into ``tier`` failed: free the slot, drop its pins, fail its Future. Lock held."""

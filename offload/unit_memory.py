@@ -55,6 +55,7 @@ class StoreUnitMemory:
                  state_piece_bytes: int | None = None):
         self.store = store
         self.units = units
+        self._accelerator = store.device.is_accelerator
         homes = homes or [(Tier.parse(home), Tier.parse(home))] * len(units)
         # The arenas sit empty while the units are laid out: their pages go back to the OS
         # (faulted in again when training uses them), so the setup's peak — a large unit's
@@ -69,9 +70,13 @@ class StoreUnitMemory:
         self._tick = count()  # orders kept copies for eviction, least recently released first
         self._writes: list[Future] = []  # write-backs and evictions in flight
 
-    @staticmethod
-    def _tier(part: Part) -> Tier:
-        return Tier.DEVICE if part.kind == WEIGHTS else Tier.HOST
+    def _tier(self, part: Part) -> Tier:
+        """Where ``part`` is used: weights where they compute (DEVICE); optimizer state and
+        spilled gradients where the update runs — on an accelerator the device too (the state
+        streams to it: its memory bandwidth, not a consumer CPU's, does the update, and the
+        link it crosses carries fewer bytes than the disk it comes from), on a CPU-only
+        machine the HOST RAM the CPU updates in."""
+        return Tier.DEVICE if part.kind == WEIGHTS or self._accelerator else Tier.HOST
 
     # -- fetch, use, release ----------------------------------------------------------
     def prefetch(self, index: int, part: Part | str) -> None:
@@ -95,8 +100,8 @@ class StoreUnitMemory:
         flat = self.store.result(fetch)  # the consumer stalls here while the transfer runs
         if part.kind != WEIGHTS or unit.nf4 is None:
             return flat
-        if unit.decoded is None:
-            unit.decoded = unit.nf4.decode(flat, torch.empty(unit.numel, dtype=unit.nf4.dtype))
+        if unit.decoded is None:  # decoded where it computes
+            unit.decoded = unit.nf4.decode(flat, torch.empty(unit.numel, dtype=unit.nf4.dtype, device=flat.device))
         return unit.decoded
 
     def pins(self, index: int, part: Part | str = WEIGHTS) -> int:

@@ -277,9 +277,14 @@ def weights_arena_bytes(unit: Unit, quantize_frozen: bool = False) -> int:
 
 
 def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier]], k: int, *,
-                master_weights: bool, spill_grads: bool, quantize_frozen: bool, split_state: bool
-                ) -> WorkingSet:
+                master_weights: bool, spill_grads: bool, quantize_frozen: bool, split_state: bool,
+                accelerator: bool = False) -> WorkingSet:
     """The DEVICE and HOST arena bytes the engine needs with ``k`` units prefetched.
+
+    On an ``accelerator`` the update runs there (``StoreUnitMemory.tier``): the state window
+    is in DEVICE, and HOST holds the HOST-homed copies plus the pinned staging of what moves
+    between the disk and the device — a weights window and a state window in flight (freed as
+    each copy lands, ``Transfers.drop_staging``).
 
     DEVICE: at the turn of the step the engine wants the unit computing, its borrowed (tied)
     weights, k prefetched and k+1 kept for the next phase: 2k + 3 units. Kept units are only
@@ -314,6 +319,12 @@ def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier]], k:
     host_home += sum(w for w, (hw, _) in zip(w_sizes, homes) if hw is Tier.HOST)
     host_home += sum(s for s, (_, hs) in zip(s_sizes, homes) if hs is Tier.HOST)
     streams = any(hs is Tier.NVME for _, hs in homes)
-    return WorkingSet(device=step_window(w_sizes, 2 * k + 2, [u.borrows for u in units]),
-                      host=host_home + (window_bytes(window_sizes, k + 1) if streams else 0),
+    weights = step_window(w_sizes, 2 * k + 2, [u.borrows for u in units])
+    if not accelerator:
+        return WorkingSet(device=weights, host=host_home + (window_bytes(window_sizes, k + 1) if streams else 0),
+                          piece_bytes=piece_bytes)
+    on_disk = [i for i, (hw, hs) in enumerate(homes) if Tier.NVME in (hw, hs)]
+    staging = (window_bytes([w_sizes[i] for i in on_disk], k + 1)
+               + window_bytes([window_sizes[i] for i in on_disk], k + 1)) if on_disk else 0
+    return WorkingSet(device=weights + window_bytes(window_sizes, k + 1), host=host_home + staging,
                       piece_bytes=piece_bytes)

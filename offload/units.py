@@ -227,3 +227,17 @@ def causal_lm_units(model: nn.Module, resident_trainable: bool = False,
         raise ModelError(f"parameter {missing[0]!r} belongs to no embed/block/head unit; "
                          "only such models stream out of core (`outcore doctor --model M` tells)")
     return units
+
+
+def place_rest(model: nn.Module, units: list[Unit], device: torch.device) -> None:
+    """Move what no unit streams onto the compute ``device``: buffers (RoPE's frequencies,
+    computed at load) and resident trainable parameters (LoRA adapters). ``.data`` is
+    reassigned, so hooks and an optimizer built over the parameters keep them."""
+    streamed = {s.param for u in units for s in u.slots}
+    for p in model.parameters():
+        if p not in streamed and p.device != device and p.device.type != "meta":
+            p.data = p.data.to(device)
+    for module in model.modules():
+        for name, buf in module.named_buffers(recurse=False):
+            if buf is not None and buf.device != device and buf.device.type != "meta":
+                setattr(module, name, buf.to(device))

@@ -33,6 +33,8 @@ from typing import Any, Callable
 import torch
 
 from ..errors import ConfigError
+from ..kernels.zo_perturb import noise_backend, resolve_backend
+from .device import to_device
 from .units import ParamSlot
 from .zo_model import CausalLMBlocks, trainable_parameters
 from .zo_weights import HostWeights, StoreWeights
@@ -71,6 +73,8 @@ class ZOBlockTrainer:
             the losses are averaged over ranks).
         init_weights: with ``swap_dir``, fills a parameter ``(slot, view)`` of a model
             built on the ``meta`` device as its unit goes to disk (see StoreWeights).
+        device: where the blocks compute (default: the model's parameters' device). In
+            memory the model must already be there; streamed, the units come to it.
 
     Raises:
         ConfigError: ``world`` / ``rank`` / ``split`` inconsistent, ``exchange`` missing
@@ -81,7 +85,8 @@ class ZOBlockTrainer:
     def __init__(self, model: torch.nn.Module, hyper: Any, seed: int = 0, swap_dir: str | None = None,
                  prefetch: int = 2, rank: int = 0, world: int = 1, exchange: Exchange | None = None,
                  split: str = "samples",
-                 init_weights: Callable[[ParamSlot, torch.Tensor], None] | None = None) -> None:
+                 init_weights: Callable[[ParamSlot, torch.Tensor], None] | None = None,
+                 device: torch.device | None = None) -> None:
         if world < 1 or not 0 <= rank < world:
             raise ConfigError(f"rank={rank}, world={world}: need world >= 1 and 0 <= rank < world")
         if world > 1 and exchange is None:
@@ -91,8 +96,10 @@ class ZOBlockTrainer:
         self.split, self.seed = split, int(seed)
         self.rank, self.world, self.exchange = rank, world, exchange
         self.blocks = CausalLMBlocks(model)
+        self.device = device or self.blocks.device
         self.names = self.blocks.names
         self.rule = hyper.rule(len(self.names))
+        self.rule.state.backend = noise_backend(self.device)  # a resume sets its log's (set_backend)
         self.shapes = [(list(p.shape), str(p.dtype).replace("torch.", "")) for _, p in trainable_parameters(model)]
         self._first = [len(self.blocks)] * len(self.names)  # block where each parameter is updated (its first visit)
         for b in reversed(range(len(self.blocks))):
@@ -101,12 +108,13 @@ class ZOBlockTrainer:
         per_block = [self.blocks.trainable(b) for b in range(len(self.blocks))]
         dtypes = {q.param.dtype for ps in per_block for q in ps}
         self._work = {dt: torch.empty(max(sum(q.slot.numel for q in ps if q.param.dtype == dt) for ps in per_block),
-                                      dtype=dt, device=self.blocks.device) for dt in dtypes}  # one block per dtype
+                                      dtype=dt, device=self.device) for dt in dtypes}  # one block per dtype
         self._delta = {dt: torch.empty_like(t) for dt, t in self._work.items()}  # eps * z of the block
         if swap_dir is None:
             self.weights: HostWeights | StoreWeights = HostWeights(self.blocks)
         else:
-            self.weights = StoreWeights(self.blocks, swap_dir, prefetch=prefetch, init_weights=init_weights)
+            self.weights = StoreWeights(self.blocks, swap_dir, prefetch=prefetch, init_weights=init_weights,
+                                        device=self.device)
         self.prefetch_depth = max(0, int(prefetch)) if swap_dir is not None else 0
         # what a parameter holds between visits: its clean tensor in RAM, or a 0-element
         # placeholder when the disk holds it (a stray forward then fails loudly, never uses stale bytes)
@@ -123,7 +131,15 @@ class ZOBlockTrainer:
         """The run-log header (see :mod:`outcore.optim.zo_replay`)."""
         params = [{"name": n, "shape": s, "dtype": d} for n, (s, d) in zip(self.names, self.shapes)]
         return {"schedule": SCHEDULE_EXACT, "seed": self.seed, "hyper": self.hyper.to_dict(), "params": params,
-                "backend": "torch"}
+                "backend": self.rule.state.backend}
+
+    def set_backend(self, backend: str | None) -> None:
+        """Draw ``z`` as a resumed run's log says it was drawn (``kernels/zo_perturb.py``).
+
+        Raises:
+            ConfigError: this machine cannot draw it (a GPU run's noise without a GPU).
+        """
+        self.rule.state.backend = resolve_backend(backend, self.device)
 
     def resume_from(self, records: list) -> None:
         """Continue after ``records`` whose updates are already in the weights (see replay).
@@ -228,7 +244,7 @@ class ZOBlockTrainer:
         n = self.hyper.n_samples
         seeds = self.rule.seeds(self.seed, t)
         mine = [i for i in range(n) if self.split == "data" or i % self.world == self.rank]
-        ctx = self.blocks.start(batch)
+        ctx = self.blocks.start(to_device(batch, self.device))
         hp: dict[int, Any] = {i: None for i in mine}
         hm: dict[int, Any] = {i: None for i in mine}
         for b, clean in self._visits():
@@ -269,7 +285,7 @@ class ZOBlockTrainer:
     def eval_loss(self, batch: dict[str, torch.Tensor]) -> float:
         """Unperturbed loss on ``batch`` with the current weights (flushes first)."""
         self.flush()
-        ctx, h = self.blocks.start(batch), None
+        ctx, h = self.blocks.start(to_device(batch, self.device)), None
         for b, clean in self._visits():
             self._point(b, clean, [], None, 0)
             h = self.blocks.run(b, h, ctx)

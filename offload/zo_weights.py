@@ -26,8 +26,9 @@ import torch
 from .handle import Tier
 from .store import TieredStore
 from .unit_memory import WEIGHTS, StoreUnitMemory
+from .device import Device
 from .unit_sizes import weights_arena_bytes, window_bytes
-from .units import ParamSlot
+from .units import ParamSlot, place_rest
 from .zo_model import CausalLMBlocks
 
 
@@ -71,29 +72,32 @@ class StoreWeights:
         prefetch: units fetched ahead of the one computing.
         init_weights: fills a parameter ``(slot, view)`` of a model built on the meta
             device as its unit is stored, so the model never exists whole in RAM.
+        device: where the blocks compute (the DEVICE tier's memory; default: the blocks').
 
     Raises:
         SwapDirError: the swap directory cannot be used.
     """
 
     def __init__(self, blocks: CausalLMBlocks, swap_dir: str | Path, prefetch: int = 2,
-                 init_weights: Callable[[ParamSlot, torch.Tensor], None] | None = None) -> None:
+                 init_weights: Callable[[ParamSlot, torch.Tensor], None] | None = None,
+                 device: torch.device | None = None) -> None:
         self.units, self.blocks = blocks.units, blocks
         self.depth = max(0, int(prefetch))
         sizes = [weights_arena_bytes(u) for u in self.units]
         # the largest unit (the embedding) once; the unit computing, `depth` prefetched and two
         # whose write-backs are still landing (a fetch finding no room would wait for them)
         window = window_bytes(sizes, self.depth + 3)
-        kind = blocks.device.type
-        # on CUDA, disk -> GPU is staged in pinned HOST memory: the same window again
-        # the swap file holds every unit's weights once (updates are written in place)
-        self.store = TieredStore(device_bytes=window, host_bytes=window if kind == "cuda" else 4096,
-                                 nvme_bytes=None, swap_dir=swap_dir, device=kind, nvme_reserve=sum(sizes))
+        compute = Device(device or blocks.device)  # the store's, closed with it
+        # on an accelerator, disk -> device is staged in pinned HOST memory (freed as each copy
+        # lands): the same window again; the swap file holds every unit's weights once
+        self.store = TieredStore(device_bytes=window, host_bytes=window if compute.is_accelerator else 4096,
+                                 nvme_bytes=None, swap_dir=swap_dir, device=compute, nvme_reserve=sum(sizes))
         try:
             # no optimizer state, and no fp32 masters: ZO updates the weights themselves
             self.mem = StoreUnitMemory(self.store, self.units, None,
                                        homes=[(Tier.NVME, Tier.NVME)] * len(self.units),
                                        init_weights=init_weights, master_weights=False)
+            place_rest(blocks.model, self.units, compute.torch_device)  # buffers (RoPE's frequencies)
             # A unit another one borrows (the tied embedding) is used at both ends of every
             # step: this pin holds it for the whole run, read once, where it was first placed (at
             # the top of the arena: fetched again later, it could find the top split by a block).

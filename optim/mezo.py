@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from ..errors import ConfigError
+from ..kernels.zo_perturb import noise_backend
 from .zo_core import (StepRecord, ZOHyper, ZOState, apply_update_, mask_for, needs_thresholds,
                       perturb_, projected_grads, sample_seeds, threshold_of)
 
@@ -71,7 +72,9 @@ class MeZO(torch.optim.Optimizer):
                              momentum_window=momentum_window, sparsity=sparsity, mask_every=mask_every)
         super().__init__(params, {"lr": lr})
         self.seed = int(seed)
-        self.zo_state = ZOState(self.hyper)
+        # z's backend: the parameters' device's own (kernels/zo_perturb.py); a resume sets the log's
+        self.zo_state = ZOState(self.hyper, backend=noise_backend(self.trainable()[0].device) if self.trainable()
+                                else None)
         self.log: list[StepRecord] = []
         if not self.trainable():
             raise ConfigError("MeZO got no parameter with requires_grad=True; unfreeze what should train")
@@ -98,7 +101,7 @@ class MeZO(torch.optim.Optimizer):
         return {"schedule": SCHEDULE_INPLACE, "seed": self.seed, "hyper": self.hyper.to_dict(),
                 "params": [{"name": n, "shape": list(p.shape), "dtype": str(p.dtype).replace("torch.", "")}
                            for n, p in zip(names, params)],
-                "backend": "torch"}
+                "backend": self.zo_state.backend}
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any]) -> float:  # type: ignore[override]
@@ -125,13 +128,13 @@ class MeZO(torch.optim.Optimizer):
         for s in seeds:
             masks = [mask_for(p, state, j) for j, p in enumerate(params)]  # held for this sample only
             for j, p in enumerate(params):
-                perturb_(p, s, j, hyper.eps, masks[j])
+                perturb_(p, s, j, hyper.eps, masks[j], backend=state.backend)
             plus.append(float(closure()))  # host sync: the scalar decides the update
             for j, p in enumerate(params):
-                perturb_(p, s, j, -2.0 * hyper.eps, masks[j])
+                perturb_(p, s, j, -2.0 * hyper.eps, masks[j], backend=state.backend)
             minus.append(float(closure()))
             for j, p in enumerate(params):
-                perturb_(p, s, j, hyper.eps, masks[j])
+                perturb_(p, s, j, hyper.eps, masks[j], backend=state.backend)
             del masks
         rec = StepRecord(step=t, seeds=seeds, grads=projected_grads(plus, minus, hyper.eps), lr=self._lr(),
                          loss=(sum(plus) + sum(minus)) / (2 * len(seeds)), thresholds=thresholds)

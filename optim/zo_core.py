@@ -124,6 +124,7 @@ class ZOState:
     hyper: ZOHyper
     history: list[StepRecord] = field(default_factory=list)  # the last `window` records
     thresholds: list[float] | None = None  # per parameter index (Sparse MeZO)
+    backend: str | None = None  # where z is drawn (kernels/zo_perturb.py; None: the device's own)
 
     def push(self, rec: StepRecord) -> None:
         self.history.append(rec)
@@ -173,9 +174,10 @@ def needs_thresholds(hyper: ZOHyper, step: int) -> bool:
 
 
 def perturb_(w: torch.Tensor, seed: int, index: int, scale: float, mask: torch.Tensor | None,
-             src: torch.Tensor | None = None) -> None:
-    """``w = src + scale * z(seed, index) * mask`` (one sample, one parameter)."""
-    zo_perturb_(w, zo_seed(seed, index), scale, mask=mask, src=src)
+             src: torch.Tensor | None = None, backend: str | None = None) -> None:
+    """``w = src + scale * z(seed, index) * mask`` (one sample, one parameter; ``z`` drawn by
+    ``backend``, see ``kernels/zo_perturb.py``)."""
+    zo_perturb_(w, zo_seed(seed, index), scale, mask=mask, src=src, backend=backend)
 
 
 def apply_update_(w: torch.Tensor, index: int, state: ZOState) -> None:
@@ -195,7 +197,7 @@ def apply_update_(w: torch.Tensor, index: int, state: ZOState) -> None:
         coef = -rec.lr * (hyper.momentum ** k) / len(past.seeds)
         for seed, g in zip(past.seeds, past.grads):
             if g != 0.0:
-                perturb_(w, seed, index, coef * g, mask)
+                perturb_(w, seed, index, coef * g, mask, backend=state.backend)
 
 
 def projected_grads(losses_plus: Sequence[float], losses_minus: Sequence[float], eps: float) -> list[float]:
@@ -240,7 +242,7 @@ class ZORule:
     def delta_(self, d: torch.Tensor, seed: int, index: int, mask: torch.Tensor | None) -> None:
         """``d = fl32(eps * z(seed, index)) * mask``: one draw serves both signs (``w + d``, ``w - d``)."""
         d.zero_()
-        perturb_(d, seed, index, self.hyper.eps, mask)  # 0 + d == d exactly
+        perturb_(d, seed, index, self.hyper.eps, mask, backend=self.state.backend)  # 0 + d == d exactly
 
     def record(self, step: int, seeds: list[int], plus: list[float], minus: list[float],
                lr: float) -> StepRecord:

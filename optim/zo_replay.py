@@ -13,8 +13,9 @@ the same update code (:mod:`outcore.optim.zo_core`) in the same order:
   re-applies the ``+eps, -2 eps, +eps`` perturbations, whose fp32 rounding is
   part of the trajectory.
 
-The header records the z backend (``torch`` reference or ``triton``): replay
-with the backend the run used (Triton's Philox stream differs from torch's).
+The header records where z was drawn (``torch-cpu``, ``torch-cuda`` or ``triton``;
+``kernels/zo_perturb.py``): replay draws it the same way, on any device that can
+(``torch-cpu`` anywhere; a GPU run's noise needs a GPU).
 Exporting a run directory (replay onto the base model it names) is the ZO
 recipe's job: :func:`outcore.recipes.zo_finetune.export_zo_run`.
 """
@@ -185,7 +186,7 @@ def replay_into_(tensors: Mapping[str, torch.Tensor], log: ZOLog, steps: int | N
                                   f"{list(t.shape)}; replay onto the model the run started from")
         params.append(t)
     inplace = header["schedule"] == "inplace"
-    state = ZOState(hyper)
+    state = ZOState(hyper, backend=header.get("backend"))
     for rec in log.records[:steps]:
         if rec.thresholds is not None:
             state.thresholds = list(rec.thresholds)
@@ -194,7 +195,7 @@ def replay_into_(tensors: Mapping[str, torch.Tensor], log: ZOLog, steps: int | N
                 masks = [mask_for(p, state, j) for j, p in enumerate(params)]
                 for scale in (hyper.eps, -2.0 * hyper.eps, hyper.eps):
                     for j, p in enumerate(params):
-                        perturb_(p, s, j, scale, masks[j])
+                        perturb_(p, s, j, scale, masks[j], backend=state.backend)
         state.push(rec)
         for j, p in enumerate(params):
             apply_update_(p, j, state)

@@ -48,7 +48,8 @@ from safetensors.torch import load_file, save_file
 
 from .._faults import fault_point
 from ..errors import CheckpointError, DiskFullError
-from ..offload.device import cuda_rng_state, set_cuda_rng_state
+from ..offload.device import rng_state as device_rng_state
+from ..offload.device import set_rng_state as set_device_rng_state
 from ..offload.plan_budget import format_bytes
 from ..offload.units import WEIGHTS
 
@@ -64,22 +65,22 @@ _NUMPY_CORE = np._core if hasattr(np, "_core") else np.core  # NumPy 2 renamed i
 _NUMPY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)), _NUMPY_CORE.multiarray._reconstruct]
 
 
-def rng_state() -> dict[str, Any]:
-    """Every RNG a training step may draw from (Python, NumPy, torch CPU, CUDA)."""
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """Every RNG a training step may draw from (Python, NumPy, torch CPU, the compute ``device``'s)."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state()}
-    cuda = cuda_rng_state()
-    if cuda is not None:
-        state["cuda"] = cuda
+    on_device = device_rng_state(device)
+    if on_device is not None:
+        state["cuda"] = on_device
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` captured."""
+def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
+    """Restore what :func:`rng_state` captured (the device's state on the compute ``device``)."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    set_cuda_rng_state(state.get("cuda"))
+    set_device_rng_state(device, state.get("cuda"))
 
 
 def _digest(path: Path) -> str:

@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from ..activations.policy import ACTIVATION_COMPRESSION, ACTIVATION_POLICIES
 from ..dtypes import BF16_LEAN, DTYPES, PRECISIONS
 from ..errors import ConfigError
-from ..offload.modes import NVME, OFFLOAD_MODES
+from ..offload.modes import DEVICE_CHOICES, NVME, OFFLOAD_MODES
 from ..optim import ZO_OPTIMIZERS as _ZO_REGISTRY
 from ..optim import optimizer_names
 
@@ -29,7 +29,7 @@ OPTIMIZERS = optimizer_names()  # outcore.optim's registry: gradient-based, then
 ZO_OPTIMIZERS = tuple(_ZO_REGISTRY)  # the only optimizers of method "zo" (and only of it)
 UI_MODES = ("auto", "rich", "plain", "none")
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # report_to: experiment trackers (tui/trackers.py)
-__all__ = ["METHODS", "ADAPTER_METHODS", "OPTIMIZERS", "ZO_OPTIMIZERS", "DTYPES", "OFFLOAD_MODES",
+__all__ = ["METHODS", "ADAPTER_METHODS", "OPTIMIZERS", "ZO_OPTIMIZERS", "DTYPES", "OFFLOAD_MODES", "DEVICE_CHOICES",
            "ACTIVATION_POLICIES", "UI_MODES", "TRACKERS", "PRECISIONS", "FinetuneConfig", "load_config", "save_config"]
 
 
@@ -72,6 +72,7 @@ class FinetuneConfig:
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
     # --- memory ----------------------------------------------------------------
     offload: str = NVME  # one of OFFLOAD_MODES: where weights and optimizer state live (none = in memory)
+    device: str = "auto"  # one of DEVICE_CHOICES: where the model computes (auto: the GPU when there is one)
     device_mem: str | None = None  # DEVICE tier budget, e.g. "2GiB" (None = plan decides)
     host_mem: str | None = None  # HOST tier budget
     swap_dir: str | None = None  # NVMe swap directory (default: OUTPUT/swap)
@@ -107,6 +108,7 @@ class FinetuneConfig:
         _choice("dtype", self.dtype, DTYPES)
         _choice("precision", self.precision, PRECISIONS)
         _choice("offload", self.offload, OFFLOAD_MODES)
+        _choice("device", self.device, DEVICE_CHOICES)
         _choice("activations", self.activations, ACTIVATION_POLICIES)
         _choice("activations_compress", self.activations_compress, ACTIVATION_COMPRESSION)
         _choice("ui", self.ui, UI_MODES)

@@ -192,12 +192,12 @@ def accumulate(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any],
     Raises:
         RankLostError: another rank died during the all-reduce.
     """
-    total = torch.zeros(())
+    total = None  # on the loss's device (a CPU zero would not take a device loss in place)
     for batch in micro_batches:
         with around():
             loss = loss_fn(model, batch) / (len(micro_batches) * ranks.world)
             loss.backward()
-        total += loss.detach()
+        total = loss.detach() if total is None else total + loss.detach()
     if ranks.distributed:
         with peer_guard(ranks, "the gradient all-reduce", output):
             total = all_reduce_grads(params, total, ranks)

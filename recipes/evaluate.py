@@ -25,6 +25,13 @@ import torch.nn.functional as F
 
 from ..data.tasks import Task
 from ..errors import ConfigError
+from ..offload.device import resolve_device, to_device
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s parameters are (the CPU for a meta-device model, not yet placed)."""
+    p = next(model.parameters(), None)
+    return torch.device("cpu") if p is None or p.device.type == "meta" else p.device
 
 TARGET_DELIMITER = " "  # between the query and each choice, as the harness's default
 
@@ -35,14 +42,17 @@ class CausalLMScorer:
     Args:
         model: a Hugging Face causal LM (or a peft wrapper of one), in memory or
             wrapped by the out-of-core engine.
+        device: where it computes: batches are moved there (default: its parameters' device;
+            give it for a model still on the meta device, which the engine will place).
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, device: torch.device | None = None) -> None:
         from ..kernels.linear_cross_entropy import CausalLMHeadLoss, head_loss_covers
         from ..models import model_parts, unwrap_peft
 
         base = unwrap_peft(model)
         self.model, self.decoder, self.head_loss = model, base.model, None
+        self.device = device or _device_of(model)
         # a loss the chunked head does not cover (soft-capping, the routers' auxiliary loss)
         # takes the model's own forward
         if head_loss_covers(base.config):
@@ -50,12 +60,14 @@ class CausalLMScorer:
 
     def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Mean next-token loss over the batch's labelled tokens (-100 = no loss)."""
+        batch = to_device(batch, self.device)
         if self.head_loss is None:
             return self.model(**batch).loss
         return self.head_loss(self._hidden(batch), batch["labels"])
 
     def token_nll(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """``[B, T]`` fp32: at t, -log p(labels[t + 1] | tokens <= t); 0 where the label is -100."""
+        batch = to_device(batch, self.device)
         labels = batch["labels"]
         if self.head_loss is not None:
             return self.head_loss(self._hidden(batch), labels, reduction="none")
@@ -311,7 +323,7 @@ def _load_for_eval(cfg: Any) -> tuple[torch.nn.Module, Any, Any]:
         raise ConfigError("offload='auto' does not apply to evaluation; pass none (in memory), cpu or nvme")
     if cfg.offload == "none":
         model, tokenizer = load_model(cfg.model, dtype=torch_dtype(cfg.dtype))
-        model.eval()
+        model.to(resolve_device(cfg.device)).eval()
         return model, tokenizer, None
     model, tokenizer, fill = load_model_lazily(cfg.model, dtype=torch_dtype(cfg.dtype))
     model.eval()
@@ -339,14 +351,15 @@ class StreamedModel:
         from ..offload.plan import parse_bytes
 
         model.config.use_cache = False  # no generation: a KV cache only costs memory
-        self.scorer = CausalLMScorer(model)
+        device = resolve_device(cfg.device)
+        self.scorer = CausalLMScorer(model, device)
         self._tmp = None if cfg.swap_dir else tempfile.TemporaryDirectory(prefix="outcore-eval-")
         swap = Path(cfg.swap_dir) if cfg.swap_dir else Path(self._tmp.name) / "swap"
         head = [] if self.scorer.head_loss is None else [self.scorer.head_loss]
         self.engine = StreamedInference(  # freezes every parameter: units are read-only
             model, offload=cfg.offload, swap_dir=swap, head_modules=head,
             device_bytes=parse_bytes(cfg.device_mem) if cfg.device_mem else None,
-            host_bytes=parse_bytes(cfg.host_mem) if cfg.host_mem else None,
+            host_bytes=parse_bytes(cfg.host_mem) if cfg.host_mem else None, device=device,
             init_weights=lambda slot, t: fill(plain_name(slot.name), t))
 
     def close(self) -> None:

@@ -26,7 +26,7 @@ from .._faults import fault_point
 from ..dtypes import torch_dtype
 from ..errors import ConfigError, Interrupted
 from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent, TaskEvalEvent
-from ..offload.device import device_memory
+from ..offload.device import device_memory, resolve_device
 from . import checkpoint as ckpt
 from . import distributed as dist
 from ._common import (StopOnSignal, evaluate, holding_output_dir, lr_lambda, peak_rss_bytes, ram_total_bytes,
@@ -87,6 +87,7 @@ class Recipe:
 
         cfg = self.cfg
         self.ranks, self.joined = dist.join_run(cfg)  # under torchrun: this rank (recipes/distributed.py)
+        self.device = resolve_device(cfg.device)  # (after join_run: under torchrun, this rank's GPU)
         set_threads(dist.rank_threads(cfg.threads, self.ranks))
         torch.manual_seed(cfg.seed)
         self.task = load_task(cfg.eval_task) if cfg.eval_task else None  # a bad file fails before any work
@@ -109,6 +110,8 @@ class Recipe:
         check_seq_len(self.model, cfg.seq_len)
         if self.lora:
             self.model = with_lora(self.model, cfg)
+        if fill is None:  # in memory: the whole model on the compute device (out of core the engine places it)
+            self.model.to(self.device)
         self.model.train()
         # The KV cache is for generation; in training it only costs memory.
         self.model.config.use_cache = False
@@ -128,7 +131,7 @@ class Recipe:
             self._restore()
 
     def _setup_loss(self) -> None:
-        self.scorer = CausalLMScorer(self.model)  # the loss, and the task's log-likelihoods
+        self.scorer = CausalLMScorer(self.model, self.device)  # the loss, and the task's log-likelihoods
         self.head_loss = self.scorer.head_loss  # out of core, a unit of the head (offload_from_plan)
 
     def _setup_trainer(self, fill: Callable[[str, torch.Tensor], None] | None) -> None:
@@ -145,7 +148,7 @@ class Recipe:
             # adapters and their state stay resident; only the frozen base streams.
             self.optimizer = build_optimizer(cfg, self.params, streaming=not self.lora)
             engine = offload_from_plan(cfg, self.model, self.optimizer, self.plan, self.out, self.head_loss, fill,
-                                       self.ranks)
+                                       self.ranks, self.device)
             self.trainer = dist.data_parallel(engine, self.ranks, str(self.out))  # LoRA under torchrun
         self.streamed = fill is not None
         # Out of core, a full fine-tune's weights and optimizer state live in the store and
@@ -181,7 +184,7 @@ class Recipe:
         # (checkpoints before the one training loop also hold a "scheduler" state: the
         # learning rate is a function of the step, so it is not needed)
         dist.restore_loader(self.loader, trainer, self.cfg, self.ranks)  # grad_accum × ranks kept
-        ckpt.set_rng_state(trainer["rng"])
+        ckpt.set_rng_state(trainer["rng"], self.device)
         self.step = trainer["step"]
         self.base_eval_loss = trainer["base_eval_loss"]
         self._saved = (self.step, 0.0)  # a checkpoint of this step exists (its age unknown: old)
@@ -234,7 +237,7 @@ class Recipe:
                     elapsed_s=time.perf_counter() - t_start, rss_bytes=rss_bytes(),
                     ram_bytes=ram_total_bytes(), grad_norm=None if grad_norm is None else float(grad_norm),
                     eval_loss=eval_loss, stall_s=self.trainer.stall_s - stall0,
-                    tiers=self.trainer.tier_stats(), **device_memory())), str(self.out)))
+                    tiers=self.trainer.tier_stats(), **device_memory(self.device))), str(self.out)))
             if cfg.save_every and self.step % cfg.save_every == 0 and self.step < cfg.max_steps:
                 self.save()
         dist.check_stop(self.stop, self.ranks)
@@ -268,7 +271,7 @@ class Recipe:
 
     def save(self) -> Path:
         """Checkpoint everything needed to continue bit-identically."""
-        trainer_state = {"step": self.step, "loader": self.loader.state_dict(), "rng": ckpt.rng_state(),
+        trainer_state = {"step": self.step, "loader": self.loader.state_dict(), "rng": ckpt.rng_state(self.device),
                          "base_eval_loss": self.base_eval_loss, "micro_batches": dist.step_size(self.cfg, self.ranks)}
         keep = self.cfg.keep_checkpoints
         if self.ranks.distributed:  # every rank writes its share (torch.distributed.checkpoint)

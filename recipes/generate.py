@@ -27,6 +27,7 @@ import torch
 
 from ..dtypes import DTYPES, torch_dtype
 from ..errors import ConfigError
+from ..offload.device import resolve_device
 from ..offload.modes import AUTO, NONE, OFFLOAD_MODES
 from .export import resolve_model_or_run
 
@@ -63,7 +64,7 @@ class _StopWhenSet:
         self.event = event
 
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool)
+        return torch.full((input_ids.shape[0],), self.event.is_set(), dtype=torch.bool, device=input_ids.device)
 
 
 class Generator:
@@ -74,11 +75,15 @@ class Generator:
         tokenizer: its tokenizer.
         streamed: the ``offload.inference.StreamedInference`` streaming its weights (None: in memory).
         temporary: a directory to remove on :meth:`close` (a run's checkpoint exported for this).
+        device: where it computes (in memory the model is moved there; streamed, the engine's).
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any, streamed: Any = None,
-                 temporary: tempfile.TemporaryDirectory | None = None):
+                 temporary: tempfile.TemporaryDirectory | None = None, device: torch.device | None = None):
         self.model, self.tokenizer, self.streamed = model, tokenizer, streamed
+        self.device = streamed.engine.device if streamed is not None else (device or torch.device("cpu"))
+        if streamed is None:
+            model.to(self.device)
         self._temporary = temporary
         # a decoder generates after the prompt's last token: pad on the left
         tokenizer.padding_side = "left"
@@ -124,7 +129,7 @@ class Generator:
         check_request(prompts, max_new_tokens, temperature)
         texts, shown, chat = self._texts(prompts, chat)
         # the template writes its own special tokens (the BOS among them)
-        batch = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat)
+        batch = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not chat).to(self.device)
         config = _generation_config(self.model, self.tokenizer, max_new_tokens, temperature)
         stop = stop or threading.Event()
         torch.manual_seed(seed)
@@ -274,7 +279,7 @@ def _generation_config(model: torch.nn.Module, tokenizer: Any, max_new_tokens: i
 
 
 def load_generator(model: str | Path = "default", *, offload: str = AUTO, dtype: str = "float32",
-                   swap_dir: str | Path | None = None, prefetch: int = 2) -> Generator:
+                   swap_dir: str | Path | None = None, prefetch: int = 2, device: str = "auto") -> Generator:
     """Load a model (or a run's trained model) to generate with.
 
     Args:
@@ -286,6 +291,7 @@ def load_generator(model: str | Path = "default", *, offload: str = AUTO, dtype:
         dtype: the weights' dtype (``float32``, ``bfloat16``, ``float16``).
         swap_dir: the NVMe swap directory (default: a fresh one under the outcore cache).
         prefetch: units read ahead of the one computing when streamed.
+        device: where it computes (``auto``: the GPU when there is one, ``cuda``, ``cpu``).
 
     Returns:
         The :class:`Generator` (``close()`` it, or use it in a ``with``).
@@ -301,7 +307,7 @@ def load_generator(model: str | Path = "default", *, offload: str = AUTO, dtype:
         raise ConfigError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     spec, temporary = resolve_model_or_run(model)
     try:
-        return _load(spec, offload, torch_dtype(dtype), swap_dir, prefetch, temporary)
+        return _load(spec, offload, torch_dtype(dtype), swap_dir, prefetch, temporary, resolve_device(device))
     except BaseException:
         if temporary is not None:
             temporary.cleanup()
@@ -309,16 +315,16 @@ def load_generator(model: str | Path = "default", *, offload: str = AUTO, dtype:
 
 
 def _load(spec: str, offload: str, dtype: torch.dtype, swap_dir: str | Path | None, prefetch: int,
-          temporary: tempfile.TemporaryDirectory | None) -> Generator:
+          temporary: tempfile.TemporaryDirectory | None, device: torch.device) -> Generator:
     from ..models import load_model, load_model_lazily, plain_name, resolve_model_spec
 
     if offload == NONE or (offload == AUTO and resolve_model_spec(spec).kind == "hub"):
-        return Generator(*load_model(spec, dtype=dtype), temporary=temporary)
+        return Generator(*load_model(spec, dtype=dtype), temporary=temporary, device=device)
     # built on the meta device: streamed, its weights go from the files into the store unit by unit
     model, tokenizer, fill = load_model_lazily(spec, dtype=dtype)
     if offload == AUTO:
         if _fits_in_memory(model):
-            return Generator(*load_model(spec, dtype=dtype), temporary=temporary)
+            return Generator(*load_model(spec, dtype=dtype), temporary=temporary, device=device)
         offload = "nvme"
     from ..models import default_cache_dir
     from ..offload.inference import StreamedInference
@@ -326,7 +332,7 @@ def _load(spec: str, offload: str, dtype: torch.dtype, swap_dir: str | Path | No
     if swap_dir is None:
         (default_cache_dir() / "swap").mkdir(parents=True, exist_ok=True)
     swap = Path(swap_dir) if swap_dir else default_cache_dir() / "swap" / f"generate-{os.getpid()}"
-    streamed = StreamedInference(model, offload=offload, swap_dir=swap, prefetch=prefetch,
+    streamed = StreamedInference(model, offload=offload, swap_dir=swap, prefetch=prefetch, device=device,
                                  init_weights=lambda slot, t: fill(plain_name(slot.name), t))
     return Generator(model, tokenizer, streamed, temporary)
 
@@ -342,14 +348,14 @@ def _fits_in_memory(model: torch.nn.Module) -> bool:
 
 def generate(model: str | Path, prompts: Prompt | Sequence[Prompt], *, max_new_tokens: int = 64,
              temperature: float = 0.0, seed: int = 0, chat: bool | None = None, offload: str = AUTO,
-             dtype: str = "float32", swap_dir: str | Path | None = None) -> list[Completion]:
+             dtype: str = "float32", swap_dir: str | Path | None = None, device: str = "auto") -> list[Completion]:
     """Load ``model``, complete ``prompts``, free the model: ``outcore.generate``.
 
     Args:
         model: as :func:`load_generator` (a run directory gives its trained model).
         prompts: one prompt or several: texts, or conversations (``[{"role", "content"}]``).
         max_new_tokens, temperature, seed, chat: as :meth:`Generator.generate`.
-        offload, dtype, swap_dir: as :func:`load_generator`.
+        offload, dtype, swap_dir, device: as :func:`load_generator`.
 
     Returns:
         One :class:`Completion` per prompt.
@@ -360,6 +366,6 @@ def generate(model: str | Path, prompts: Prompt | Sequence[Prompt], *, max_new_t
     one = isinstance(prompts, str) or (bool(prompts) and isinstance(prompts[0], dict))
     prompts = [prompts] if one else list(prompts)
     check_request(prompts, max_new_tokens, temperature)
-    with load_generator(model, offload=offload, dtype=dtype, swap_dir=swap_dir) as generator:
+    with load_generator(model, offload=offload, dtype=dtype, swap_dir=swap_dir, device=device) as generator:
         return generator.generate(prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                                   chat=chat)

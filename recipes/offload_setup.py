@@ -66,10 +66,12 @@ def swap_dir_of(cfg: FinetuneConfig, out: Path) -> Path:
 
 def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: Any, plan: Any, out: Path,
                       head_loss: torch.nn.Module | None = None,
-                      fill: Callable[[str, torch.Tensor], None] | None = None, ranks: Ranks | None = None):
+                      fill: Callable[[str, torch.Tensor], None] | None = None, ranks: Ranks | None = None,
+                      device: torch.device | None = None):
     """Move the model's weights and optimizer state to the tiers ``plan`` chose.
 
-    ``fill(name, out)`` reads a weight of a meta-device model (see ``load_model_lazily``).
+    ``fill(name, out)`` reads a weight of a meta-device model (see ``load_model_lazily``);
+    ``device`` is where it computes (default: ``cfg.device``).
     With several ``ranks`` a full fine-tune's optimizer state is sharded across them
     (``offload/sharding.py``); LoRA's resident adapters are not (``distributed.data_parallel``).
     """
@@ -92,5 +94,5 @@ def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: An
                          host_bytes=parse_bytes(cfg.host_mem) if cfg.host_mem else None,
                          nvme_reserve=plan.tier_total(Tier.NVME) if mode == NVME else 0,
                          nvme_keep=_nvme_during_steps(plan),
-                         ranks=None if cfg.uses_adapters else ranks,
+                         ranks=None if cfg.uses_adapters else ranks, device=device or cfg.device,
                          init_weights=None if fill is None else (lambda slot, t: fill(plain_name(slot.name), t)))

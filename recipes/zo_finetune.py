@@ -41,6 +41,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError, Interrupted
 from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent
+from ..offload.device import resolve_device
 from ..offload.modes import NVME
 from . import distributed as dist
 from ._common import (StopOnSignal, evaluate, holding_output_dir, lr_lambda, peak_rss_bytes, ram_total_bytes,
@@ -114,6 +115,7 @@ class ZORecipe:
         cfg = self.cfg
         self.ranks, self.joined = dist.join_run(cfg)  # under torchrun: this rank (recipes/distributed.py)
         set_threads(dist.rank_threads(cfg.threads, self.ranks))
+        self.device = resolve_device(cfg.device)
         self.hyper, opts = zo_options(cfg)
         self.out, self.out_lock = dist.prepare_run_dir(cfg, self.ranks)
         self.sink = self._sink or NullSink()
@@ -132,6 +134,8 @@ class ZORecipe:
         if previous is not None and previous.damaged:  # its valid steps are the newest checkpoint
             print(f"outcore: warning: {previous.damaged}; resuming from step {len(previous.records)} instead",
                   file=sys.stderr)
+        if cfg.offload != NVME:  # in memory: on the compute device (streamed: the units go there)
+            self.model.to(self.device)
         if previous is not None:  # resume = replay the log onto the base, then go on
             replay_into_(dict(self.model.named_parameters()), previous)
             for _ in previous.records:
@@ -144,7 +148,10 @@ class ZORecipe:
             self.swap.parent.mkdir(parents=True, exist_ok=True)
         self.trainer = ZOBlockTrainer(self.model, self.hyper, seed=cfg.seed,
                                       swap_dir=None if self.swap is None else str(self.swap),
-                                      prefetch=opts["prefetch"], **dist.zo_split(self.ranks, self.out))
+                                      prefetch=opts["prefetch"], device=self.device,
+                                      **dist.zo_split(self.ranks, self.out))
+        if previous is not None:
+            self.trainer.set_backend(previous.header.get("backend"))  # z drawn as the run drew it
         header = {**self.trainer.header(),
                   "base": {"kind": "model", "model": cfg.model, "dtype": cfg.dtype, "lora": lora}}
         if previous is not None:

@@ -43,6 +43,36 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip_gpu)
 
 
+def test_devices() -> list[str]:
+    """The compute devices a device-parametrized test runs on: the CPU and the simulated
+    accelerator (``offload/simdevice.py``); ``OUTCORE_TEST_DEVICE=cuda`` runs them on the GPU
+    alone (``scripts/gpu_proof.sh``)."""
+    forced = os.environ.get("OUTCORE_TEST_DEVICE")
+    return [forced] if forced else ["cpu", "sim"]
+
+
+@pytest.fixture(params=test_devices())
+def compute_device(request):
+    """Where a device-parametrized test computes (a ``torch.device``). The simulated
+    accelerator fails where a GPU would: mixed devices, copies read before they land, stream
+    races, freed memory read. Where it cannot be built the test is skipped with the reason —
+    except under CI, where that is a failure: CI must run the GPU path."""
+    from outcore.offload.device import resolve_device
+
+    if request.param == "sim":
+        from outcore.offload import simdevice
+
+        why = simdevice.unavailable_reason()
+        if why is not None:
+            if os.environ.get("CI"):
+                pytest.fail(f"the simulated accelerator cannot run in CI: {why}")
+            pytest.skip(f"the simulated accelerator cannot run here: {why}")
+    return resolve_device(request.param)
+
+
+test_devices.__test__ = False  # a helper, not a test
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _quiet_and_deterministic():
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -45,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                   "weights through the tiers"),
             ("--swap-dir", "swap_dir", str, "DIR", "NVMe swap directory (default: a temporary one)"),
             ("--device-mem", "device_mem", str, "BYTES", "DEVICE tier budget, e.g. 2GiB"),
-            ("--host-mem", "host_mem", str, "BYTES", "HOST tier budget")):
+            ("--host-mem", "host_mem", str, "BYTES", "HOST tier budget"),
+            ("--device", "device", str, "KIND", "where the model computes: auto (the GPU when there is one), "
+                                                "cuda or cpu")):
         parser.add_argument(flag, dest=dest, type=typ, metavar=metavar, help=text)
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
 

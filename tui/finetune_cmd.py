@@ -48,6 +48,7 @@ FLAGS: tuple[tuple[str, str, Any, str | None, str], ...] = (
     ("--output", "output", str, "DIR", "output directory (metrics.jsonl, config.yaml, final/)"),
     ("--resume", "resume", str, "DIR", "resume from the last checkpoint in this output directory"),
     ("--offload", "offload", str, "MODE", f"where parameters and optimizer state live: {', '.join(OFFLOAD_MODES)}"),
+    ("--device", "device", str, "KIND", "where the model computes: auto (the GPU when there is one), cuda or cpu"),
     ("--device-mem", "device_mem", str, "BYTES", "DEVICE tier budget, e.g. 6GiB"),
     ("--host-mem", "host_mem", str, "BYTES", "HOST tier budget, e.g. 16GiB"),
     ("--swap-dir", "swap_dir", str, "DIR", "NVMe swap directory (default: OUTPUT/swap)"),

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from ..dtypes import DTYPES
-from ..offload.modes import AUTO, OFFLOAD_MODES
+from ..offload.modes import AUTO, DEVICE_CHOICES, OFFLOAD_MODES
 
 HELP = "complete prompts with a model or a fine-tuning run's result"
 STREAMING_NOTE = """\
@@ -48,6 +48,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="NVMe swap directory with --offload nvme (default: under the outcore cache)")
     parser.add_argument("--prefetch", metavar="K", type=int, default=2,
                         help="units read ahead of the one computing when streamed (default 2)")
+    parser.add_argument("--device", choices=DEVICE_CHOICES[:3], default="auto",
+                        help="where the model computes: auto (the GPU when there is one; default), cuda or cpu")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, max_new_tokens: int) -> None:
@@ -67,7 +69,7 @@ def open_generator(args: argparse.Namespace) -> Any:
 
     hf_logging.disable_progress_bar()  # the "Loading weights" bars would interleave with the output
     return load_generator(args.model, offload=args.offload, dtype=args.dtype, swap_dir=args.swap_dir,
-                          prefetch=args.prefetch)
+                          prefetch=args.prefetch, device=args.device)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

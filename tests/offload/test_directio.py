@@ -148,7 +148,7 @@ def test_arena_slabs_are_lazy_and_views_are_typed():
 
 def test_cpu_device_copies_and_measures():
     dev = Device("cpu")
-    assert not dev.is_cuda
+    assert not dev.is_accelerator
     if not torch.cuda.is_available():
         assert list_devices() == []
     a, b = dev.alloc_host_slab(8192), dev.alloc_device_slab(8192)

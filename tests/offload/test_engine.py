@@ -31,11 +31,12 @@ def _block_bytes(model) -> int:
 
 
 def _reference_step(model, opt, micro, clip):
-    total = torch.zeros(())
+    """In memory, on the model's device (the batches are moved there, as the engine moves them)."""
+    device, total = next(model.parameters()).device, None
     for ids in micro:
-        loss = _loss(model, ids) / len(micro)
+        loss = _loss(model, ids.to(device)) / len(micro)
         loss.backward()
-        total += loss.detach()
+        total = loss.detach() if total is None else total + loss.detach()
     if clip:
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
     opt.step()
@@ -49,12 +50,12 @@ def _reference_step(model, opt, micro, clip):
     ("cpu", 0.0, 2),  # accumulation over two micro-batches
     ("nvme", 1.0, 2),  # both, with every unit's gradient spilled to NVMe until the norm is known
 ])
-def test_streamed_training_is_bit_identical(tiny_llama_factory, tmp_path, offload, clip, accum):
-    ref, ooc = _model(tiny_llama_factory), _model(tiny_llama_factory)
+def test_streamed_training_is_bit_identical(tiny_llama_factory, tmp_path, offload, clip, accum, compute_device):
+    ref, ooc = _model(tiny_llama_factory).to(compute_device), _model(tiny_llama_factory)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
     om = offload_model(ooc, AdamW(ooc.parameters(), lr=LR, weight_decay=WD), offload=offload,
                        swap_dir=tmp_path / "swap", prefetch=1, max_grad_norm=clip, grad_accum=accum,
-                       device_bytes=3 * _block_bytes(ref))
+                       device_bytes=3 * _block_bytes(ref), device=compute_device)
     assert om.store.budget(Tier.DEVICE) <= 3 * _block_bytes(ref)
     assert om.spill == (offload == "nvme" and clip > 0)  # gradients never all in RAM
     if offload == "nvme":  # the swap file holds the units' extents, no reservation beyond them
@@ -68,7 +69,7 @@ def test_streamed_training_is_bit_identical(tiny_llama_factory, tmp_path, offloa
         assert torch.equal(want, got)
     for unit in om.units:
         for name, w in unit_weights(om, unit).items():
-            assert torch.equal(w, dict(ref.named_parameters())[name].detach()), name
+            assert torch.equal(w, dict(ref.named_parameters())[name].detach().cpu()), name
     if offload == "nvme":
         stats = om.tier_stats()
         assert stats["NVME"].read_bytes > 0 and stats["NVME"].written_bytes > 0
@@ -76,13 +77,13 @@ def test_streamed_training_is_bit_identical(tiny_llama_factory, tmp_path, offloa
     assert not (tmp_path / "swap").exists()
 
 
-def test_checkpoint_resume_and_export(tiny_llama_factory, tmp_path):
+def test_checkpoint_resume_and_export(tiny_llama_factory, tmp_path, compute_device):
     from transformers import AutoModelForCausalLM
 
-    ref, ooc = _model(tiny_llama_factory, 3), _model(tiny_llama_factory, 3)
+    ref, ooc = _model(tiny_llama_factory, 3).to(compute_device), _model(tiny_llama_factory, 3)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD, fused=True)
     om = offload_model(ooc, AdamW(ooc.parameters(), lr=LR, weight_decay=WD), offload="nvme",
-                       swap_dir=tmp_path / "swap")
+                       swap_dir=tmp_path / "swap", device=compute_device)
     g = torch.Generator().manual_seed(2)
     batches = [torch.randint(0, 256, (2, 16), generator=g) for _ in range(4)]
     for ids in batches[:2]:
@@ -102,7 +103,7 @@ def test_checkpoint_resume_and_export(tiny_llama_factory, tmp_path):
     assert set(index["weight_map"].values()) == set(shards)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     for name, p in reloaded.named_parameters():
-        assert torch.equal(p, dict(ref.named_parameters())[name].detach()), name
+        assert torch.equal(p, dict(ref.named_parameters())[name].detach().cpu()), name
     om.close()
 
 
@@ -116,20 +117,21 @@ def test_device_budget_below_one_unit_is_a_clear_error(tiny_llama_factory, tmp_p
 
 
 @pytest.mark.parametrize("name", ["adamw8bit", "apollo-mini"])
-def test_streamed_memory_lean_optimizers_equal_their_in_memory_runs(tiny_llama_factory, tmp_path, name):
+def test_streamed_memory_lean_optimizers_equal_their_in_memory_runs(tiny_llama_factory, tmp_path, name,
+                                                                     compute_device):
     """8-bit and low-rank state streams through NVMe like AdamW's: same bits as in memory."""
     from outcore.optim import build_optimizer
 
-    ref, ooc = _model(tiny_llama_factory, 3), _model(tiny_llama_factory, 3)
+    ref, ooc = _model(tiny_llama_factory, 3).to(compute_device), _model(tiny_llama_factory, 3)
     hp = dict(lr=LR, weight_decay=WD)
     opt = build_optimizer(name, [p for p in ref.parameters()], **hp)
     om = offload_model(ooc, build_optimizer(name, [p for p in ooc.parameters()], **hp), offload="nvme",
-                       swap_dir=tmp_path / "swap", prefetch=1)
+                       swap_dir=tmp_path / "swap", prefetch=1, device=compute_device)
     g = torch.Generator().manual_seed(3)
     for _ in range(4):
         ids = torch.randint(0, 256, (2, 32), generator=g)
         assert torch.equal(_reference_step(ref, opt, [ids], 0.0), om.train_step(_loss, [ids], LR))
     for unit in om.units:
         for pname, w in unit_weights(om, unit).items():
-            assert torch.equal(w, dict(ref.named_parameters())[pname].detach()), pname
+            assert torch.equal(w, dict(ref.named_parameters())[pname].detach().cpu()), pname
     om.close()
