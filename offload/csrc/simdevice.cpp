@@ -285,12 +285,12 @@ void release(State& s, Block* b, bool forget) {
   ++b->gen;
   b->used_on = 0;
   if (forget) b->pages.clear();
-  std::memset(b->base, kPoison, b->size);  // what a late reader of freed memory sees
-  if (b->adopted) {
+  if (b->adopted) {  // leaves the device (no poison: nothing on the device can read it again)
     b->owner.clear();
     if (b->refs == 0) delete b;
     return;
   }
+  std::memset(b->base, kPoison, b->size);  // what a late reader of the reused block sees
   s.pool[{b->stream, b->size}].push_back(b);
   s.pooled += b->size;
   if (s.pooled > kCacheCap) trim(s);
@@ -411,7 +411,7 @@ void add_pinned(uintptr_t a, size_t n, bool registered) {
   auto it = P.ranges.upper_bound(a);
   TORCH_CHECK((it == P.ranges.end() || it->first >= a + n) &&
                   (it == P.ranges.begin() || std::prev(it)->second.first <= a),
-              "sim: host_register: [", reinterpret_cast<void*>(a), ", +", n,
+              "sim: cannot pin [", reinterpret_cast<void*>(a), ", +", n,
               ") overlaps memory that is already pinned or registered");
   P.ranges[a] = {a + n, registered};
 }
@@ -973,10 +973,13 @@ void mirror_cpu_kernels() {
   }
 }
 
+// enable(): the hooks make sim the accelerator pinned memory belongs to. Loading the library
+// alone changes nothing visible (see load() in simdevice.py).
 void init() {
   static std::once_flag once;
   std::call_once(once, [] {
     mirror_cpu_kernels();
+    at::RegisterPrivateUse1HooksInterface(new Hooks());
     at::globalContext().lazyInitDevice(c10::DeviceType::PrivateUse1);
   });
 }
@@ -1003,12 +1006,8 @@ void empty_cache() {
   trim(st());
 }
 
-// Registered when the library loads; nothing names the backend until enable() renames it.
-const bool registered = [] {
-  c10::SetAllocator(c10::DeviceType::PrivateUse1, &g_device);
-  at::RegisterPrivateUse1HooksInterface(new Hooks());
-  return true;
-}();
+// Registered when the library loads: the guard must be, before the autograd engine counts devices.
+REGISTER_ALLOCATOR(c10::DeviceType::PrivateUse1, &g_device)
 C10_REGISTER_GUARD_IMPL(PrivateUse1, Guard);
 
 }  // namespace

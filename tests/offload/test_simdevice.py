@@ -16,6 +16,8 @@ from outcore.offload.directio import aligned_empty
 
 pytestmark = pytest.mark.skipif(not simdevice.available(),
                                 reason="the sim device needs a C++ compiler and ninja to build")
+if simdevice.available():
+    simdevice.load()  # at collection: before any test of the session runs a backward pass
 
 NAN_BITS = 0xFFFFFFFF  # fp32 poison, as read back through a raw pointer
 
@@ -71,6 +73,17 @@ def test_ops_match_the_cpu_bit_for_bit(dev):
     got = (torch.randn(5, device=dev), torch.randint(0, 9, (4,), device=dev), torch.rand(3, device=dev))
     assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want))
     assert torch.equal(torch.arange(6, device=dev).cpu(), torch.arange(6))  # an out= that grows
+    # Composites that branch on the device type (SDPA's kernel choice, convolution) take the
+    # CPU's branch: same kernels, same bits.
+    q = torch.randn(2, 4, 8, 16)
+    assert torch.equal(torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True),
+                       torch.nn.functional.scaled_dot_product_attention(*[q.to(dev)] * 3, is_causal=True).cpu())
+    grads = []
+    for device in ("cpu", dev):
+        w = torch.randn(4, 3, 5, generator=torch.Generator().manual_seed(1)).to(device).requires_grad_()
+        torch.nn.functional.conv1d(torch.ones(2, 3, 9, device=device), w).square().sum().backward()
+        grads.append(w.grad.cpu())
+    assert torch.equal(*grads)
 
 
 def test_views_alias_and_in_place_ops_return_the_same_tensor(dev):
@@ -317,3 +330,29 @@ def test_report_counts_copies_and_memory(dev):
     assert r["deferred_copies"] == 1 and r["bytes_d2h"] == 4000 and r["pending_copies"] == 1
     del x
     assert simdevice.report()["peak_bytes"] >= base + 4096
+
+
+def test_threads_issue_copies_while_compute_runs(dev):
+    """The engine's I/O threads copy on side streams while the main thread computes."""
+    side = _side()
+    host = torch.arange(1 << 16, dtype=torch.float32).pin_memory()
+    copies = []
+
+    def io():
+        with side:
+            for _ in range(40):
+                buf = torch.empty(1 << 16, device=dev)
+                buf.copy_(host, non_blocking=True)
+                copies.append((buf, _event(side)))
+
+    worker = threading.Thread(target=io)
+    worker.start()
+    x = torch.randn(96, 96, device=dev)
+    for _ in range(40):
+        x = torch.tanh(x @ x)
+    worker.join()
+    compute = torch.accelerator.current_stream()
+    for buf, copied in copies:
+        compute.wait_event(copied)
+        buf.record_stream(compute)  # allocated on the side stream, used on compute
+        assert torch.equal(buf.cpu(), host)
