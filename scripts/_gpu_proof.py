@@ -383,6 +383,8 @@ def headline(name: str, data: dict[str, Any]) -> str:
         return f"losses bit-identical: {data['losses_bit_identical']}"
     if name == "ds_ops" and data.get("ops"):
         return ", ".join(f"{k} {v['status']}" for k, v in data["ops"].items())
+    if name == "setup" and data.get("wheels"):  # the first clause of each: "installed into /tmp/site", ...
+        return f"wheels {data['wheels'].split(':')[0]}; libaio {data.get('libaio', '').split(':')[0]}"
     if name == "env" and data.get("gpu"):
         return f"{data['gpu'][0]['name']}, torch {data['versions'].get('torch')}"
     if name == "env":

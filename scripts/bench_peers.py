@@ -469,14 +469,36 @@ def _kill(proc: subprocess.Popen) -> None:
     clear_build_locks()
 
 
-def clear_build_locks() -> list[str]:
-    """Remove the lock files of DeepSpeed op builds killed half-way (a peer's timeout): torch's
-    extension loader would wait on a dead build's lock forever. Only while no build runs."""
+def clear_build_locks(prefixes: tuple[str, ...] = ("cpu_adam", "async_io")) -> list[str]:
+    """Remove the locks that op builds killed half-way left (a peer's or a stage's timeout): torch's
+    extension loader waits on a lock forever. A lock counts as stale only when it is over a minute
+    old and no process works in its build folder (ninja runs there), so a live build elsewhere on
+    a shared machine keeps its lock.
+
+    Args:
+        prefixes: build folder names (``TORCH_EXTENSIONS_DIR/<py>_<cuda>/<name>``) to look in.
+
+    Returns:
+        The locks removed.
+    """
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
-    stale = [p for p in (*root.glob("*/lock"), *root.glob("*/*/lock")) if p.parent.name in ("cpu_adam", "async_io")]
-    for p in stale:
-        p.unlink(missing_ok=True)
-    return [str(p) for p in stale]
+    busy = set()
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            busy.add(os.path.realpath(os.readlink(proc / "cwd")))
+        except OSError:
+            pass
+    removed = []
+    for lock in (*root.glob("*/lock"), *root.glob("*/*/lock")):
+        folder = os.path.realpath(lock.parent)
+        try:
+            stale = time.time() - lock.stat().st_mtime > 60 and folder not in busy
+        except OSError:
+            continue
+        if lock.parent.name.startswith(prefixes) and stale:
+            lock.unlink(missing_ok=True)
+            removed.append(str(lock))
+    return removed
 
 
 def _tail(text: str, n: int = 3) -> str:

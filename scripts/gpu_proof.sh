@@ -14,7 +14,7 @@
 # folder and $OUT gets summary.json (every stage's JSON inside) and gpu_proof.tar.gz (all files),
 # both refreshed as each stage ends.
 #
-# Time: at most PROOF_BUDGET_S (480 s; 240 s with --dry-run) from start to summary. Every stage
+# Time: at most PROOF_BUDGET_S (480 s; 300 s with --dry-run) from start to summary. Every stage
 # has its own timeout (below), clipped to what is left; a stage that times out keeps what it had
 # finished. --dry-run runs every stage on the simulated accelerator (the CPU until
 # outcore.offload.simdevice exists) at tiny shapes: CI tests this script that way
@@ -50,15 +50,15 @@ rm -f "$WORK"/*.json "$WORK"/*.xml "$WORK"/*.part "$WORK"/stages.jsonl "$WORK"/l
 # --- the clock and the stage budgets (seconds) ---------------------------------------------
 START=$(date +%s)
 if [ $DRY = 1 ]; then
-  TOTAL=${PROOF_BUDGET_S:-240}
-  B_SETUP=30 B_ENV=30 B_DSOPS=120 B_TESTS=60 B_KERNELS=60 B_STEP=30 B_PEERS=60 B_RACE=30
-  DRYFLAG=(--dry-run)
+  TOTAL=${PROOF_BUDGET_S:-300}
+  B_SETUP=30 B_ENV=30 B_DSOPS=120 B_TESTS=60 B_KERNELS=90 B_STEP=30 B_PEERS=60 B_PEERS8=30 B_RACE=30
+  DRYFLAG=(--dry-run) PEERS8=(--peers plain)  # the second peers stage only checks the stage runs
 else
   TOTAL=${PROOF_BUDGET_S:-480}
   # setup and env ~25 s, tests 110, kernels 55, two steps 45 each, peers 100 + 65, race 35: 8 minutes.
   # DeepSpeed's ops build in the background during the tests and kernels (they need the CPU little).
   B_SETUP=60 B_ENV=30 B_DSOPS=240 B_TESTS=110 B_KERNELS=55 B_STEP=45 B_PEERS=100 B_PEERS8=65 B_RACE=35
-  DRYFLAG=()
+  DRYFLAG=() PEERS8=()
 fi
 B_PEERS8=${B_PEERS8:-$B_PEERS}
 DEADLINE=$((START + TOTAL))
@@ -89,6 +89,10 @@ run_stage() {  # run_stage NAME FILE BUDGET CMD...: CMD's stdout is the stage's 
   rc=$?
   mv "$WORK/$file.part" "$WORK/$file"
   finish "$name" "$file" "$rc" $(($(now) - s))
+}
+
+clear_locks() {  # a build killed at a stage's timeout leaves a lock the next loader would wait on forever
+  (cd scripts && python3 -c 'import sys; from bench_peers import clear_build_locks as c; c(tuple(sys.argv[1:]))' "$@")
 }
 
 run_step_bench() {  # the lead's scripts/bench_gpu_step.py, where it exists
@@ -166,20 +170,21 @@ run_stage env env.json "$B_ENV" python3 scripts/_gpu_proof.py env --device "$DEV
 DS_T=$(clip $B_DSOPS) DS_START=$(now)
 [ "$DS_T" -ge 1 ] || DS_T=1  # timeout 0 would mean no limit
 ( timeout -s INT -k 15 "$DS_T" python3 scripts/_gpu_proof.py ds-ops > "$WORK/ds_ops.json.part" \
-    2> "$WORK/logs/ds_ops.log"; echo $? > "$WORK/ds_ops.rc" ) &
+    2> "$WORK/logs/ds_ops.log"; echo "$? $(date +%s)" > "$WORK/ds_ops.rc" ) &
 DS_PID=$!
 export PROOF_BACKGROUND="DeepSpeed op JIT build (CPU) in the background"
 
 run_stage tests tests.json "$B_TESTS" python3 scripts/_gpu_proof.py tests --work "$WORK" --budget "$(clip $B_TESTS)" "${DRYFLAG[@]}"
+clear_locks "outcore_adamw8bit_cpu"
 kill -0 $DS_PID 2> /dev/null || unset PROOF_BACKGROUND  # kernels.json says whether it overlapped
 run_stage kernels kernels.json "$B_KERNELS" python3 scripts/bench_kernels.py --device "$DEV" "${DRYFLAG[@]}" --json
 unset PROOF_BACKGROUND
 
 wait $DS_PID
 mv "$WORK/ds_ops.json.part" "$WORK/ds_ops.json"
-# a build killed at its timeout leaves its lock, on which the peers' loaders would wait forever
-(cd scripts && python3 -c 'from bench_peers import clear_build_locks; clear_build_locks()')
-finish ds_ops ds_ops.json "$(cat "$WORK/ds_ops.rc")" $(($(now) - DS_START))
+clear_locks "cpu_adam" "async_io"
+read -r DS_RC DS_END < "$WORK/ds_ops.rc"
+finish ds_ops ds_ops.json "$DS_RC" $((DS_END - DS_START))
 rm -f "$WORK/ds_ops.rc"
 
 run_step_bench step_1.7b step_1.7b.json --shape 1.7b
@@ -189,7 +194,7 @@ PEER_ARGS=(--device "$DEV" --seq "$SEQ" --batch "$BATCH" --steps 3 --warmup 1 --
 run_stage peers_1.7b peers_1.7b.json "$B_PEERS" python3 scripts/bench_peers.py --shape 1.7b "${PEER_ARGS[@]}" \
   --budget-s "$(clip $((B_PEERS - 5)))"
 run_stage peers_8b peers_8b.json "$B_PEERS8" python3 scripts/bench_peers.py --shape 8b --blocks 4 "${PEER_ARGS[@]}" \
-  --budget-s "$(clip $((B_PEERS8 - 5)))"
+  "${PEERS8[@]}" --budget-s "$(clip $((B_PEERS8 - 5)))"
 python3 scripts/_gpu_proof.py merge "$WORK/peers_1.7b.json" "$WORK/peers_8b.json" > "$WORK/peers.json" 2>> "$WORK/logs/peers.log"
 
 run_stage race race.json "$B_RACE" python3 scripts/_gpu_proof.py race --budget "$(clip $((B_RACE - 5)))" -- \
