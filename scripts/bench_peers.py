@@ -67,6 +67,7 @@ HYPER = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 #: bytes per parameter held on the GPU by the in-memory peers (weights + grads + AdamW moments)
 IN_MEMORY_BYTES = {"plain": 16, "plain_bf16": 8}
 MIN_PEER_S = 20  # a peer is not started with less of the budget left
+T_START = time.perf_counter()  # --budget-s counts from here: imports and the parameter count included
 
 
 # ---------------------------------------------------------------------------------
@@ -433,7 +434,7 @@ def run_peer(peer: str, args, timeout: float) -> dict[str, Any]:
                "--shape", args.shape, "--blocks", str(args.blocks), "--seq", str(args.seq), "--batch",
                str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
                "--gpu-mem-gib", str(args.gpu_mem_gib), "--nvme-dir", args.nvme_dir]
-        t0 = time.perf_counter()
+        t0, started = time.perf_counter(), time.time()
         with open(log_file, "w") as log:
             # unbuffered: a child killed at its timeout still leaves its last lines in the log
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -450,6 +451,7 @@ def run_peer(peer: str, args, timeout: float) -> dict[str, Any]:
                 _kill(proc)
                 rc = proc.returncode
         wall = time.perf_counter() - t0
+        _remove_swap_left_by(args.nvme_dir, started)
         text = log_file.read_text(errors="replace")
         sys.stderr.write(f"----- {peer} (exit {rc}, {wall:.1f} s) -----\n{text[-20000:]}\n")
         if timed_out:
@@ -458,6 +460,17 @@ def run_peer(peer: str, args, timeout: float) -> dict[str, Any]:
         if result_file.exists():
             return {**json.loads(result_file.read_text()), "wall_s": wall}
         return {"status": "failed", "error": f"exit {rc} without a result", "wall_s": wall, "log_tail": _tail(text)}
+
+
+def _remove_swap_left_by(nvme_dir: str, started: float) -> None:
+    """A ZeRO-Infinity child killed at its timeout leaves its swap (tens of GB): remove the swap
+    folders made since it started (another run's, older, stay)."""
+    for d in Path(nvme_dir).glob("bench_peers_ds_*"):
+        try:
+            if d.stat().st_mtime >= started - 1:
+                shutil.rmtree(d, ignore_errors=True)
+        except OSError:
+            pass
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -469,7 +482,7 @@ def _kill(proc: subprocess.Popen) -> None:
     clear_build_locks()
 
 
-def clear_build_locks(prefixes: tuple[str, ...] = ("cpu_adam", "async_io")) -> list[str]:
+def clear_build_locks(prefixes: tuple[str, ...] = ("cpu_adam", "async_io", "pin_memory")) -> list[str]:
     """Remove the locks that op builds killed half-way left (a peer's or a stage's timeout): torch's
     extension loader waits on a lock forever. A lock counts as stale only when it is over a minute
     old and no process works in its build folder (ninja runs there), so a live build elsewhere on
@@ -579,14 +592,13 @@ def main(argv=None) -> int:
         "machine": {"cpus": os.cpu_count(), "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
     }
     peers: dict[str, dict[str, Any]] = {}
-    t_start = time.perf_counter()
     try:
         for peer in args.peers:
             why = precheck(peer, args, n_params, kind)
             if why:
                 peers[peer] = {"status": "skipped", "reason": why}
                 continue
-            left = args.budget_s - (time.perf_counter() - t_start) if args.budget_s else args.timeout_s
+            left = args.budget_s - (time.perf_counter() - T_START) if args.budget_s else args.timeout_s
             if left < MIN_PEER_S:
                 peers[peer] = {"status": "not_run", "reason": f"the stage's {args.budget_s:g} s budget was spent"}
                 continue

@@ -51,7 +51,7 @@ rm -f "$WORK"/*.json "$WORK"/*.xml "$WORK"/*.part "$WORK"/stages.jsonl "$WORK"/l
 START=$(date +%s)
 if [ $DRY = 1 ]; then
   TOTAL=${PROOF_BUDGET_S:-300}
-  B_SETUP=30 B_ENV=30 B_DSOPS=120 B_TESTS=60 B_KERNELS=90 B_STEP=30 B_PEERS=60 B_PEERS8=30 B_RACE=30
+  B_SETUP=30 B_ENV=30 B_DSOPS=120 B_TESTS=80 B_KERNELS=90 B_STEP=30 B_PEERS=70 B_PEERS8=40 B_RACE=30
   DRYFLAG=(--dry-run) PEERS8=(--peers plain)  # the second peers stage only checks the stage runs
 else
   TOTAL=${PROOF_BUDGET_S:-480}
@@ -174,15 +174,15 @@ DS_T=$(clip $B_DSOPS) DS_START=$(now)
 DS_PID=$!
 export PROOF_BACKGROUND="DeepSpeed op JIT build (CPU) in the background"
 
-run_stage tests tests.json "$B_TESTS" python3 scripts/_gpu_proof.py tests --work "$WORK" --budget "$(clip $B_TESTS)" "${DRYFLAG[@]}"
-clear_locks "outcore_adamw8bit_cpu"
+run_stage tests tests.json "$B_TESTS" python3 scripts/_gpu_proof.py tests --work "$WORK" --budget $(($(clip $B_TESTS) - 25)) "${DRYFLAG[@]}"
+clear_locks outcore_adamw8bit_cpu
 kill -0 $DS_PID 2> /dev/null || unset PROOF_BACKGROUND  # kernels.json says whether it overlapped
 run_stage kernels kernels.json "$B_KERNELS" python3 scripts/bench_kernels.py --device "$DEV" "${DRYFLAG[@]}" --json
 unset PROOF_BACKGROUND
 
 wait $DS_PID
 mv "$WORK/ds_ops.json.part" "$WORK/ds_ops.json"
-clear_locks "cpu_adam" "async_io"
+clear_locks cpu_adam async_io pin_memory
 read -r DS_RC DS_END < "$WORK/ds_ops.rc"
 finish ds_ops ds_ops.json "$DS_RC" $((DS_END - DS_START))
 rm -f "$WORK/ds_ops.rc"
@@ -192,12 +192,12 @@ run_step_bench step_8b step_8b.json --shape 8b --blocks 4
 
 PEER_ARGS=(--device "$DEV" --seq "$SEQ" --batch "$BATCH" --steps 3 --warmup 1 --nvme-dir /tmp "${DRYFLAG[@]}" --json)
 run_stage peers_1.7b peers_1.7b.json "$B_PEERS" python3 scripts/bench_peers.py --shape 1.7b "${PEER_ARGS[@]}" \
-  --budget-s "$(clip $((B_PEERS - 5)))"
+  --budget-s $(($(clip $B_PEERS) - 10))
 run_stage peers_8b peers_8b.json "$B_PEERS8" python3 scripts/bench_peers.py --shape 8b --blocks 4 "${PEER_ARGS[@]}" \
-  "${PEERS8[@]}" --budget-s "$(clip $((B_PEERS8 - 5)))"
+  "${PEERS8[@]}" --budget-s $(($(clip $B_PEERS8) - 10))
 python3 scripts/_gpu_proof.py merge "$WORK/peers_1.7b.json" "$WORK/peers_8b.json" > "$WORK/peers.json" 2>> "$WORK/logs/peers.log"
 
-run_stage race race.json "$B_RACE" python3 scripts/_gpu_proof.py race --budget "$(clip $((B_RACE - 5)))" -- \
+run_stage race race.json "$B_RACE" python3 scripts/_gpu_proof.py race --budget $(($(clip $B_RACE) - 5)) -- \
   python3 scripts/bench_gpu_step.py --device "$DEV" --shape 1.7b --blocks 2 --steps 3 --seq "$SEQ" \
   --batch "$BATCH" "${DRYFLAG[@]}" --json
 
