@@ -15,10 +15,11 @@
 # both refreshed as each stage ends.
 #
 # Time: at most PROOF_BUDGET_S (480 s; 300 s with --dry-run) from start to summary. Every stage
-# has its own timeout (below), clipped to what is left; a stage that times out keeps what it had
-# finished. --dry-run runs every stage on the simulated accelerator (the CPU until
-# outcore.offload.simdevice exists) at tiny shapes: CI tests this script that way
-# (tests/packaging/test_gpu_proof.py).
+# has its own timeout (below; PROOF_B_<STAGE> overrides one), clipped to what is left; a stage that
+# times out keeps what it had finished. PROOF_PEERS picks the peers and their order, PROOF_SEQ and
+# PROOF_BATCH the tokens of the step bench and the peers.
+# --dry-run runs every stage on the simulated accelerator (the CPU until outcore.offload.simdevice
+# exists) at tiny shapes: CI tests this script that way (tests/packaging/test_gpu_proof.py).
 set -uo pipefail  # no -e: a failing stage is recorded in its JSON, never fatal to the others
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -30,7 +31,7 @@ while [ $# -gt 0 ]; do
     --out) OUTDIR=${2:?--out needs a folder}; shift ;;
     --out=*) OUTDIR=${1#--out=} ;;
     --device) DEV=${2:?--device needs auto, cuda, sim or cpu}; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "gpu_proof.sh: unknown argument '$1' (--dry-run, --out DIR, --device D)" >&2; exit 2 ;;
   esac
   shift
@@ -60,7 +61,12 @@ else
   B_SETUP=60 B_ENV=30 B_DSOPS=240 B_TESTS=110 B_KERNELS=55 B_STEP=45 B_PEERS=100 B_PEERS8=65 B_RACE=35
   DRYFLAG=() PEERS8=()
 fi
-B_PEERS8=${B_PEERS8:-$B_PEERS}
+# Any budget can be set from the environment (a longer lease: PROOF_BUDGET_S=900 PROOF_B_PEERS=300 ...)
+for b in SETUP ENV DSOPS TESTS KERNELS STEP PEERS PEERS8 RACE; do
+  v=PROOF_B_$b; [ -n "${!v:-}" ] && printf -v "B_$b" '%s' "${!v}"
+done
+PEERS=(${PROOF_PEERS:+--peers "$PROOF_PEERS"})  # the peers and their order (bench_peers.py --peers)
+[ ${#PEERS8[@]} = 0 ] && PEERS8=("${PEERS[@]}")
 DEADLINE=$((START + TOTAL))
 SEQ=${PROOF_SEQ:-1024} BATCH=${PROOF_BATCH:-2}  # the step bench and the peers train the same tokens
 
@@ -192,7 +198,7 @@ run_step_bench step_8b step_8b.json --shape 8b --blocks 4
 
 PEER_ARGS=(--device "$DEV" --seq "$SEQ" --batch "$BATCH" --steps 3 --warmup 1 --nvme-dir /tmp "${DRYFLAG[@]}" --json)
 run_stage peers_1.7b peers_1.7b.json "$B_PEERS" python3 scripts/bench_peers.py --shape 1.7b "${PEER_ARGS[@]}" \
-  --budget-s $(($(clip $B_PEERS) - 10))
+  "${PEERS[@]}" --budget-s $(($(clip $B_PEERS) - 10))
 run_stage peers_8b peers_8b.json "$B_PEERS8" python3 scripts/bench_peers.py --shape 8b --blocks 4 "${PEER_ARGS[@]}" \
   "${PEERS8[@]}" --budget-s $(($(clip $B_PEERS8) - 10))
 python3 scripts/_gpu_proof.py merge "$WORK/peers_1.7b.json" "$WORK/peers_8b.json" > "$WORK/peers.json" 2>> "$WORK/logs/peers.log"

@@ -8,6 +8,7 @@ The books (_gpu_proof.py), the JSON-only stdout and the verdicts are tested alon
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -81,7 +82,6 @@ def test_dry_run_writes_every_stage(tmp_path):
         if any(p["status"] != "ok" for p in peers["peers"].values()):
             assert peers["status"] != "passed"  # a skipped peer is never counted as passed
 
-    import importlib.util
     if importlib.util.find_spec("deepspeed") is None:
         assert data["ds_ops.json"]["status"] == "skipped" and data["ds_ops.json"]["reason"]
     if not (ROOT / "scripts" / "bench_gpu_step.py").exists():
@@ -222,3 +222,50 @@ def test_peer_prechecks_and_verdicts(monkeypatch):
     assert overall({"a": {"status": "ok"}, "b": {"status": "oom"}}) == "partial"
     assert overall({"a": {"status": "ok"}, "b": {"status": "timeout"}}) == "failed"
     assert overall({"a": {"status": "skipped"}}) == "skipped"
+
+
+def test_race_check_compares_losses_bit_for_bit(tmp_path):
+    """The race stage runs the step bench with and without CUDA_LAUNCH_BLOCKING=1; a loss that
+    differs in its last bit is a difference."""
+    fake = tmp_path / "fake_step.py"
+    fake.write_text("import json, os\n"
+                    "late = 2.5 if os.environ.get('CUDA_LAUNCH_BLOCKING') != '1' or 'SAME' in os.environ "
+                    "else 2.5000000000000004\n"
+                    "print(json.dumps({'status': 'passed', 'losses': [3.0, late]}))\n")
+    race = [sys.executable, str(SCRIPTS / "_gpu_proof.py"), "race", "--budget", "60", "--", sys.executable, str(fake)]
+    differs = json.loads(subprocess.run(race, capture_output=True, text=True, timeout=120).stdout)
+    assert differs["status"] == "failed" and differs["losses_bit_identical"] is False
+    assert differs["first_difference"]["step"] == 1
+    same = json.loads(subprocess.run(race, capture_output=True, text=True, timeout=120,
+                                     env={**os.environ, "SAME": "1"}).stdout)
+    assert same["status"] == "passed" and same["losses_bit_identical"]
+    missing = [sys.executable, str(SCRIPTS / "_gpu_proof.py"), "race", "--budget", "9", "--", sys.executable,
+               "scripts/no_such_bench.py"]
+    assert json.loads(subprocess.run(missing, capture_output=True, text=True, timeout=60).stdout)["status"] == "missing"
+
+
+_BROKEN_KERNEL = """
+import json, sys
+sys.path.insert(0, {scripts!r})
+import torch
+import bench_kernels as bk
+from outcore.kernels import stochastic_round_triton as srt
+real = srt.stochastic_round_triton_
+def off_by_one_bit(out, x, key, offset):  # a kernel that breaks its promise in one element
+    real(out, x, key, offset)
+    out.view(torch.int16)[7] ^= 1
+srt.stochastic_round_triton_ = off_by_one_bit
+dev = bk.resolve("cpu")
+c = bk.Ctx(dev, "triton", 4096 * 3 + 5, bk.LCE_DRY, 1, 0)
+print(json.dumps({{"broken": bk.bench_stochastic_round(c)["status"],
+                   "real": (setattr(srt, "stochastic_round_triton_", real), bk.bench_stochastic_round(c))[1]["status"]}}))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_kernel_bench_catches_a_broken_kernel():
+    """bench_kernels' bit-identity check fails a kernel one bit off (Triton's interpreter, on the CPU)."""
+    out = subprocess.run([sys.executable, "-c", _BROKEN_KERNEL.format(scripts=str(SCRIPTS))], capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"broken": "failed", "real": "ok"}
