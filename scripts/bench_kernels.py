@@ -386,12 +386,10 @@ def bench_lce(c: Ctx, name: str) -> dict[str, Any]:
 
     dtype = torch.float32 if name == "lce_fp32" else torch.bfloat16
     n, hdim, vocab = c.lce[name]
-    g = torch.Generator().manual_seed(7)
-    h = torch.randn(n, hdim, generator=g).to(c.dev.torch, dtype).requires_grad_()
-    w = (torch.randn(vocab, hdim, generator=g) * hdim ** -0.5).to(c.dev.torch, dtype).requires_grad_()
-    t = torch.randint(0, vocab, (n,), generator=g)
+    h = randn(n * hdim, c, 7).view(n, hdim).to(dtype).requires_grad_()
+    w = (randn(vocab * hdim, c, 8).view(vocab, hdim) * hdim ** -0.5).to(dtype).requires_grad_()
+    t = (randn(n, c, 9).abs() * vocab / 4).long().clamp_(0, vocab - 1)  # skewed ids, as text's are
     t[::9] = -100  # ignored rows
-    t = t.to(c.dev.torch)
     impl = op_impl(c, h)
     chunk = lce.default_chunk_size(n, vocab)
 
