@@ -178,6 +178,21 @@ def reset_peak_memory(dev: Device) -> None:
         torch.cuda.reset_peak_memory_stats(dev.torch)
 
 
+def filesystem(path: str) -> dict[str, Any]:
+    """The mount a path is on (device, type): "NVMe" figures need a disk, not tmpfs or overlay on RAM."""
+    best = ("", "?", "?")
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fstype = line.split()[:3]
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
+                    best = (mnt, dev, fstype)
+    except OSError:
+        pass
+    return {"path": path, "mount": best[0] or None, "device": best[1], "fstype": best[2]}
+
+
 def machine() -> dict[str, Any]:
     """The host a figure was measured on (BENCHMARKING.md: state the machine)."""
     model = None

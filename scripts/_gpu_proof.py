@@ -118,12 +118,14 @@ def cmd_env(args) -> dict[str, Any]:
 
     import psutil
 
+    from _accel import filesystem
+
     vm = psutil.virtual_memory()
     disks = {}
     for path in dict.fromkeys([args.out_dir, "/tmp", args.nvme_dir, str(ROOT)]):
         if path and os.path.isdir(path):
             du = shutil.disk_usage(path)
-            disks[path] = {"free_bytes": du.free, "total_bytes": du.total}
+            disks[path] = {"free_bytes": du.free, "total_bytes": du.total, **filesystem(path)}
     sim = importlib.util.find_spec("outcore.offload.simdevice") is not None if importlib.util.find_spec(
         "outcore") else False
     return {

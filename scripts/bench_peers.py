@@ -580,6 +580,8 @@ def main(argv=None) -> int:
     if args.child:
         return run_child_main(args)
     out = claim_stdout(args.json)
+    from _accel import filesystem
+
     kind = device_kind(args.device)
     cfg = llama_config(args.shape, args.blocks)
     n_params = count_params(cfg)
@@ -590,6 +592,7 @@ def main(argv=None) -> int:
         "gpu_mem_cap_gib": args.gpu_mem_gib if kind == "cuda" else None, "hyper": HYPER,
         "data": "synthetic token ids (uniform, seeded), the same batches for every peer",
         "machine": {"cpus": os.cpu_count(), "ram_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
+        "nvme_dir": filesystem(args.nvme_dir),  # ZeRO-Infinity's swap: a disk, or the figures are not NVMe's
     }
     peers: dict[str, dict[str, Any]] = {}
     try:

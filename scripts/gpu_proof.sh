@@ -17,7 +17,7 @@
 # Time: at most PROOF_BUDGET_S (480 s; 300 s with --dry-run) from start to summary. Every stage
 # has its own timeout (below; PROOF_B_<STAGE> overrides one), clipped to what is left; a stage that
 # times out keeps what it had finished. PROOF_PEERS picks the peers and their order, PROOF_SEQ and
-# PROOF_BATCH the tokens of the step bench and the peers.
+# PROOF_BATCH the tokens of the step bench and the peers, PROOF_NVME_DIR ZeRO-Infinity's swap (/tmp).
 # --dry-run runs every stage on the simulated accelerator (the CPU until outcore.offload.simdevice
 # exists) at tiny shapes: CI tests this script that way (tests/packaging/test_gpu_proof.py).
 set -uo pipefail  # no -e: a failing stage is recorded in its JSON, never fatal to the others
@@ -169,7 +169,9 @@ print(json.dumps({"status": status, "wheels": os.environ["W"], "libaio": os.envi
 finish setup setup.json 0 $(($(now) - s))
 
 # --- the stages -----------------------------------------------------------------------------
-run_stage env env.json "$B_ENV" python3 scripts/_gpu_proof.py env --device "$DEV" --out-dir "$WORK" "${DRYFLAG[@]}"
+NVME=${PROOF_NVME_DIR:-/tmp}  # ZeRO-Infinity's swap (env.json and peers_*.json say which disk it is)
+run_stage env env.json "$B_ENV" python3 scripts/_gpu_proof.py env --device "$DEV" --out-dir "$WORK" --nvme-dir "$NVME" \
+  "${DRYFLAG[@]}"
 
 # DeepSpeed's cpu_adam and async_io JIT-build in the background (minutes of one CPU core each)
 # while the tests and the kernels run; the timed CPU-heavy stages (step, peers, race) wait for it.
@@ -196,7 +198,7 @@ rm -f "$WORK/ds_ops.rc"
 run_step_bench step_1.7b step_1.7b.json --shape 1.7b
 run_step_bench step_8b step_8b.json --shape 8b --blocks 4
 
-PEER_ARGS=(--device "$DEV" --seq "$SEQ" --batch "$BATCH" --steps 3 --warmup 1 --nvme-dir /tmp "${DRYFLAG[@]}" --json)
+PEER_ARGS=(--device "$DEV" --seq "$SEQ" --batch "$BATCH" --steps 3 --warmup 1 --nvme-dir "$NVME" "${DRYFLAG[@]}" --json)
 run_stage peers_1.7b peers_1.7b.json "$B_PEERS" python3 scripts/bench_peers.py --shape 1.7b "${PEER_ARGS[@]}" \
   "${PEERS[@]}" --budget-s $(($(clip $B_PEERS) - 10))
 run_stage peers_8b peers_8b.json "$B_PEERS8" python3 scripts/bench_peers.py --shape 8b --blocks 4 "${PEER_ARGS[@]}" \
