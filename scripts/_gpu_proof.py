@@ -171,7 +171,7 @@ def junit_summary(path: Path) -> dict[str, Any]:
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     failed, skips = [], {}
     for case in ET.parse(path).getroot().iter("testcase"):
-        tid = f"{case.get('classname', '')}::{case.get('name', '')}"
+        tid = "::".join(x for x in (case.get("classname"), case.get("name")) if x)  # a collection error: no class
         kinds = {child.tag: child for child in case}
         if "failure" in kinds or "error" in kinds:
             tag = "failure" if "failure" in kinds else "error"
@@ -190,8 +190,9 @@ def junit_summary(path: Path) -> dict[str, Any]:
 def run_pytest(targets: list[str], extra: list[str], xml: Path, timeout: float) -> dict[str, Any]:
     """pytest on ``targets`` with a junit report; at the timeout SIGINT, so pytest still writes it
     (the caller keeps 25 s of its stage for that: 10 s of grace, then SIGKILL)."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", f"--junit-xml={xml}", *extra,
-           *targets]
+    # a file that cannot be imported there is an error in the report, and the other files still run
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "--continue-on-collection-errors",
+           f"--junit-xml={xml}", *extra, *targets]
     if importlib.util.find_spec("pytest_timeout"):  # a hung test (a stuck collective) costs one test, not the suite
         cmd.append(f"--timeout={max(30, int(timeout / 2))}")
     xml.unlink(missing_ok=True)
