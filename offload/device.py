@@ -23,6 +23,7 @@ Nothing here does device work at import time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 import weakref
@@ -67,7 +68,7 @@ def resolve_device(kind: str | torch.device | None = "auto") -> torch.device:
     if kind == "sim":
         from .simdevice import enable
 
-        return enable()
+        return torch.device(enable().type, 0)  # indexed, as its tensors' devices are
     return torch.device("cpu")
 
 
@@ -89,6 +90,19 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(v, device) for v in batch)
     return batch
+
+
+@functools.lru_cache(maxsize=None)
+def supports_sparse(device: torch.device) -> bool:
+    """Can ``device`` hold sparse COO tensors (the embedding's row gradients,
+    ``tied_embedding.py``)? CUDA and the CPU can; the simulated accelerator cannot, and
+    its runs take autograd's dense embedding gradient instead (the same bits)."""
+    try:
+        torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.long, device=device),
+                                torch.zeros(1, device=device), (1,))
+    except (NotImplementedError, RuntimeError):
+        return False
+    return True
 
 
 def list_devices() -> list[dict]:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ..events import TierStats
-from .device import to_device
+from .device import supports_sparse, to_device
 from .handle import Tier
 from .store import TieredStore
 from .tied_embedding import row_gradient_embedding
@@ -149,7 +149,8 @@ class OutOfCoreEngine:
         accumulation (autograd adds (head + rows) to the earlier micro-batches' sum, this
         would add them one by one), nor untied with clipping (the norm is the dense one's)."""
         embed = self.units[0] if self.units else None
-        if embed is None or len(embed.modules) != 1 or grad_accum != 1 or embed.trainable != 1:
+        if (embed is None or len(embed.modules) != 1 or grad_accum != 1 or embed.trainable != 1
+                or not supports_sparse(self.device)):
             return None
         tied = 0 in self.units[-1].borrows
         if not (tied or self.step_in_backward):

@@ -44,6 +44,7 @@ handed out round-robin, as CUDA's pool of 32 is).
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import shutil
@@ -177,6 +178,18 @@ def _device_module() -> types.ModuleType:
     mod.memory_allocated = lambda device=None: report()["allocated_bytes"]
     mod.max_memory_allocated = lambda device=None: report()["peak_bytes"]
     mod.empty_cache = lambda: torch.ops.outcore_sim.empty_cache()
+    # Autocast: none (a known gap). torch.utils.checkpoint's recompute asks for the forward's
+    # state (off) on every device type it saw; turning it on is refused, never ignored.
+    mod.get_amp_supported_dtype = lambda: [torch.float16, torch.bfloat16]
+    mod.is_autocast_enabled = lambda: False
+    mod.get_autocast_dtype = lambda: torch.bfloat16
+
+    def set_autocast_enabled(enabled: bool) -> None:
+        if enabled:
+            raise NotImplementedError("the sim device has no autocast: cast the model (dtype=bfloat16) instead")
+
+    mod.set_autocast_enabled = set_autocast_enabled
+    mod.set_autocast_dtype = lambda dtype: None
     return mod
 
 
@@ -216,3 +229,14 @@ def host_unregister(t: torch.Tensor) -> None:
     """Undo :func:`host_register` (``t`` must start where a registered range starts)."""
     enable()
     torch.ops.outcore_sim.host_unregister(t)
+
+
+def host_unregister_ptr(ptr: int) -> None:
+    """:func:`host_unregister` of the range that starts at address ``ptr``: for a finalizer,
+    which must not hold the tensor it outlives."""
+    host_unregister(torch.frombuffer((ctypes.c_char * 1).from_address(ptr), dtype=torch.uint8))
+
+
+def unavailable_reason() -> str | None:
+    """Why the backend cannot be built here (None: it can)."""
+    return None if available() else _missing()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import resource
 import shutil
@@ -55,8 +56,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deterministic", action="store_true",
                     help="torch.use_deterministic_algorithms (the race check compares losses bit for bit)")
     ap.add_argument("--no-measure", action="store_true", help="skip the disk/copy/matmul measurements")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="the tiny shape, short sequences, two steps, nothing measured (gpu_proof.sh --dry-run)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if args.dry_run:
+        args.shape, args.seq, args.steps, args.no_measure = "tiny", min(args.seq, 64), min(args.steps, 2), True
 
     import torch
 
@@ -68,12 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         run, out = _setup(args, swap)
         try:
             out.update(_train(run, args))
+            out["weights_digest"] = _digest(run["engine"])
         finally:
             run["engine"].close()
     finally:
         shutil.rmtree(swap, ignore_errors=True)
     out["host_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out["floor"] = _floor(out, run, args)
+    out["status"] = "passed" if all(math.isfinite(x) for x in out["losses"]) else "failed"
     print(json.dumps(out, indent=1) if args.json else
           f"{out['shape']} x{out['layers']} on {out['device']}: {out['median_step_s']:.2f} s/step "
           f"(plan {out['plan']['step_s']:.2f}, floor {out['floor']['step_s']:.2f}), "
@@ -172,14 +179,14 @@ def _train(run: dict, args: argparse.Namespace) -> dict:
         engine.mem.flush()  # the step's write-backs are part of it
         synchronize_device(device)
         dt = time.perf_counter() - t
-        losses.append(float(loss).hex())  # host sync; hex: the race check compares bits
+        losses.append(float(loss))  # host sync (JSON keeps a float's every bit)
         after = links()
         if step > 0:  # the first step is the warm-up
             times.append(dt)
             stalls.append(engine.stall_s - stall0)
             moved.append({k: after[k] - before[k] for k in after})
         if not args.json:
-            print(f"step {step}: {dt:.2f} s, loss {float.fromhex(losses[-1]):.4f}", file=sys.stderr, flush=True)
+            print(f"step {step}: {dt:.2f} s, loss {losses[-1]:.4f}", file=sys.stderr, flush=True)
     step_s = statistics.median(times)
     tokens = args.batch * args.seq
     n = sum(s.numel for u in engine.units for s in u.slots)
@@ -188,11 +195,23 @@ def _train(run: dict, args: argparse.Namespace) -> dict:
            "model_tflops": 6 * n * tokens / step_s / 1e12,
            "stall_pct": 100 * statistics.median(stalls) / step_s,
            "link_bytes_per_step": {k: int(statistics.median(m[k] for m in moved)) for k in moved[0]},
-           "losses_hex": losses}
+           "losses": losses}
     if device.type == "cuda":
         out["gpu_peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
         out["gpu_peak_reserved_bytes"] = int(torch.cuda.max_memory_reserved(device))
     return out
+
+
+def _digest(engine) -> str:
+    """sha256 of every unit's trained weights (the race check compares runs by it)."""
+    import hashlib
+
+    import torch
+
+    h = hashlib.sha256()
+    for i in range(len(engine.units)):
+        h.update(engine.mem.weights(i).view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _floor(out: dict, run: dict, args: argparse.Namespace) -> dict:

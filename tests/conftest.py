@@ -18,6 +18,16 @@ def pytest_addoption(parser):
                      help="which slow tests to run (default: none)")
 
 
+def pytest_configure(config):
+    # The simulated accelerator must be loaded before the session's first backward pass:
+    # torch's autograd engine gives each device type its thread once (simdevice.load).
+    if "sim" in test_devices():
+        from outcore.offload import simdevice
+
+        if simdevice.unavailable_reason() is None:
+            simdevice.load()
+
+
 def pytest_collection_modifyitems(config, items):
     mode = config.getoption("--slow")
     keep, dropped = [], []
