@@ -152,7 +152,7 @@ def cmd_env(args) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------
 # The equivalence suite: out of core == in memory, bit for bit (docs/architecture.md), and ours ==
 # the references. On a GPU each runs on the device the lead's OUTCORE_TEST_DEVICE option picks.
-EQUIVALENCE = ("tests/offload/test_engine.py", "tests/offload/test_engine_mixed.py",
+EQUIVALENCE = ("tests/offload/test_device_path.py", "tests/offload/test_engine.py", "tests/offload/test_engine_mixed.py",
                "tests/offload/test_engine_optimizers.py", "tests/offload/test_engine_lean.py",
                "tests/offload/test_engine_pieces.py", "tests/offload/test_engine_lora.py",
                "tests/offload/test_tied_embedding.py", "tests/optim/test_reference_equivalence.py")
@@ -256,8 +256,12 @@ def cmd_tests(args) -> dict[str, Any]:
     deadline = time.perf_counter() + args.budget
     gpu_files = gpu_test_files()
     equiv = list(EQUIVALENCE_DRY if args.dry_run else EQUIVALENCE)
+    # the equivalence suite's device-parametrized tests on the device (their ids name it); the
+    # rest of those files checks the CPU, which CI does
+    device = os.environ.get("OUTCORE_TEST_DEVICE")
+    only = ["-k", device] if device and device != "cpu" else []
     plan = [("gpu", gpu_files, ["-m", "gpu", "--slow=all"], work / "tests_gpu.xml", args.gpu_share),
-            ("equivalence", equiv, ["--slow=ci"], work / "tests_equiv.xml", 1.0)]
+            ("equivalence", equiv, ["--slow=ci", *only], work / "tests_equiv.xml", 1.0)]
     try:
         for name, targets, extra, xml, share in plan:
             left = deadline - time.perf_counter()

@@ -19,6 +19,12 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    if os.environ.get("OUTCORE_TEST_DEVICE", "cpu") == "cuda":
+        # bit-identity on a GPU holds for deterministic kernels only (atomics in backward)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        import torch
+
+        torch.use_deterministic_algorithms(True)
     # The simulated accelerator must be loaded before the session's first backward pass:
     # torch's autograd engine gives each device type its thread once (simdevice.load).
     if "sim" in test_devices():
