@@ -23,7 +23,8 @@ InitWeights = Callable[[ParamSlot, torch.Tensor], None]
 
 def store_unit(store: TieredStore, unit: Unit, optimizer: Any, homes: tuple[Tier, Tier],
                init_weights: InitWeights | None = None, master_weights: bool = True,
-               quantize_frozen: bool = False, state_piece_bytes: int | None = None) -> None:
+               quantize_frozen: bool = False, state_piece_bytes: int | None = None,
+               state_streams: bool = False) -> None:
     """Register ``unit``'s weights and optimizer state with ``store`` and fill its store fields.
 
     Args:
@@ -38,14 +39,15 @@ def store_unit(store: TieredStore, unit: Unit, optimizer: Any, homes: tuple[Tier
             (kind ``master``); ``init_weights`` then fills the master, in fp32.
         quantize_frozen: store the frozen block matrices in NF4 (QLoRA).
         state_piece_bytes: split a state larger than this into pieces (see ``state_pieces``);
-            only a state whose home is NVMe streams, so only that one is split.
+            only a state that streams is split: one whose home is NVMe, or any on an
+            accelerator (``state_streams``: the update runs there, the state comes to it).
 
     Raises:
         ValueError: a meta parameter without ``init_weights``, or a state kind mixing dtypes.
     """
     unit.homes = homes
     w_home, s_home = homes
-    if (s_home is Tier.NVME or unit.shard) and optimizer is not None:
+    if (s_home is Tier.NVME or unit.shard or state_streams) and optimizer is not None:
         split = state_pieces(unit, optimizer, state_piece_bytes, master_weights)
         if split is None and unit.shard:
             raise ValueError(f"the optimizer state of {unit.name} cannot be cut into ranges (sharding.shard_units)")

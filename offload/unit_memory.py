@@ -66,7 +66,7 @@ class StoreUnitMemory:
         for unit in units:
             store_unit(store, unit, optimizer, homes[unit.index], init_weights=init_weights,
                        master_weights=master_weights, quantize_frozen=quantize_frozen,
-                       state_piece_bytes=state_piece_bytes)
+                       state_piece_bytes=state_piece_bytes, state_streams=self._accelerator)
         self._tick = count()  # orders kept copies for eviction, least recently released first
         self._writes: list[Future] = []  # write-backs and evictions in flight
 

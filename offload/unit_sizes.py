@@ -304,13 +304,16 @@ def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier]], k:
                    if split_state else None)
     window_sizes, host_home = list(s_sizes), 0
     for i, unit in enumerate(units):
-        streams = homes[i][1] is Tier.NVME
-        ram = ram_kinds({k: n for k, n in kinds_of[i].items() if k != GRADS}) if streams else set()
+        on_disk = homes[i][1] is Tier.NVME
+        streams = on_disk or accelerator  # (on an accelerator every state streams to the update)
+        ram = ram_kinds({k: n for k, n in kinds_of[i].items() if k != GRADS}) if on_disk else set()
         split = state_pieces(unit, optimizer, piece_bytes, master_weights) if streams or unit.shard else None
-        handles = {k: n for k, n in (split.handle_bytes if split else kinds_of[i]).items() if k not in ram}
+        # the kinds kept in RAM never stream from the disk, but reach the device with the rest
+        handles = {k: n for k, n in (split.handle_bytes if split else kinds_of[i]).items()
+                   if k not in ram or accelerator}
         if split is not None and spill_grads:
             handles[GRADS] = max((b - a for a, b in split.ranges), default=0) * _unit_dtype(unit).itemsize
-        window_sizes[i] = _arena_bytes(handles)  # the kinds kept in RAM never stream
+        window_sizes[i] = _arena_bytes(handles)
         pieces = len(split.ranges) if split else 1
         host_home += sum(n + pieces * align_up(1) for k, n in kinds_of[i].items() if k in ram)
         if split is not None and unit.shard:  # the rank stores its range only (and spills its range's gradient)

@@ -206,7 +206,7 @@ run_stage peers_8b peers_8b.json "$B_PEERS8" python3 scripts/bench_peers.py --sh
 python3 scripts/_gpu_proof.py merge "$WORK/peers_1.7b.json" "$WORK/peers_8b.json" > "$WORK/peers.json" 2>> "$WORK/logs/peers.log"
 
 run_stage race race.json "$B_RACE" python3 scripts/_gpu_proof.py race --budget $(($(clip $B_RACE) - 5)) -- \
-  python3 scripts/bench_gpu_step.py --device "$DEV" --shape 1.7b --blocks 2 --steps 3 --seq "$SEQ" \
-  --batch "$BATCH" "${DRYFLAG[@]}" --json
+  python3 scripts/bench_gpu_step.py --device "$DEV" --shape 1.7b --blocks 2 --steps 2 --seq "$SEQ" \
+  --batch "$BATCH" --deterministic --no-measure "${DRYFLAG[@]}" --json
 
 python3 scripts/_gpu_proof.py summary --elapsed $(($(now) - START)) "${BOOKS[@]}"

@@ -65,7 +65,21 @@ constexpr int kPoison = 0xFF;
 constexpr size_t kCacheCap = size_t(1) << 30;  // freed pool blocks kept for reuse, at most
 const c10::Device kSim(c10::DeviceType::PrivateUse1, 0);
 const c10::Device kCpu(c10::DeviceType::CPU);
-using Lock = std::lock_guard<std::mutex>;
+// Storages whose last reference a locked section drops (an executed copy's host side) go
+// here and are released after the unlock: dropping one may decref its Python object, which
+// takes the GIL, and a thread holding the GIL may be waiting for this mutex (an event
+// recorded from Python) - the lock order is GIL, then the mutex, never the reverse.
+std::vector<c10::Storage>& graveyard();
+
+struct Lock {
+  explicit Lock(std::mutex& m) : u(m) {}
+  ~Lock() {
+    std::vector<c10::Storage> dead;
+    dead.swap(graveyard());
+    u.unlock();
+  }  // `dead` is destroyed here, unlocked
+  std::unique_lock<std::mutex> u;
+};
 using at::Tensor;
 using c10::SymIntArrayRef;
 using std::optional;
@@ -154,6 +168,11 @@ State& st() {
   return *s;
 }
 
+std::vector<c10::Storage>& graveyard() {
+  static auto* dead = new std::vector<c10::Storage>();  // guarded by st().mu
+  return *dead;
+}
+
 thread_local int tls_stream = 0;  // the current stream, per thread as in CUDA
 
 std::string stream_name(int s) { return s ? "stream " + std::to_string(s) : "stream 0 (the default stream)"; }
@@ -235,6 +254,7 @@ void flush(State& s, int t, size_t k) {
     } catch (...) {
       if (!error) error = std::current_exception();
     }
+    graveyard().push_back(std::move(c.host_keep));  // released after the unlock (see Lock)
   }
   if (error) std::rethrow_exception(error);
 }
@@ -790,6 +810,7 @@ Tensor copy_from(const Tensor& src, const Tensor& dst, bool non_blocking) {
   const bool host_plain = host.dtype() == dev.dtype() && host.is_contiguous() &&
                           host.is_conj() == dev.is_conj() && host.is_neg() == dev.is_neg();
   const Access a = access_of(dev, to_dev);
+  c10::Storage keep = host.storage();  // taken before the lock: a refcount may take the GIL (see Lock)
   const char* op = to_dev ? (non_blocking ? "copy_ host-to-device (non_blocking)" : "copy_ host-to-device")
                           : (non_blocking ? "copy_ device-to-host (non_blocking)" : "copy_ device-to-host");
   {
@@ -802,7 +823,7 @@ Tensor copy_from(const Tensor& src, const Tensor& dst, bool non_blocking) {
       const auto h = reinterpret_cast<uintptr_t>(hp);
       const uint64_t seq = issue(s, t, op, &a, 1, h, h + nbytes);
       ++a.b->refs;
-      s.streams[t].pending.push_back(Copy{seq, to_dev, a.b, a.b->gen, a.lo, nbytes, hp, host.storage()});
+      s.streams[t].pending.push_back(Copy{seq, to_dev, a.b, a.b->gen, a.lo, nbytes, hp, std::move(keep)});
       std::memset(to_dev ? a.b->base + a.lo : hp, kPoison, nbytes);
       ++s.deferred_copies;
       return dst;
