@@ -19,8 +19,10 @@ import functools
 import hashlib
 import json
 import logging
+import mmap
 import os
 import shutil
+import struct
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +32,8 @@ from ..errors import ModelError
 log = logging.getLogger(__name__)
 
 #: Bump when the cache layout changes: old entries are then ignored (never misread).
-CACHE_FORMAT = 1
+#: 2: the tokenizer says what the GGUF says (:func:`reconciled_with_gguf`).
+CACHE_FORMAT = 2
 #: Written last into a cache entry; an entry without it is not used.
 MARKER = "outcore-gguf-cache.json"
 _TMP_PREFIX = ".tmp-"
@@ -182,6 +185,104 @@ def _memoized_tensor_name_map():
         gguf.get_tensor_name_map = original
 
 
+#: tokenizer attribute -> the GGUF metadata key holding its token id
+_SPECIAL_IDS = {"bos_token": "tokenizer.ggml.bos_token_id", "eos_token": "tokenizer.ggml.eos_token_id",
+                "pad_token": "tokenizer.ggml.padding_token_id", "unk_token": "tokenizer.ggml.unknown_token_id"}
+_TOKENIZER_MODEL = "tokenizer.ggml.model"  # "gpt2": byte-level BPE; "llama": SentencePiece-style BPE
+#: GGUF metadata value types of a fixed size (type id -> struct format)
+_GGUF_FIXED = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+               10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_metadata(gguf_file: str | Path, keys: set[str] | frozenset[str]) -> dict[str, object]:
+    """The GGUF metadata values of ``keys`` that are numbers, booleans or strings (arrays are
+    left out, as are keys the file lacks).
+
+    Reads the metadata section only, stepping over the vocabulary's arrays (~20 ms for a
+    49k-token vocabulary; ``gguf.GGUFReader`` parses every field, ~2 s).
+
+    Raises:
+        ValueError: not a GGUF file of version 2 or 3, or one cut short.
+    """
+    with open(gguf_file, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        try:
+            if m[:4] != b"GGUF" or struct.unpack_from("<I", m, 4)[0] not in (2, 3):
+                raise ValueError(f"'{gguf_file}' is not a GGUF file of version 2 or 3")
+
+            def string(at: int) -> tuple[str, int]:  # the string at ``at`` and the offset after it
+                (size,) = struct.unpack_from("<Q", m, at)
+                if at + 8 + size > len(m):
+                    raise struct.error("a string runs past the end of the file")
+                return bytes(m[at + 8:at + 8 + size]).decode("utf-8", "replace"), at + 8 + size
+
+            def skip(kind: int, at: int) -> int:  # the offset after one value of ``kind``
+                if kind in _GGUF_FIXED:
+                    return at + struct.calcsize(_GGUF_FIXED[kind])
+                if kind == _GGUF_STRING:
+                    return at + 8 + struct.unpack_from("<Q", m, at)[0]
+                if kind != _GGUF_ARRAY:
+                    raise ValueError(f"'{gguf_file}': unknown GGUF value type {kind}")
+                item, n = struct.unpack_from("<IQ", m, at)
+                at += 12
+                if item in _GGUF_FIXED:
+                    return at + n * struct.calcsize(_GGUF_FIXED[item])
+                for _ in range(n):
+                    at = skip(item, at)
+                return at
+
+            (count,), at, out = struct.unpack_from("<Q", m, 16), 24, {}
+            for _ in range(count):
+                key, at = string(at)
+                (kind,) = struct.unpack_from("<I", m, at)
+                at += 4
+                if key in keys and kind in _GGUF_FIXED:
+                    out[key] = struct.unpack_from(_GGUF_FIXED[kind], m, at)[0]
+                elif key in keys and kind == _GGUF_STRING:
+                    out[key] = string(at)[0]
+                at = skip(kind, at)
+            return out
+        except struct.error as err:
+            raise ValueError(f"'{gguf_file}' is cut short: {err}") from None
+
+
+def reconciled_with_gguf(tokenizer, gguf_file: str | Path):
+    """``tokenizer``, built by transformers from ``gguf_file``, made to say what the file says.
+
+    transformers 5.24 reads a GGUF's tokenizer faithfully; 5.17 (the GPU image's) does not for
+    a Llama-family file such as SmolLM2's, which is why both corrections exist:
+
+    - special tokens: the file names them by id (``tokenizer.ggml.eos_token_id`` ...); 5.17
+      made SmolLM2's EOS ``<|im_start|>`` (the BOS) and gave it no pad token, so chat turns
+      were closed with the wrong token and padded batches were refused. The file's win.
+    - byte-level BPE (``tokenizer.ggml.model`` ``gpt2``): 5.17 built it with SentencePiece's
+      byte fallback and decoder. Token ids and text come out the same (every byte is a
+      byte-level token, so the fallback never fires), but the saved ``tokenizer.json`` no
+      longer reads as GPT-2 BPE, so ``outcore export --format gguf`` wrote a Llama
+      tokenizer without merges. The byte-level model and decoder are put back.
+    """
+    try:
+        meta = gguf_metadata(gguf_file, frozenset(_SPECIAL_IDS.values()) | {_TOKENIZER_MODEL})
+    except (OSError, ValueError) as err:  # transformers has just read it: not expected
+        log.warning("cannot read the tokenizer metadata of %s: %s", gguf_file, err)
+        return tokenizer
+    for name, key in _SPECIAL_IDS.items():
+        token_id = meta.get(key)
+        if isinstance(token_id, int) and 0 <= token_id < len(tokenizer):
+            token = tokenizer.convert_ids_to_tokens(token_id)
+            if getattr(tokenizer, name) != token:
+                setattr(tokenizer, name, token)
+    backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer's tokenizers.Tokenizer
+    if meta.get(_TOKENIZER_MODEL) == "gpt2" and backend is not None:
+        from tokenizers import decoders, models
+
+        if isinstance(backend.model, models.BPE) and backend.model.byte_fallback:
+            backend.model.byte_fallback = False  # the model object is shared: set in place
+        if not isinstance(backend.decoder, decoders.ByteLevel):
+            backend.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
 def _dequantize(gguf_file: Path):
     """Load ``gguf_file`` through transformers + gguf as a dense fp32 model and its tokenizer."""
     import torch
@@ -194,7 +295,8 @@ def _dequantize(gguf_file: Path):
     except ImportError:  # older transformers always dequantize
         pass
     try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        tokenizer = reconciled_with_gguf(
+            AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name), gguf_file)
         with _memoized_tensor_name_map():
             model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name,
                                                          dtype=torch.float32, **kwargs)

@@ -26,7 +26,7 @@ import torch
 from ..dtypes import DTYPES, torch_dtype
 from ..errors import ConfigError, ModelError
 from ._check import _first_line, check_model_dir, check_tokenizer
-from ._gguf_cache import build_gguf_cache, gguf_cache_path, is_complete
+from ._gguf_cache import build_gguf_cache, gguf_cache_path, is_complete, reconciled_with_gguf
 from ._structure import SUPPORTED_MODEL_TYPES
 
 log = logging.getLogger(__name__)
@@ -272,7 +272,10 @@ def load_tokenizer(spec: str | Path = "default", *, cache_dir: str | Path | None
     source = resolve_model_spec(spec)
     try:
         location, kwargs = pretrained_args(source, cache_dir)
-        return AutoTokenizer.from_pretrained(location, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(location, **kwargs)
+        if "gguf_file" in kwargs:  # built from the GGUF itself (no cache entry yet)
+            tokenizer = reconciled_with_gguf(tokenizer, Path(location) / kwargs["gguf_file"])
+        return tokenizer
     except (OSError, ValueError, KeyError) as err:
         raise ModelError(f"cannot load the tokenizer of '{source.location}': "
                          f"{_first_line(err)}") from err

@@ -138,11 +138,24 @@ def shard_units(units: list[Unit], optimizer: Any, ranks: Ranks | None, resident
     return ranks.world
 
 
+def _flat_collectives() -> tuple[Any, Any]:
+    """``(reduce_scatter, all_gather)`` of ``torch.distributed`` over one flat tensor per rank.
+
+    The same two collectives go by two names: torch 2.11 has only ``reduce_scatter_tensor`` /
+    ``all_gather_into_tensor``; torch 2.13 adds ``reduce_scatter_single`` / ``all_gather_single``
+    and deprecates the old names with a FutureWarning (a line on every rank's stderr). So the
+    newer name where it exists (a lookup of the function itself, not of a version number).
+    """
+    import torch.distributed as dist
+
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,
+            getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)
+
+
 def reduce_grads(unit: Unit, grads: dict[int, torch.Tensor]) -> torch.Tensor:
     """Sum ``unit``'s gradients (slot -> gradient) over the ranks; return this rank's range of
     the sum, [length] (zero where the shard space pads). One ``reduce_scatter`` per chunk."""
-    import torch.distributed as dist
-
+    reduce_scatter, _ = _flat_collectives()
     shard = unit.shard
     first = next(iter(grads.values()))
     dtype, device = first.dtype, first.device  # (NCCL reduces on the GPU, gloo on the CPU)
@@ -154,15 +167,14 @@ def reduce_grads(unit: Unit, grads: dict[int, torch.Tensor]) -> torch.Tensor:
         for r in range(shard.world):
             for k, lo, hi, at in shard.overlaps(r * shard.length + j0, r * shard.length + j1):
                 send[r * c + at:r * c + at + hi - lo].copy_(dense_range(grads[k], lo, hi))
-        dist.reduce_scatter_single(mine[j0:j1], send)
+        reduce_scatter(mine[j0:j1], send)
     return mine
 
 
 def gather_weights(unit: Unit) -> None:
     """Gather every rank's updated range into ``unit.bound``, the whole weights, on every rank
     (one ``all_gather`` per chunk)."""
-    import torch.distributed as dist
-
+    _, all_gather = _flat_collectives()
     shard, flat = unit.shard, unit.bound
 
     def weights(k: int) -> torch.Tensor:
@@ -174,7 +186,7 @@ def gather_weights(unit: Unit) -> None:
         for k, lo, hi, at in shard.overlaps(shard.lo + j0, shard.lo + j1):
             mine[at:at + hi - lo].copy_(weights(k)[lo:hi])
         every = torch.empty(shard.world * c, dtype=flat.dtype, device=flat.device)
-        dist.all_gather_single(every, mine)
+        all_gather(every, mine)
         for r in range(shard.world):
             for k, lo, hi, at in shard.overlaps(r * shard.length + j0, r * shard.length + j1):
                 weights(k)[lo:hi].copy_(every[r * c + at:r * c + at + hi - lo])

@@ -46,9 +46,21 @@ class _RowGradEmbedding(torch.autograd.Function):
         # the dense backward itself over the distinct ids: its arithmetic, row for row (in 16
         # bits index_add_ rounds differently where an id repeats 3+ times)
         sums = torch.ops.aten.embedding_dense_backward(rows, inverse, len(uniq), -1, False)
-        sparse = torch.sparse_coo_tensor(uniq.unsqueeze(0), sums, ctx.weight_shape,
-                                         is_coalesced=True, check_invariants=False)
-        return None, sparse, None
+        return None, _coalesced_rows(uniq.unsqueeze(0), sums, ctx.weight_shape), None
+
+
+def _coalesced_rows(indices: torch.Tensor, values: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A sparse COO tensor of rows whose ids are sorted and unique (from ``torch.unique``), so
+    it is built coalesced and unchecked (a check would be one more pass over the ids).
+
+    ``check_invariants=False`` alone is not enough on torch 2.11: it still warns once per
+    process ("Sparse invariant checks are implicitly disabled", an extra stderr line in every
+    run); torch 2.13 takes the argument as the explicit opt-out it is. Both honour the opt-out
+    the warning asks for, ``check_sparse_tensor_invariants(enable=False)``, which restores the
+    previous setting on exit.
+    """
+    with torch.sparse.check_sparse_tensor_invariants(enable=False):
+        return torch.sparse_coo_tensor(indices, values, shape, is_coalesced=True, check_invariants=False)
 
 
 def row_gradient_embedding(embedding: nn.Module, on_rows: Callable[[torch.Tensor], None]
@@ -92,8 +104,7 @@ def _take(leaf: torch.Tensor) -> torch.Tensor:
     gradient without its coalesced flag; its ids are unique and sorted (``torch.unique``),
     so the flag is put back and adding it needs no re-sort."""
     rows, leaf.grad = leaf.grad, None
-    return torch.sparse_coo_tensor(rows._indices(), rows._values(), rows.shape, is_coalesced=True,
-                                   check_invariants=False)
+    return _coalesced_rows(rows._indices(), rows._values(), rows.shape)
 
 
 def dense_range(grad: torch.Tensor, lo: int, hi: int) -> torch.Tensor:

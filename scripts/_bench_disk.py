@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from outcore.tui.jsonout import emit_json
+
 from _measure import storage_io
 
 #: the disk-bound shape's numerics (the model is bench_step's smol-1.7b-random, ``--layers`` blocks)
@@ -166,7 +168,7 @@ def run_disk_regime(args) -> int:
         rows = _timed_steps(trainer, build("cpu") if in_ram_fits else None, batches, args.warmup, work)
         prefetch = trainer.plan.prefetch_depth
     except OutcoreError as e:  # e.g. the RAM free now does not hold the windows: a result, not a figure
-        print(json.dumps({"regime": "disk", "status": "unavailable", "reason": str(e), "plan_estimate": estimate}))
+        emit_json(json.dumps({"regime": "disk", "status": "unavailable", "reason": str(e), "plan_estimate": estimate}))
         return 0
     finally:
         for t in trainers:
@@ -178,7 +180,10 @@ def run_disk_regime(args) -> int:
               "plan_estimate": estimate, "plan_estimate_in_ram": in_ram, "budgets": budgets.to_dict(),
               "machine": {"cpus": os.cpu_count(), "swap_dir": args.swap_dir}}
     result["plan_error"] = plan_error(estimate, result)
-    print(json.dumps(result, indent=1) if args.json else _table(result))
+    if args.json:
+        emit_json(json.dumps(result, indent=1))
+    else:
+        print(_table(result))
     return 0
 
 

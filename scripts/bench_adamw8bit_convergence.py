@@ -36,6 +36,8 @@ import time
 
 import torch
 
+from outcore.tui.jsonout import emit_json, json_stdout
+
 
 def lr_at(step: int, steps: int, lr: float, warmup: int, min_ratio: float) -> float:
     """Linear warm-up then cosine decay to ``lr * min_ratio`` (the recipes' schedule)."""
@@ -196,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
            "rel_diff_val_loss": (q["val_loss"] - ref["val_loss"]) / ref["val_loss"]}
     out["within_1pct"] = abs(out["rel_diff_final_train_loss"]) <= 0.01
     if args.json:
-        print(json.dumps(out, indent=1))
+        emit_json(json.dumps(out, indent=1))
         return 0
     print(f"SmolLM2-135M, Shakespeare, {args.steps} steps, seq {args.seq_len}, batch "
           f"{args.batch_size}, lr {args.lr}, {args.threads} thread(s) per run")
@@ -212,4 +214,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with json_stdout("--json" in sys.argv[1:]):  # stdout: the JSON document alone
+        sys.exit(main())

@@ -36,6 +36,8 @@ import time
 import zlib
 from pathlib import Path
 
+from outcore.tui.jsonout import emit_json, json_stdout
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
 from _measure import storage_io  # noqa: E402
 
@@ -83,8 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(swap, ignore_errors=True)  # close() removed the swap files; their folder goes too
     out["rss_phases"] = trace.stop()
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps(out, indent=1) if args.json else
-          f"{out['params'] / 1e9:.2f}B params ({out['weights_bytes'] / 2**30:.1f} GiB {args.dtype} weights): "
+    if args.json:
+        emit_json(json.dumps(out, indent=1))
+        return 0
+    print(f"{out['params'] / 1e9:.2f}B params ({out['weights_bytes'] / 2**30:.1f} GiB {args.dtype} weights): "
           f"{out['median_step_s']:.1f} s/step (plan {out['plan']['step_s']:.1f}), peak RSS "
           f"{out['peak_rss_bytes'] / 2**30:.2f} GiB (plan {out['plan']['peak_rss_bytes'] / 2**30:.2f}), "
           f"{out['bytes_read_per_step'] / 1e9:.1f} GB read / {out['bytes_written_per_step'] / 1e9:.1f} GB "
@@ -206,4 +210,5 @@ def _train(run: dict, args: argparse.Namespace, trace) -> dict:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with json_stdout("--json" in sys.argv[1:]):  # stdout: the JSON document alone
+        raise SystemExit(main())

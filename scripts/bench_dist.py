@@ -36,6 +36,8 @@ import time
 import zlib
 from pathlib import Path
 
+from outcore.tui.jsonout import emit_json, json_stdout
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
 from _measure import reset_peak_rss  # noqa: E402
 from _rss_trace import status_bytes  # noqa: E402
@@ -147,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps_peak_rss_ratio": max(r["steps_peak_rss_bytes"] for r in many) / one["steps_peak_rss_bytes"],
     }
     if args.json:
-        print(json.dumps(summary, indent=1))
+        emit_json(json.dumps(summary, indent=1))
     else:
         for w, rs in runs.items():
             for r in rs:
@@ -159,4 +161,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with json_stdout("--json" in sys.argv[1:]):  # stdout: the JSON document alone
+        raise SystemExit(main())

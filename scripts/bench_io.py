@@ -35,6 +35,7 @@ import xxhash
 from outcore.offload.directio import IOPool, aligned_empty, open_direct
 from outcore.offload.nvme import NvmeBackend
 from outcore.offload.swapdir import SwapDir
+from outcore.tui.jsonout import emit_json, json_stdout
 
 MiB = 1 << 20
 
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
     res["checksum_cost_read"] = 1 - res["engine_read_gbps"] / res["engine_raw_read_gbps"]
     res["checksum_cost_write"] = 1 - res["engine_write_gbps"] / res["engine_raw_write_gbps"]
     if a.json:
-        print(json.dumps(res))
+        emit_json(json.dumps(res))
     else:
         print(f"dir {base}  total {a.total_mib} MiB  qd {a.queue_depth}  repeats {a.repeats}  "
               f"O_DIRECT {res['o_direct']}  (medians, GB/s)")
@@ -279,4 +280,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with json_stdout("--json" in sys.argv[1:]):  # stdout: the JSON document alone
+        main(sys.argv[1:])

@@ -63,6 +63,8 @@ import threading
 import time
 from pathlib import Path
 
+from outcore.tui.jsonout import emit_json, json_stdout
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
 from _loss_gap import CODECS, loss_gap  # noqa: E402
 from _measure import storage_io  # noqa: E402
@@ -265,7 +267,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.loss_gap:
         codecs = tuple(dict.fromkeys(["none", *args.codecs.split(",")]))
-        print(json.dumps({"loss_gap": loss_gap(args.loss_gap, args.dtype, codecs)}, indent=2))
+        emit_json(json.dumps({"loss_gap": loss_gap(args.loss_gap, args.dtype, codecs)}, indent=2))
         return 0
     args.seq = args.seq or (256 if args.quick else 1024)
     args.steps = args.steps or (3 if args.quick else 5)
@@ -331,7 +333,7 @@ def main(argv=None) -> int:
                     "loss_tokens": args.loss_tokens, "loss_vocab": args.loss_vocab,
                     "loss_hidden": args.loss_hidden, "threads": os.cpu_count()}
     if args.json:
-        print(json.dumps(out, indent=2))
+        emit_json(json.dumps(out, indent=2))
         return 0
     print(f"{'config':<16}{'peak MiB':>10}{'step s':>9}{'min':>8}{'max':>8}{'loss':>10}{'disk r/w MiB':>16}")
     for cfg in runs:
@@ -349,4 +351,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with json_stdout("--json" in sys.argv[1:]):  # stdout: the JSON document alone
+        sys.exit(main())

@@ -40,6 +40,8 @@ import time
 
 import torch
 
+from outcore.tui.jsonout import emit_json, json_stdout
+
 
 def model_shaped(quick: bool, seed: int = 0) -> list[torch.nn.Parameter]:
     """fp32 tensors shaped like a small Llama: embedding, per layer q/k/v/o, MLP, norms."""
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                         "cpu_s_median": statistics.median(cpu[name])}
     meta = {"n_params": n_params, "threads": torch.get_num_threads(), "steps": steps}
     if args.json:
-        print(json.dumps({**result, "_meta": meta}, indent=1))
+        emit_json(json.dumps({**result, "_meta": meta}, indent=1))
         return 0
     base = result.get("torch_adamw_fused", {}).get("params_per_s")
     print(f"{n_params / 1e6:.1f}M parameters, {meta['threads']} threads, {steps} timed steps")
@@ -168,4 +170,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with json_stdout("--json" in sys.argv[1:]):  # stdout: the JSON document alone
+        sys.exit(main())

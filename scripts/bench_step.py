@@ -44,6 +44,8 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
+from outcore.tui.jsonout import emit_json, json_stdout
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
 from _measure import reset_peak_rss, time_steps  # noqa: E402
 from _rss_trace import RssTrace, status_bytes  # noqa: E402
@@ -398,7 +400,7 @@ def main(argv=None) -> int:
         results["plan_error"] = {m: plan_error(est[m], results[m]) for m in ("in_memory", *OUTCORE)}
     add_ratios(results)
     if args.json:
-        print(json.dumps(results, indent=1))
+        emit_json(json.dumps(results, indent=1))
     else:
         print_table(results)
     return 0
@@ -447,4 +449,5 @@ def print_table(results: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with json_stdout("--json" in sys.argv[1:]):  # stdout: the JSON document alone
+        sys.exit(main())

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from outcore.tui.jsonout import emit_json, json_stdout
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
 from _measure import reset_peak_rss, storage_io  # noqa: E402
 from _rss_trace import status_bytes  # noqa: E402
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         args.seq_len, args.steps, args.big_layers, args.big_hidden = 64, 2, 12, 512
     if args._mode:
         args.mode = args._mode
-        print(json.dumps(run_mode(args)))
+        emit_json(json.dumps(run_mode(args)))
         return 0
 
     mem = _child(args, "mem")
@@ -202,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                     "big_weights_over_rss": big["weight_bytes"] / big["peak_rss_bytes"],
                     "big_step_s": big["step_s"], "big_losses": big["losses"]})
     if args.json:
-        print(json.dumps(res))
+        emit_json(json.dumps(res))
         return 0
     gib = 2 ** 30
     print(f"ZO step, {args.model}, batch {args.batch} x seq {args.seq_len}, {res['threads']} threads "
@@ -221,4 +223,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with json_stdout("--json" in sys.argv[1:]):  # stdout: the JSON document alone
+        sys.exit(main())

@@ -62,6 +62,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from outcore.tui.jsonout import emit_json, json_stdout
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _trial_disk import disk_trials, unavailable, unmount_all  # noqa: E402  (scripts/ is not a package)
 from _trial_kinds import corrupt_trials, kill_trials, signal_trials, two_runs_trials  # noqa: E402
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"ok": ok, "seed": args.seed, "quick": args.quick, "wall_s": round(time.time() - t0, 1),
               "results": result}
     if args.json:
-        print(json.dumps(result, indent=1))
+        emit_json(json.dumps(result, indent=1))
     else:
         for kind, r in result["results"].items() if not args.soak else []:
             print(f"{kind:9s} tried {r['tried']:3d}  nothing lost {r['nothing_lost']:3d}"
@@ -165,4 +167,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with json_stdout("--json" in sys.argv[1:]):  # stdout: the JSON document alone
+        raise SystemExit(main())

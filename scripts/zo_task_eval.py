@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from outcore.tui.jsonout import emit_json, json_stdout
+
 COMEDIES = ["alls_well_that_ends_well", "as_you_like_it", "comedy_of_errors", "loves_labours_lost",
             "measure_for_measure", "merchant_of_venice", "merry_wives_of_windsor", "midsummer_nights_dream",
             "much_ado_about_nothing", "taming_of_the_shrew", "twelfth_night", "two_gentlemen_of_verona"]
@@ -216,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
            "train_acc_after": evaluate(tr_h, tr_ext, tr_mask, tr_y)[1], "split": args.split,
            "backprop_adam_heldout_acc": None if reference is None else reference[1]}
     if args.json:
-        print(json.dumps(res))
+        emit_json(json.dumps(res))
     else:
         print(f"held-out accuracy {before[1]:.3f} -> {after[1]:.3f}, loss {before[0]:.4f} -> {after[0]:.4f} "
               f"({args.steps} ZO steps, {train_s:.0f} s; {res['trained_params']} parameters trained)")
@@ -224,4 +226,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with json_stdout("--json" in sys.argv[1:]):  # stdout: the JSON document alone
+        sys.exit(main())

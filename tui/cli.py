@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..errors import EXIT_BROKEN_PIPE, EXIT_OK, EXIT_USAGE, Interrupted, OutcoreError
+from .jsonout import json_stdout
 
 PROG = "outcore"
 
@@ -128,7 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help(sys.stderr)
         return EXIT_USAGE
     try:
-        return int(cmd.run(args) or EXIT_OK)
+        # --json: stdout holds the command's JSON document alone (tui/jsonout.py)
+        with json_stdout(getattr(args, "json", False) is True):
+            return int(cmd.run(args) or EXIT_OK)
     except OutcoreError as e:
         # one write, newline included: under torchrun every rank may say it at once, and
         # print's two writes (unbuffered stderr) would splice the ranks' lines together

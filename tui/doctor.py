@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from .format import fmt_bytes, fmt_gbps
+from .jsonout import emit_json
 
 HELP = "show devices, memory, swap-disk bandwidth and backends"
 DESCRIPTION = """\
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if args.model:
         data["model"] = model_report(args.model, data.get("ram_available_bytes"))
     if args.json:
-        print(json.dumps(data, indent=2, default=str))
+        emit_json(json.dumps(data, indent=2, default=str))
         return 0
     from rich.console import Console
 

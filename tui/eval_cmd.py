@@ -5,6 +5,8 @@ import argparse
 import json
 from typing import Any
 
+from .jsonout import emit_json
+
 HELP = "score a model or a run: held-out perplexity, accuracy on a labelled task"
 DESCRIPTION = """\
 Evaluate a model (as --model of finetune: a Hugging Face directory, a .gguf file,
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     report = outcore.evaluate(args.model, data=args.data, task=args.eval_task,
                               **{k: getattr(args, k) for k in keys})
     if args.json:
-        print(json.dumps(report.to_dict()))
+        emit_json(json.dumps(report.to_dict()))
     else:
         print("\n".join(report_lines(report)))
     return 0

@@ -13,6 +13,7 @@ from typing import Any
 
 from ..dtypes import DTYPES
 from ..offload.modes import AUTO, DEVICE_CHOICES, OFFLOAD_MODES
+from .jsonout import emit_json
 
 HELP = "complete prompts with a model or a fine-tuning run's result"
 STREAMING_NOTE = """\
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         offload, stall_s, tiers = generator.offload, generator.stall_s, generator.tier_stats()
     tokens = sum(len(c.token_ids) for c in completions)
     if args.json:
-        print(json.dumps({"model": args.model, "offload": offload, "seconds": round(seconds, 3),
+        emit_json(json.dumps({"model": args.model, "offload": offload, "seconds": round(seconds, 3),
                           "new_tokens": tokens, "stall_s": round(stall_s, 3),
                           "tiers": {name: {"held_bytes": t.held_bytes, "read_bytes": t.read_bytes}
                                     for name, t in tiers.items()},

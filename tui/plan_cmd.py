@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import ConfigError, ModelError
 from .finetune_cmd import add_config_arguments, config_from_args
+from .jsonout import emit_json
 
 HELP = "show where a run's tensors would live and the expected step time"
 DESCRIPTION = """\
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     probe = probe_hardware(config.swap_dir, measure=not args.no_measure)
     plan = plan_for_config(config, hf_config, probe, world=world)
     if args.json:
-        print(json.dumps({**plan.to_dict(), **({"ranks": world, "per_rank": note} if note else {})},
+        emit_json(json.dumps({**plan.to_dict(), **({"ranks": world, "per_rank": note} if note else {})},
                          indent=2, default=str))
     else:
         print(plan.table().rstrip("\n") + (f"\n{note}" if note else ""))

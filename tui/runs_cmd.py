@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 from .format import fmt_float
+from .jsonout import emit_json
 
 HELP = "list the runs under a folder: finished, running, interrupted (resumable) or failed"
 DESCRIPTION = """\
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
 
     infos = [describe_run(path, read_metrics(path / METRICS_FILENAME)) for path in find_runs(args.dir)]
     if args.json:
-        print(json.dumps([i.to_json() for i in infos], indent=1))
+        emit_json(json.dumps([i.to_json() for i in infos], indent=1))
         return 0
     if not infos:
         print(f"no runs under {args.dir} (a run is a folder holding config.yaml)")
