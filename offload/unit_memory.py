@@ -293,7 +293,9 @@ class StoreUnitMemory:
         unit = self.units[index]
         for part, lo, hi in unit.kind_parts(kind):
             h, tier = unit.handles[part], self._tier(part)
-            self.store.fetch(h, tier).result().copy_(value.reshape(-1)[lo:hi].view(h.shape))
+            view = self.store.fetch(h, tier).result()
+            self.store.wait_unread(h, tier)  # a write-back still reading it (through HOST staging) lands first
+            view.copy_(value.reshape(-1)[lo:hi].view(h.shape))
             self.store.mark_dirty(h, tier)
             if tier is not h.home:
                 self.store.write_back(h).result()

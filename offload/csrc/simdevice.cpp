@@ -813,6 +813,7 @@ Tensor copy_from(const Tensor& src, const Tensor& dst, bool non_blocking) {
   c10::Storage keep = host.storage();  // taken before the lock: a refcount may take the GIL (see Lock)
   const char* op = to_dev ? (non_blocking ? "copy_ host-to-device (non_blocking)" : "copy_ host-to-device")
                           : (non_blocking ? "copy_ device-to-host (non_blocking)" : "copy_ device-to-host");
+  bool deferred = false;
   {
     Lock g(s.mu);
     (to_dev ? s.bytes_h2d : s.bytes_d2h) += static_cast<int64_t>(nbytes);
@@ -826,16 +827,18 @@ Tensor copy_from(const Tensor& src, const Tensor& dst, bool non_blocking) {
       s.streams[t].pending.push_back(Copy{seq, to_dev, a.b, a.b->gen, a.lo, nbytes, hp, std::move(keep)});
       std::memset(to_dev ? a.b->base + a.lo : hp, kPoison, nbytes);
       ++s.deferred_copies;
-      return dst;
+      deferred = true;  // (returned after the unlock: copying `dst` out increfs it, see Lock)
+    } else {
+      const bool staged = non_blocking && !(pin && host_plain);
+      s.pageable_non_blocking += staged;
+      const auto h = reinterpret_cast<uintptr_t>(keep.data_ptr().get());
+      issue(s, t, op, &a, 1, h, h + keep.nbytes());
+      // A blocking copy waits for its stream; so does a device-to-host copy into pageable
+      // memory (it returns once the bytes are there, i.e. after the stream's earlier work).
+      if (!non_blocking || (staged && !to_dev)) sync_stream(s, t);
     }
-    const bool staged = non_blocking && !(pin && host_plain);
-    s.pageable_non_blocking += staged;
-    const auto h = reinterpret_cast<uintptr_t>(host.storage().data_ptr().get());
-    issue(s, t, op, &a, 1, h, h + host.storage().nbytes());
-    // A blocking copy waits for its stream; so does a device-to-host copy into pageable
-    // memory (it returns once the bytes are there, i.e. after the stream's earlier work).
-    if (!non_blocking || (staged && !to_dev)) sync_stream(s, t);
   }
+  if (deferred) return dst;
   if (to_dev) cpu_alias(dst).copy_(src);
   else const_cast<Tensor&>(dst).copy_(cpu_alias(src));
   return dst;
