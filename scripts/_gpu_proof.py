@@ -27,6 +27,7 @@ import argparse
 import hashlib
 import importlib.metadata
 import importlib.util
+import contextlib
 import json
 import os
 import platform
@@ -42,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
-from _json_stdout import claim_stdout  # noqa: E402
+from outcore.tui.jsonout import emit_json, json_stdout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 STATUSES = ("passed", "partial", "failed", "skipped", "missing", "timeout", "not_run", "error")
@@ -530,9 +531,9 @@ def main(argv=None) -> int:
         return 0
     if args.cmd == "summary":
         return cmd_summary(args)
-    out = claim_stdout(True)  # library chatter (DeepSpeed's) to stderr
+    contextlib.ExitStack().enter_context(json_stdout())  # library chatter (DeepSpeed's) to stderr, to the end
     handler = {"env": cmd_env, "tests": cmd_tests, "ds-ops": cmd_ds_ops, "race": cmd_race, "merge": cmd_merge}
-    out.emit(handler[args.cmd](args))
+    emit_json(json.dumps(handler[args.cmd](args), indent=1))
     return 0
 
 

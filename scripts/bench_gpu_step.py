@@ -32,6 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
 from bench_big import SHAPES, _init  # noqa: E402
 
+from outcore.tui.jsonout import emit_json, json_stdout  # noqa: E402
+
 # the proof's shapes by short name; "tiny" is the dry run's (seconds on the simulated device)
 SHAPE_NAMES = {"1.7b": "smollm2-1.7b", "8b": "llama3-8b"}
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -63,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         args.shape, args.seq, args.steps, args.no_measure = "tiny", min(args.seq, 64), min(args.steps, 2), True
 
+    with json_stdout(args.json):  # library chatter to stderr: stdout is the one JSON document
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     import torch
 
     if args.deterministic:
@@ -81,8 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     out["host_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out["floor"] = _floor(out, run, args)
     out["status"] = "passed" if all(math.isfinite(x) for x in out["losses"]) else "failed"
-    print(json.dumps(out, indent=1) if args.json else
-          f"{out['shape']} x{out['layers']} on {out['device']}: {out['median_step_s']:.2f} s/step "
+    if args.json:
+        emit_json(json.dumps(out, indent=1))
+        return 0
+    print(f"{out['shape']} x{out['layers']} on {out['device']}: {out['median_step_s']:.2f} s/step "
           f"(plan {out['plan']['step_s']:.2f}, floor {out['floor']['step_s']:.2f}), "
           f"{out['tokens_per_s']:.0f} tokens/s, {out['model_tflops']:.1f} TFLOPS, stall {out['stall_pct']:.1f}%")
     return 0

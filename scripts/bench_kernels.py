@@ -36,6 +36,8 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import math
 import os
 import sys
@@ -50,7 +52,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
 from _accel import (Device, add_device_argument, machine, peak_memory, reset_peak_memory,  # noqa: E402
                     resolve, summarize, synchronize, time_repeats, timer_name)
-from _json_stdout import claim_stdout  # noqa: E402
+from outcore.tui.jsonout import emit_json, json_stdout  # noqa: E402
 
 KERNELS = ("adamw8bit", "quantize", "dequantize", "stochastic_round", "zo_perturb", "lce_fp32", "lce_bf16")
 BLOCK = 256  # elements per quantization block (kernels/quantize.py BLOCKSIZE)
@@ -505,7 +507,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = claim_stdout(args.json)
+    contextlib.ExitStack().enter_context(json_stdout(args.json))  # library chatter to stderr, to the end
     dev = resolve(args.device)
     interp = os.environ.get("TRITON_INTERPRET", "0") == "1"
     small = args.dry_run or dev.kind != "cuda"
@@ -533,7 +535,7 @@ def main(argv=None) -> int:
             results.setdefault(name, {"status": "not_run", "reason": "interrupted (stage timeout)"})
     report["kernels"] = results
     if args.json:
-        out.emit(report)
+        emit_json(json.dumps(report, indent=1))
     else:
         print_table(report)
     return 0 if report["status"] in ("passed", "partial", "skipped") else 1

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import contextlib
 import json
 import os
 import resource
@@ -56,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
-from _json_stdout import claim_stdout  # noqa: E402
+from outcore.tui.jsonout import emit_json, json_stdout  # noqa: E402
 
 PEERS = ("plain", "fsdp2_cpu_offload", "torchao_cpu_offload", "deepspeed_zero3_cpu", "deepspeed_zero3_nvme",
          "deepspeed_zero2_cpu", "plain_bf16")  # in the order they run: the budget may end the list
@@ -579,7 +580,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
         return run_child_main(args)
-    out = claim_stdout(args.json)
+    contextlib.ExitStack().enter_context(json_stdout(args.json))  # library chatter to stderr, to the end
     from _accel import filesystem
 
     kind = device_kind(args.device)
@@ -618,7 +619,7 @@ def main(argv=None) -> int:
     report["peers"] = peers
     report["first_loss_agreement"] = first_loss_agreement(peers)
     if args.json:
-        out.emit(report)
+        emit_json(json.dumps(report, indent=1))
     else:
         print_table(report)
     return 0 if report["status"] != "failed" else 1

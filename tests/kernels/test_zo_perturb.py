@@ -107,3 +107,38 @@ def test_cuda_dispatch_uses_a_cuda_kernel_and_is_deterministic():
     zo_perturb_(w, 4, 1.0)
     zo_perturb_(v, 4, 1.0)
     assert torch.equal(w, v) and abs(w.std().item() - 1) < 0.1
+
+
+def test_a_run_draws_its_noise_where_its_log_says(compute_device):
+    """The backend is part of the run: off CUDA it is torch's CPU generator, drawn on the CPU
+    and copied, so a run replays to the same bits on any device (a GPU machine included)."""
+    from outcore.kernels.zo_perturb import TORCH_CPU, noise_backend
+
+    if compute_device.type == "cuda":
+        pytest.skip("a CUDA device draws its own noise by default (triton, or torch's CUDA generator)")
+    assert noise_backend(compute_device) == TORCH_CPU
+    w = torch.zeros(CHUNK + 77, device=compute_device)
+    zo_perturb_(w, 5, 0.25, backend=TORCH_CPU)
+    want = torch.zeros(CHUNK + 77)
+    zo_perturb_(want, 5, 0.25)
+    assert torch.equal(w.cpu(), want)
+
+
+def test_gpu_noise_is_refused_where_it_cannot_be_drawn():
+    from outcore.kernels.zo_perturb import TORCH_CPU, resolve_backend
+
+    cpu = torch.device("cpu")
+    assert resolve_backend("torch", cpu) == TORCH_CPU  # an older log: every one was drawn on a CPU
+    for backend in ("triton", "torch-cuda"):
+        with pytest.raises(ConfigError, match="on a GPU"):
+            resolve_backend(backend, cpu)
+    with pytest.raises(ConfigError, match="is not one of"):
+        resolve_backend("philox", cpu)
+
+
+def test_the_log_header_names_the_backend(compute_device):
+    from outcore.optim import MeZO
+
+    p = torch.nn.Parameter(torch.zeros(8, device=compute_device))
+    backend = MeZO([p], lr=1e-3).header()["backend"]
+    assert backend in ("torch-cuda", "triton") if compute_device.type == "cuda" else backend == "torch-cpu"

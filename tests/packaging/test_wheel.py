@@ -27,3 +27,11 @@ def test_wheel_contains_only_outcore(tmp_path):
                  "outcore/data/shakespeare_mc.jsonl"):
         assert must in names, must
     assert not any(n.startswith(("outcore/tests/", "outcore/scripts/")) for n in names)
+
+
+def test_the_gds_extra_is_built_for_the_cuda_torch_ships_with():
+    """torch 2.11+'s CUDA wheels are CUDA 13 builds: kvikio must be the cu13 one."""
+    import tomllib
+
+    extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert extras["project"]["optional-dependencies"]["gds"] == ["kvikio-cu13"]
