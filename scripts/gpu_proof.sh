@@ -56,9 +56,10 @@ if [ $DRY = 1 ]; then
   DRYFLAG=(--dry-run) PEERS8=(--peers plain)  # the second peers stage only checks the stage runs
 else
   TOTAL=${PROOF_BUDGET_S:-480}
-  # setup and env ~25 s, tests 110, kernels 55, two steps 45 each, peers 100 + 65, race 35: 8 minutes.
+  # Sized from the runs on an H200 (2026-11-26): setup and env ~15 s, the tests 60, the kernels 35,
+  # a 1.7B step ~60 (20 of them initializing the weights), two short race runs ~25 each.
   # DeepSpeed's ops build in the background during the tests and kernels (they need the CPU little).
-  B_SETUP=60 B_ENV=30 B_DSOPS=240 B_TESTS=110 B_KERNELS=55 B_STEP=45 B_PEERS=100 B_PEERS8=65 B_RACE=35
+  B_SETUP=30 B_ENV=15 B_DSOPS=240 B_TESTS=75 B_KERNELS=40 B_STEP=70 B_PEERS=90 B_PEERS8=30 B_RACE=60
   DRYFLAG=() PEERS8=()
 fi
 # Any budget can be set from the environment (a longer lease: PROOF_BUDGET_S=900 PROOF_B_PEERS=300 ...)
