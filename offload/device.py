@@ -358,6 +358,13 @@ class Device:
             with self._lock:
                 self._freed = event
 
+    def note_host_free(self, block: torch.Tensor) -> None:
+        """A HOST block (a staging copy, say) was freed: on the simulated accelerator its bytes
+        are poisoned, as its freed device memory is, so a reader that outlived the release reads
+        NaNs there (elsewhere nothing: a real runtime reuses the memory silently)."""
+        if self.kind == "sim":
+            block.fill_(0xFF)
+
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor) -> Future:
         """Copy ``src`` into ``dst`` (same shape) off the calling thread.
 

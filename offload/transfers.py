@@ -42,6 +42,8 @@ class Transfers:
         c = h.copies[tier]
         assert all(f.done() for f in c.outgoing), f"freeing {h.key!r} in {tier.name} while a transfer reads it"
         if c.slot is not None:
+            if tier is Tier.HOST:
+                self.device.note_host_free(self.bytes_of(tier, h))
             self.space.free(tier, c.slot)
             if tier is Tier.DEVICE:
                 self.device.note_free()  # a copy into these bytes waits for their queued readers

@@ -261,7 +261,8 @@ def cmd_tests(args) -> dict[str, Any]:
     # rest of those files checks the CPU, which CI does
     device = os.environ.get("OUTCORE_TEST_DEVICE")
     only = ["-k", device] if device and device != "cpu" else []
-    plan = [("gpu", gpu_files, ["-m", "gpu", "--slow=all"], work / "tests_gpu.xml", args.gpu_share),
+    share = args.gpu_share if args.gpu_share is not None else 0.6 if args.dry_run else 0.4
+    plan = [("gpu", gpu_files, ["-m", "gpu", "--slow=all"], work / "tests_gpu.xml", share),
             ("equivalence", equiv, ["--slow=ci", *only], work / "tests_equiv.xml", 1.0)]
     try:
         for name, targets, extra, xml, share in plan:
@@ -503,7 +504,9 @@ def main(argv=None) -> int:
     t = sub.add_parser("tests")
     t.add_argument("--work", required=True)
     t.add_argument("--budget", type=float, required=True, help="seconds for both suites")
-    t.add_argument("--gpu-share", type=float, default=0.4, help="share of the budget for the gpu-marked suite")
+    t.add_argument("--gpu-share", type=float, default=None,
+                   help="share of the budget for the gpu-marked suite (default 0.4; a dry run's, which only "
+                        "collects and skips it, 0.6)")
     t.add_argument("--dry-run", action="store_true")
     sub.add_parser("ds-ops")
     r = sub.add_parser("race")

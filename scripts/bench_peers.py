@@ -121,7 +121,7 @@ def setup_plain(model, dev, args, bf16_weights: bool):
     if bf16_weights:
         model = model.to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), fused=fused, **HYPER)
-    autocast = not bf16_weights
+    autocast = not bf16_weights and dev.kind != "sim"  # (the simulated accelerator has no autocast)
 
     def step(ids):
         with torch.autocast(dev.torch.type, dtype=torch.bfloat16, enabled=autocast):
@@ -132,7 +132,7 @@ def setup_plain(model, dev, args, bf16_weights: bool):
         return loss.detach()
 
     what = {"precision": "bf16 weights and AdamW state, no fp32 master" if bf16_weights else
-            "fp32 master weights, bf16 autocast", "optimizer": f"torch.optim.AdamW(fused={fused}) on the device",
+            "fp32 master weights, bf16 autocast" if autocast else "fp32", "optimizer": f"torch.optim.AdamW(fused={fused}) on the device",
             "offload": "none"}
     return step, (lambda: None), what
 

@@ -187,3 +187,22 @@ def test_device_memory_reports_the_current_gpu():
         assert mem["device_total_bytes"] == torch.cuda.get_device_properties(index).total_memory
     finally:
         torch.cuda.set_device(0)
+
+
+def test_a_large_units_state_streams_to_the_device_in_pieces(tiny_llama_factory, tmp_path, compute_device):
+    """On an accelerator every unit's state streams to the update, from HOST as from NVMe: a unit
+    whose state dwarfs a block's (an 8B embedding's 6 GiB) comes a block-sized piece at a time,
+    or the DEVICE window holds it whole (on an H200 capped at 24 GiB, the 8B shape's did not fit)."""
+    model = _model(tiny_llama_factory, layers=2, vocab=4096, tie=False)
+    om = offload_model(model, AdamW(model.parameters(), lr=1e-3), offload="cpu", swap_dir=None, device=compute_device)
+    try:
+        embed_state = 2 * 4 * model.config.vocab_size * model.config.hidden_size  # two fp32 moments
+        largest = max(h.nbytes for part, h in om.units[0].handles.items() if part.kind != WEIGHTS)
+        if is_accelerator(compute_device):
+            assert om.units[0].pieces and largest < embed_state / 4
+        else:  # a CPU updates in HOST, where the state lives whole
+            assert not om.units[0].pieces
+        loss = om.train_step(_loss, [torch.randint(0, 4096, (2, 16))], 1e-3)
+        assert torch.isfinite(loss).item()
+    finally:
+        om.close()
