@@ -44,6 +44,7 @@ handed out round-robin, as CUDA's pool of 32 is).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -172,6 +173,11 @@ def _device_module() -> types.ModuleType:
     mod.set_device = set_device
     mod.synchronize = lambda device=None: torch.accelerator.synchronize()
     mod.current_stream = lambda device=None: torch.accelerator.current_stream()
+    # What code that drives "the accelerator" through its module uses (DCP's staging, once sim
+    # is the process's accelerator): streams and events are torch's generic ones.
+    mod.Stream = lambda device=None, priority=0: torch.Stream(device=NAME, priority=priority)
+    mod.Event = lambda enable_timing=False, **_: torch.Event(device=NAME, enable_timing=enable_timing)
+    mod.stream = _stream_context
     mod._is_in_bad_fork = lambda: False
     # Sim ops draw from the CPU generator, which torch.manual_seed has already seeded.
     mod.manual_seed = mod.manual_seed_all = lambda seed: None
@@ -191,6 +197,20 @@ def _device_module() -> types.ModuleType:
     mod.set_autocast_enabled = set_autocast_enabled
     mod.set_autocast_dtype = lambda dtype: None
     return mod
+
+
+@contextlib.contextmanager
+def _stream_context(stream):
+    """``torch.sim.stream(s)``: ``s`` is this thread's current sim stream inside (None: no change)."""
+    if stream is None:
+        yield
+        return
+    previous = torch.accelerator.current_stream()
+    torch.accelerator.set_stream(stream)
+    try:
+        yield
+    finally:
+        torch.accelerator.set_stream(previous)
 
 
 def report() -> dict[str, int]:

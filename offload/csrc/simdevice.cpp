@@ -27,6 +27,7 @@
 // (REGISTER_PRIVATEUSE1_DISPATCH; private to ATen's native/ headers, the one unstable part).
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
+#include <ATen/Parallel.h>
 #include <ATen/EmptyTensor.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -688,6 +689,10 @@ struct Call {
 };
 
 void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  // The CPU kernel runs on this thread: often the autograd engine's sim thread, whose OpenMP
+  // thread count was fixed when it started. A reduction's bits depend on that count, so it
+  // follows the process's current torch.set_num_threads, as the CPU's own backward does.
+  at::init_num_threads();
   const auto& schema = op.schema();
   Call call(op_info(schema));
   const auto nargs = static_cast<std::ptrdiff_t>(schema.arguments().size());
