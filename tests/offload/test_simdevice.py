@@ -356,3 +356,45 @@ def test_threads_issue_copies_while_compute_runs(dev):
         compute.wait_event(copied)
         buf.record_stream(compute)  # allocated on the side stream, used on compute
         assert torch.equal(buf.cpu(), host)
+
+
+_COPY_VS_RECORD = """
+import threading, time
+import torch
+from outcore.offload import simdevice
+dev = simdevice.enable()
+side = torch.Stream(device=dev)
+host = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
+stop = time.monotonic() + 1.0
+def copier():
+    torch.accelerator.set_stream(side)
+    while time.monotonic() < stop:
+        torch.empty(4096, dtype=torch.uint8, device=dev).copy_(host, non_blocking=True)
+        side.synchronize()
+worker = threading.Thread(target=copier)
+worker.start()
+while worker.is_alive():
+    torch.Event(device=dev).record(side)  # holds the GIL while it takes the simulator's lock
+print("ok")
+"""
+
+
+def test_a_copy_thread_and_event_records_on_the_main_thread_never_deadlock(dev):
+    """A thread's non_blocking copy (the GIL released) and the main thread's Event.record (the
+    GIL held) both take the simulator's lock: nothing done under it may take the GIL (with
+    torch's PyObject refcounting, returning the copy's destination once did: a deadlock)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import outcore
+
+    root = str(Path(outcore.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    try:
+        r = subprocess.run([sys.executable, "-c", _COPY_VS_RECORD], env=env, capture_output=True, text=True,
+                           timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("deadlock: a copy thread and Event.record on the main thread both stopped")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
