@@ -66,7 +66,11 @@ def merge_lora(model: torch.nn.Module, name: str, weight: torch.Tensor) -> torch
             with torch.no_grad():
                 d = layer.get_delta_weight(adapter).float()
             delta = d if delta is None else delta + d
-    return weight if delta is None else (weight.float() + delta).to(weight.dtype)
+    if delta is None:
+        return weight
+    # out of core the weight is a CPU copy out of the store while resident adapters compute on the
+    # device: the delta joins the weight (an fp32 add, the same bits on either)
+    return (weight.float() + delta.to(weight.device)).to(weight.dtype)
 
 
 def is_adapter(name: str) -> bool:

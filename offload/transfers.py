@@ -121,13 +121,13 @@ class Transfers:
     def _landed(self, h: TensorHandle, tier: Tier, exc: BaseException | None, staged: bool = False) -> None:
         with self.lock:
             c = h.copies[tier]
+            if staged:  # before the fetch's waiters wake: a landed copy holds no HOST staging
+                self.drop_staging(h)
             if exc is not None:
                 self._abort(h, tier, exc)
             elif c.residency is Residency.IN_FLIGHT:
                 c.residency = Residency.RESIDENT
                 c.future.set_result(None)
-            if staged:
-                self.drop_staging(h)
 
     def drop_staging(self, h: TensorHandle) -> None:
         """Free ``h``'s HOST copy if it only staged a disk <-> device copy: not the home, no

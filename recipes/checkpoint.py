@@ -322,9 +322,11 @@ def load_checkpoint(ckpt_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict
     verify_checkpoint(d)
     try:
         model_state = load_file(str(d / "model.safetensors"))
+        # on the CPU: a run's optimizer state is saved where it computed (a GPU), and its export
+        # or resume may run elsewhere; load_state_dict moves the state back beside its parameters
         with torch.serialization.safe_globals(_NUMPY_GLOBALS):
-            optimizer_state = torch.load(d / "optimizer.pt", weights_only=True)
-            trainer_state = torch.load(d / "trainer.pt", weights_only=True)
+            optimizer_state = torch.load(d / "optimizer.pt", weights_only=True, map_location="cpu")
+            trainer_state = torch.load(d / "trainer.pt", weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:  # weights_only refused an object: never run it
         raise CheckpointError(f"checkpoint {str(d)!r} holds objects outcore does not load (they could run "
                               f"code: {' '.join(str(e).split())[:160]}); start over with --overwrite") from None

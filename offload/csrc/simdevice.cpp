@@ -71,12 +71,13 @@ const c10::Device kCpu(c10::DeviceType::CPU);
 // takes the GIL, and a thread holding the GIL may be waiting for this mutex (an event
 // recorded from Python) - the lock order is GIL, then the mutex, never the reverse.
 std::vector<c10::Storage>& graveyard();
+std::mutex& state_mutex();  // st().mu, the graveyard's guard
 
 struct Lock {
   explicit Lock(std::mutex& m) : u(m) {}
   ~Lock() {
     std::vector<c10::Storage> dead;
-    dead.swap(graveyard());
+    if (u.mutex() == &state_mutex()) dead.swap(graveyard());  // (another mutex does not guard it)
     u.unlock();
   }  // `dead` is destroyed here, unlocked
   std::unique_lock<std::mutex> u;
@@ -173,6 +174,7 @@ std::vector<c10::Storage>& graveyard() {
   static auto* dead = new std::vector<c10::Storage>();  // guarded by st().mu
   return *dead;
 }
+std::mutex& state_mutex() { return st().mu; }
 
 thread_local int tls_stream = 0;  // the current stream, per thread as in CUDA
 

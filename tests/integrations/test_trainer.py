@@ -30,11 +30,21 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def _args(out, **kw) -> TrainingArguments:
+def _args(out, use_cpu: bool = True, **kw) -> TrainingArguments:
     base = dict(output_dir=str(out), per_device_train_batch_size=2, learning_rate=1e-3, max_steps=4,
                 lr_scheduler_type="linear", warmup_steps=1, logging_steps=1, save_strategy="no",
-                report_to="none", use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True)
+                report_to="none", use_cpu=use_cpu, seed=0, dataloader_num_workers=0, disable_tqdm=True)
     return TrainingArguments(**{**base, **kw})
+
+
+@pytest.fixture
+def use_cpu(compute_device) -> bool:
+    """The Trainer's ``use_cpu`` for the compute device: the CPU, or the GPU (both Trainers, in
+    memory and out of core, on it)."""
+    if compute_device.type == "sim":
+        pytest.skip("transformers' Trainer picks its device through accelerate, which knows no PrivateUse1 "
+                    "device: it cannot train on the simulated accelerator")
+    return compute_device.type == "cpu"
 
 
 def _weights(trainer, out) -> dict[str, torch.Tensor]:
@@ -44,8 +54,9 @@ def _weights(trainer, out) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("accum,clip", [(1, 0.0), (2, 1.0)], ids=["step-in-backward", "accum-clip"])
-def test_out_of_core_trainer_equals_in_memory(tmp_path, accum, clip):
-    kw = dict(gradient_accumulation_steps=accum, max_grad_norm=clip, eval_strategy="steps", eval_steps=2)
+def test_out_of_core_trainer_equals_in_memory(tmp_path, accum, clip, use_cpu):
+    kw = dict(gradient_accumulation_steps=accum, max_grad_norm=clip, eval_strategy="steps", eval_steps=2,
+              use_cpu=use_cpu)
     data = dict(train_dataset=_Tokens(), eval_dataset=_Tokens(rows=4))
     ref = Trainer(model=make_tiny_llama(), args=_args(tmp_path / "ref", **kw), **data)
     ref.train()
@@ -72,8 +83,8 @@ def test_out_of_core_trainer_equals_in_memory(tmp_path, accum, clip):
     assert not torch.equal(got["model.norm.weight"], make_tiny_llama().model.norm.weight)
 
 
-def test_resume_from_checkpoint_equals_uninterrupted(tmp_path):
-    kw = dict(gradient_accumulation_steps=2, max_grad_norm=1.0, save_strategy="steps", save_steps=2)
+def test_resume_from_checkpoint_equals_uninterrupted(tmp_path, use_cpu):
+    kw = dict(gradient_accumulation_steps=2, max_grad_norm=1.0, save_strategy="steps", save_steps=2, use_cpu=use_cpu)
     whole = OutOfCoreTrainer(model=make_tiny_llama(), args=_args(tmp_path / "whole", **kw), train_dataset=_Tokens())
     whole.train()
     assert (tmp_path / "whole" / "checkpoint-2" / UNITS_DIR / "units.json").is_file()
@@ -132,11 +143,11 @@ def _adapters(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def test_lora_trainer_streams_the_base_and_equals_in_memory(tmp_path):
+def test_lora_trainer_streams_the_base_and_equals_in_memory(tmp_path, use_cpu):
     """A peft model: the frozen base streams, the Trainer's own AdamW (weight decay groups, its
     clip) steps the resident adapters; in memory, out of core and resumed agree bit for bit."""
     kw = dict(gradient_accumulation_steps=2, max_grad_norm=1.0, weight_decay=0.01, save_strategy="steps",
-              save_steps=2)
+              save_steps=2, use_cpu=use_cpu)
     ref = Trainer(model=_lora(), args=_args(tmp_path / "ref", **kw), train_dataset=_Tokens())
     ref.train()
     ooc = OutOfCoreTrainer(model=_lora(), args=_args(tmp_path / "ooc", **kw), train_dataset=_Tokens())

@@ -172,19 +172,25 @@ def test_package_exports_are_lazy():
     assert r.stdout.strip() == "NVME"
 
 
-@pytest.mark.gpu
-def test_cuda_device_round_trip_through_pinned_host(tmp_path):
+def test_device_round_trip_through_pinned_host(tmp_path, compute_device):
+    """NVMe -> DEVICE and back passes through pinned HOST memory; once a copy has landed its
+    HOST staging copy is freed."""
+    from outcore.offload.device import is_accelerator
+    from outcore.offload.handle import Tier
     from outcore.offload.store import TieredStore
-    with TieredStore(64 << 20, 64 << 20, swap_dir=tmp_path / "s", device="cuda") as s:
+
+    if not is_accelerator(compute_device):
+        pytest.skip("a CPU's DEVICE tier is RAM: its copies are not staged through the HOST tier")
+    with TieredStore(64 << 20, 64 << 20, swap_dir=tmp_path / "s", device=Device(compute_device)) as s:
         x = torch.randn(1000, 37)
-        h = s.register("x", data=x)
+        h = s.register("x", data=x)  # home: NVMe
         d = s.fetch(h, "device").result()
-        assert d.device.type == "cuda" and torch.equal(d.cpu(), x)
-        from outcore.offload.handle import Tier
-        assert s._arenas[Tier.HOST].bytes_of(h.copies[Tier.HOST].slot).is_pinned()  # staged via pinned RAM
+        assert d.device == compute_device and torch.equal(d.cpu(), x)
+        assert s.held(Tier.HOST) == 0  # the staging copy is freed once the device copy landed
         d.mul_(3)
         s.mark_dirty(h, "device")
         s.write_back(h).result()
+        assert s.held(Tier.HOST) == 0  # device -> disk staged through HOST, then freed
         s.release(h, "device")
         s.evict(h, "device").result()
         assert torch.equal(s.load(h), x * 3)

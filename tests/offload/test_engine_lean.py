@@ -50,7 +50,8 @@ def _batches(n):
 
 
 def _in_memory_step(model, opt, ids, clip):
-    loss = _loss(model, ids)
+    """On the model's device (the batch moved there, as the engine moves it)."""
+    loss = _loss(model, ids.to(next(model.parameters()).device))
     loss.backward()
     if clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -63,7 +64,7 @@ def _assert_same_weights(om, model):
     params = dict(model.named_parameters())
     for unit in om.units:
         for name, w in unit_weights(om, unit).items():
-            assert w.dtype == torch.bfloat16 and torch.equal(w, params[name].detach()), name
+            assert w.dtype == torch.bfloat16 and torch.equal(w, params[name].detach().cpu()), name
 
 
 @pytest.mark.parametrize("name,clip,spill,split", [
@@ -73,13 +74,14 @@ def _assert_same_weights(om, model):
     ("adamw8bit", 1.0, False, True),  # clipped with gradients kept, pieces
     ("adamw8bit", 1.0, True, True),  # clipped, spilled, pieces
 ])
-def test_lean_out_of_core_equals_lean_in_memory(tiny_llama_factory, tmp_path, name, clip, spill, split):
+def test_lean_out_of_core_equals_lean_in_memory(tiny_llama_factory, tmp_path, name, clip, spill, split,
+                                                compute_device):
     ref = _model(tiny_llama_factory)
     ooc = copy.deepcopy(ref)
-    opt = _lean(ref, name)
+    opt = _lean(ref.to(compute_device), name)
     # prefetch 2: with prefetch 1, AdamW8bit's spilled pieces fragment the HOST window (exact mode too)
     om = offload_model(ooc, _lean(ooc, name), offload="nvme", swap_dir=tmp_path / "swap", prefetch=2,
-                       max_grad_norm=clip, spill_grads=spill, split_state=split)
+                       max_grad_norm=clip, spill_grads=spill, split_state=split, device=compute_device)
     assert om.spill == spill and bool(om.mem.units[0].pieces) == split
     for unit in om.mem.units:
         assert "master" not in unit.whole_kinds and {"sr_key", "sr_step"} <= set(unit.whole_kinds)
@@ -130,23 +132,23 @@ def test_lean_moves_weights_that_round_to_nearest_would_keep(tiny_llama_factory)
     assert kept > 1000 and 0 < moved < kept // 2, (moved, kept)
 
 
-def test_resume_out_of_core_is_bit_identical(tiny_llama_factory, tmp_path):
+def test_resume_out_of_core_is_bit_identical(tiny_llama_factory, tmp_path, compute_device):
     batches = _batches(4)
     full = _model(tiny_llama_factory)
     om = offload_model(full, _lean(full, "adamw8bit"), offload="nvme", swap_dir=tmp_path / "a", prefetch=2,
-                       max_grad_norm=1.0)
+                       max_grad_norm=1.0, device=compute_device)
     for ids in batches:
         om.train_step(_loss, [ids], LR)
     cut = _model(tiny_llama_factory)
     oc = offload_model(cut, _lean(cut, "adamw8bit"), offload="nvme", swap_dir=tmp_path / "b", prefetch=2,
-                       max_grad_norm=1.0)
+                       max_grad_norm=1.0, device=compute_device)
     for ids in batches[:2]:
         oc.train_step(_loss, [ids], LR)
     save_units(oc, tmp_path / "units")
     oc.close()
     again = _model(tiny_llama_factory)
     resumed = offload_model(again, _lean(again, "adamw8bit"), offload="nvme", swap_dir=tmp_path / "c",
-                            prefetch=2, max_grad_norm=1.0)
+                            prefetch=2, max_grad_norm=1.0, device=compute_device)
     load_units(resumed, tmp_path / "units")
     for ids in batches[2:]:
         resumed.train_step(_loss, [ids], LR)
@@ -171,7 +173,8 @@ def test_the_plan_counts_no_master(tiny_llama_factory):
     ("apollo-mini", dict(update_proj_gap=2)),
     ("frugal", dict(density=0.25, update_proj_gap=2)),
 ])
-def test_projection_optimizers_update_whole_tensors_alike(tiny_llama_factory, tmp_path, name, hparams):
+def test_projection_optimizers_update_whole_tensors_alike(tiny_llama_factory, tmp_path, name, hparams,
+                                                          compute_device):
     """Optimizers that mix a tensor's elements get it whole, in fp32 and in its shape: lean in
     memory == lean out of core, across a projection refresh (step 2)."""
     from outcore.optim import build_optimizer
@@ -179,9 +182,9 @@ def test_projection_optimizers_update_whole_tensors_alike(tiny_llama_factory, tm
     ref = tiny_llama_factory(seed=0, layers=2).to(torch.bfloat16).train()
     ref.config.use_cache = False
     ooc = copy.deepcopy(ref)
-    opt = LeanOptimizer(build_optimizer(name, ref.parameters(), lr=LR, **hparams), seed=3)
+    opt = LeanOptimizer(build_optimizer(name, ref.to(compute_device).parameters(), lr=LR, **hparams), seed=3)
     om = offload_model(ooc, LeanOptimizer(build_optimizer(name, ooc.parameters(), lr=LR, **hparams), seed=3),
-                       offload="nvme", swap_dir=tmp_path / "swap", prefetch=1)
+                       offload="nvme", swap_dir=tmp_path / "swap", prefetch=1, device=compute_device)
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         ids = torch.randint(0, 256, (2, 16), generator=g)

@@ -30,7 +30,8 @@ class _MasterReference:
         self.opt = torch.optim.AdamW(self.masters, lr=LR, weight_decay=WD, fused=True)
 
     def step(self, ids):
-        loss = _loss(self.model, ids)
+        """In memory, on the model's device (the batch moved there, as the engine moves it)."""
+        loss = _loss(self.model, ids.to(self.params[0].device))
         loss.backward()
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip)
@@ -45,13 +46,13 @@ class _MasterReference:
 
 
 @pytest.mark.parametrize("clip", [0.0, 1.0])
-def test_bf16_with_fp32_masters_equals_the_reference_loop(tiny_llama_factory, tmp_path, clip):
+def test_bf16_with_fp32_masters_equals_the_reference_loop(tiny_llama_factory, tmp_path, clip, compute_device):
     model = tiny_llama_factory(seed=0, layers=4).to(torch.bfloat16)
     model.config.use_cache = False
     ooc = copy.deepcopy(model).train()
-    ref = _MasterReference(model.train(), clip)
+    ref = _MasterReference(model.to(compute_device).train(), clip)  # masters made on the device
     om = offload_model(ooc, AdamW(ooc.parameters(), lr=LR, weight_decay=WD), offload="nvme",
-                       swap_dir=tmp_path / "swap", prefetch=1, max_grad_norm=clip)
+                       swap_dir=tmp_path / "swap", prefetch=1, max_grad_norm=clip, device=compute_device)
     kinds = om.mem.units[1].whole_kinds
     assert "master" in kinds
     assert om.mem.units[1].handles[Part("master")].dtype == torch.float32
@@ -68,14 +69,14 @@ def test_bf16_with_fp32_masters_equals_the_reference_loop(tiny_llama_factory, tm
         for k, slot in enumerate(unit.slots):
             s = unit.layout[k]["master"]
             got = master[s.offset:s.offset + s.shape.numel()].view(s.shape)
-            assert torch.equal(got, masters[slot.name].detach()), slot.name
+            assert torch.equal(got, masters[slot.name].detach().cpu()), slot.name
         for name, w in unit_weights(om, unit).items():
             assert w.dtype == torch.bfloat16
-            assert torch.equal(w, dict(model.named_parameters())[name].detach()), name
+            assert torch.equal(w, dict(model.named_parameters())[name].detach().cpu()), name
     om.close()
 
 
-def test_meta_model_masters_hold_the_full_precision_weights(tiny_llama_factory, tmp_path):
+def test_meta_model_masters_hold_the_full_precision_weights(tiny_llama_factory, tmp_path, compute_device):
     """Lazily built (meta device, bf16): the master is filled in fp32 from the source and the
     compute weights are its rounding; nothing is lost to a bf16 round trip."""
     source = tiny_llama_factory(seed=0, layers=2)
@@ -85,7 +86,7 @@ def test_meta_model_masters_hold_the_full_precision_weights(tiny_llama_factory, 
     from outcore.models._lazy import materialize_buffers
     materialize_buffers(model, source.config)
     om = offload_model(model, AdamW(model.parameters(), lr=LR), offload="cpu", swap_dir=None,
-                       init_weights=lambda slot, t: t.copy_(state[slot.name]))
+                       init_weights=lambda slot, t: t.copy_(state[slot.name]), device=compute_device)
     for unit in om.units:
         master = om.mem.state(unit.index, "master")
         for k, slot in enumerate(unit.slots):

@@ -356,3 +356,78 @@ def test_threads_issue_copies_while_compute_runs(dev):
         compute.wait_event(copied)
         buf.record_stream(compute)  # allocated on the side stream, used on compute
         assert torch.equal(buf.cpu(), host)
+
+
+
+def _run_alone(code: str) -> None:
+    """Run ``code`` in a fresh process (a deadlock or a crash must not take the session with it)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import outcore
+
+    root = str(Path(outcore.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    try:
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("deadlock: the process stopped (see the test's docstring)")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
+
+
+_COPY_VS_RECORD = """
+import threading, time
+import torch
+from outcore.offload import simdevice
+dev = simdevice.enable()
+side = torch.Stream(device=dev)
+host = torch.empty(4096, dtype=torch.uint8, pin_memory=True)
+stop = time.monotonic() + 1.0
+def copier():
+    torch.accelerator.set_stream(side)
+    while time.monotonic() < stop:
+        torch.empty(4096, dtype=torch.uint8, device=dev).copy_(host, non_blocking=True)
+        side.synchronize()
+worker = threading.Thread(target=copier)
+worker.start()
+while worker.is_alive():
+    torch.Event(device=dev).record(side)  # holds the GIL while it takes the simulator's lock
+print("ok")
+"""
+
+
+def test_a_copy_thread_and_event_records_on_the_main_thread_never_deadlock(dev):
+    """A thread's non_blocking copy (the GIL released) and the main thread's Event.record (the
+    GIL held) both take the simulator's lock: nothing done under it may take the GIL (with
+    torch's PyObject refcounting, returning the copy's destination once did: a deadlock)."""
+    _run_alone(_COPY_VS_RECORD)
+
+
+_COPIES_ON_THREADS = """
+import threading, time
+import torch
+from outcore.offload import simdevice
+dev = simdevice.enable()
+stop = time.monotonic() + 4.0
+def copier():
+    side = torch.Stream(device=dev)
+    torch.accelerator.set_stream(side)
+    d = torch.empty(1024, dtype=torch.uint8, device=dev)
+    while time.monotonic() < stop:
+        for _ in range(8):  # each host buffer's last reference is its queued copy's
+            d.copy_(torch.empty(1024, dtype=torch.uint8, pin_memory=True), non_blocking=True)
+        side.synchronize()  # the copies run: their host sides are released after the unlock
+threads = [threading.Thread(target=copier) for _ in range(3)]
+for t in threads: t.start()
+for t in threads: t.join()
+print("ok")
+"""
+
+
+def test_copy_threads_release_their_host_buffers_safely(dev):
+    """The host sides of copies that ran wait, under the simulator's lock, to be released once it
+    is unlocked; only that lock guards them (a lock of the pinned ranges, taken by every copy
+    without the simulator's, once handed them out too: a crash within seconds on three threads)."""
+    _run_alone(_COPIES_ON_THREADS)

@@ -20,9 +20,11 @@ needs_apollo = pytest.mark.skipif(importlib.util.find_spec("apollo_torch") is No
 
 
 def _train(model, opt, steps=10, seed=0):
+    """In memory on the model's device (the batches drawn on the CPU, moved there)."""
     g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
     for _ in range(steps):
-        ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=g)
+        ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=g).to(device)
         opt.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
@@ -41,8 +43,8 @@ def _assert_close(a, b, rtol=1e-5):
         assert err <= rtol, f"{n}: relative difference {err:.3g}"
 
 
-def test_adamw_bit_identical_to_torch_fused(tiny_llama_factory):
-    a, b = tiny_llama_factory(layers=2), tiny_llama_factory(layers=2)
+def test_adamw_bit_identical_to_torch_fused(tiny_llama_factory, compute_device):
+    a, b = tiny_llama_factory(layers=2).to(compute_device), tiny_llama_factory(layers=2).to(compute_device)
     kw = dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.1)
     _train(a, AdamW(a.parameters(), **kw), steps=6)
     _train(b, torch.optim.AdamW(b.parameters(), fused=True, **kw), steps=6)
@@ -51,10 +53,10 @@ def test_adamw_bit_identical_to_torch_fused(tiny_llama_factory):
 
 
 @needs_galore
-def test_galore_matches_reference(tiny_llama_factory):
+def test_galore_matches_reference(tiny_llama_factory, compute_device):
     from galore_torch import GaLoreAdamW
 
-    a, b = tiny_llama_factory(layers=2), tiny_llama_factory(layers=2)
+    a, b = tiny_llama_factory(layers=2).to(compute_device), tiny_llama_factory(layers=2).to(compute_device)
     kw = dict(lr=1e-3, weight_decay=0.01)
     low = dict(rank=8, update_proj_gap=4, scale=0.25)
     _train(a, GaLore(_groups(a, **low), rank=None, **kw))
@@ -64,10 +66,10 @@ def test_galore_matches_reference(tiny_llama_factory):
 
 @needs_apollo
 @pytest.mark.parametrize("mini", [False, True])
-def test_apollo_matches_reference(tiny_llama_factory, mini):
+def test_apollo_matches_reference(tiny_llama_factory, mini, compute_device):
     from apollo_torch import APOLLOAdamW
 
-    a, b = tiny_llama_factory(layers=2), tiny_llama_factory(layers=2)
+    a, b = tiny_llama_factory(layers=2).to(compute_device), tiny_llama_factory(layers=2).to(compute_device)
     kw = dict(lr=1e-3, weight_decay=0.01)
     low = (dict(rank=1, update_proj_gap=4, scale=128.0, scale_type="tensor") if mini
            else dict(rank=8, update_proj_gap=4, scale=1.0, scale_type="channel"))

@@ -26,8 +26,11 @@ def _batches(n, seed=0, vocab=256, b=2, t=16):
     return out
 
 
-def _train(model, hyper, batches, swap_dir=None, lrs=None, prefetch=2):
-    tr = ZOBlockTrainer(model, hyper, seed=7, swap_dir=swap_dir, prefetch=prefetch)
+def _train(model, hyper, batches, swap_dir=None, lrs=None, prefetch=2, device=None):
+    """In memory (``model`` on ``device``) or streamed from ``swap_dir`` to ``device``."""
+    if swap_dir is None and device is not None:
+        model.to(device)
+    tr = ZOBlockTrainer(model, hyper, seed=7, swap_dir=swap_dir, prefetch=prefetch, device=device)
     for k, batch in enumerate(batches):
         tr.step(batch, lr=(lrs[k] if lrs else 1e-3))
     sd = tr.state_dict()
@@ -47,15 +50,16 @@ def test_block_forward_equals_model_forward(tiny_llama):
                                    ZOHyper(eps=1e-2, momentum=0.7, weight_decay=0.1),
                                    ZOHyper(eps=1e-2, sparsity=0.5, mask_every=2)],
                          ids=["n2", "momentum-wd", "sparse"])
-def test_in_memory_streamed_and_replay_are_bit_identical(tiny_llama_factory, tmp_path, hyper):
+def test_in_memory_streamed_and_replay_are_bit_identical(tiny_llama_factory, tmp_path, hyper, compute_device):
     batches = _batches(5)
     lrs = [1e-3, 2e-3, 1.5e-3, 1e-3, 5e-4]
-    base = tiny_llama_factory().state_dict()
-    mem, tr_mem, _ = _train(tiny_llama_factory(), hyper, batches, lrs=lrs)
-    disk, tr_disk, nvme = _train(tiny_llama_factory(), hyper, batches, swap_dir=str(tmp_path / "swap"), lrs=lrs)
+    base = {k: v.to(compute_device) for k, v in tiny_llama_factory().state_dict().items()}  # replayed there
+    mem, tr_mem, _ = _train(tiny_llama_factory(), hyper, batches, lrs=lrs, device=compute_device)
+    disk, tr_disk, nvme = _train(tiny_llama_factory(), hyper, batches, swap_dir=str(tmp_path / "swap"), lrs=lrs,
+                                 device=compute_device)
     # no read-ahead: every block waits for its read, a different interleaving of the same I/O
     disk0, tr_disk0, nvme0 = _train(tiny_llama_factory(), hyper, batches, swap_dir=str(tmp_path / "swap0"),
-                                    lrs=lrs, prefetch=0)
+                                    lrs=lrs, prefetch=0, device=compute_device)
     assert [r.grads for r in tr_mem.log] == [r.grads for r in tr_disk.log] == [r.grads for r in tr_disk0.log]
     assert nvme.read_bytes > 0 and nvme.written_bytes > 0  # counted in the store's tier statistics
     assert nvme0.read_bytes > 0 and nvme0.written_bytes > 0
@@ -94,11 +98,11 @@ def test_streamed_params_are_empty_between_visits(tiny_llama_factory, tmp_path, 
     tr.close()
 
 
-def test_untied_head_streamed_equals_in_memory(tiny_llama_factory, tmp_path):
+def test_untied_head_streamed_equals_in_memory(tiny_llama_factory, tmp_path, compute_device):
     batches, hyper = _batches(3), ZOHyper(eps=1e-2, n_samples=2)
-    mem, tr_mem, _ = _train(tiny_llama_factory(tie=False), hyper, batches)
+    mem, tr_mem, _ = _train(tiny_llama_factory(tie=False), hyper, batches, device=compute_device)
     disk, tr_disk, _ = _train(tiny_llama_factory(tie=False), hyper, batches, swap_dir=str(tmp_path / "s"),
-                              prefetch=1)
+                              prefetch=1, device=compute_device)
     assert [r.grads for r in tr_mem.log] == [r.grads for r in tr_disk.log]
     assert all(torch.equal(w, disk[name]) for name, w in mem.items())
 

@@ -90,14 +90,23 @@ def test_scores_equal_lm_evaluation_harness(tiny, tmp_path, monkeypatch):
     assert score.acc_norm == pytest.approx(sum(r["acc_norm"] for r in results) / TASK_ITEMS)
 
 
+def _on(model, device):
+    """``model`` in memory on ``device`` (a copy off the CPU: the module's fixture stays there)."""
+    import copy
+
+    return model if device.type == "cpu" else copy.deepcopy(model).to(device)
+
+
 def _plain_perplexity(model, tok, cfg):
     """exp(mean token NLL) of the held-out split by the model's own forward (HF's loss, no outcore head)."""
     from outcore.data import build_datasets, eval_batches
+    from outcore.offload.device import to_device
 
     _, val = build_datasets(cfg.data, tok, cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction)
     total, n = 0.0, 0
     with torch.no_grad():
         for batch in eval_batches(val, cfg.batch_size, cfg.eval_batches):
+            batch = to_device(batch, next(model.parameters()).device)
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
             nll = F.cross_entropy(logits[:, :-1].transpose(1, 2).double(), batch["labels"][:, 1:], reduction="sum")
             total += float(nll)
@@ -106,11 +115,13 @@ def _plain_perplexity(model, tok, cfg):
 
 
 @pytest.mark.parametrize("offload", ["none", "nvme"])
-def test_perplexity_and_task_in_memory_and_streamed(tiny, tiny_run_inputs, tmp_path, offload):
+def test_perplexity_and_task_in_memory_and_streamed(tiny, tiny_run_inputs, tmp_path, offload, compute_device):
     model, tok = tiny
+    model = _on(model, compute_device)  # the references compute where the evaluation does
     cfg = evaluation_config(str(tiny_run_inputs / "model"), data=str(tiny_run_inputs / "data.txt"), seq_len=32,
                             val_fraction=0.1, eval_batches=3, eval_task="shakespeare", offload=offload,
-                            swap_dir=str(tmp_path / "swap") if offload == "nvme" else None)
+                            swap_dir=str(tmp_path / "swap") if offload == "nvme" else None,
+                            device=compute_device.type)
     report = evaluate_model(cfg)
     ppl, n = _plain_perplexity(model, tok, cfg)
     assert report.offload == offload and report.eval_tokens == n
@@ -122,14 +133,17 @@ def test_perplexity_and_task_in_memory_and_streamed(tiny, tiny_run_inputs, tmp_p
         assert not (tmp_path / "swap").exists()  # the swap directory is removed when scoring ends
 
 
-def test_streamed_loglikelihoods_equal_in_memory(tiny, tiny_run_inputs, tmp_path):
-    """Out of core (weights read from NVMe unit by unit) the log-likelihoods are the in-memory ones."""
+def test_streamed_loglikelihoods_equal_in_memory(tiny, tiny_run_inputs, tmp_path, compute_device):
+    """Out of core (weights read from NVMe unit by unit) the log-likelihoods are the in-memory ones
+    (on the same device)."""
     from outcore.models import load_model_lazily
 
     model, tok = tiny
+    model = _on(model, compute_device)
     reqs = _requests(load_task("shakespeare", limit=TASK_ITEMS))
     lazy, _, fill = load_model_lazily(str(tiny_run_inputs / "model"))
-    cfg = evaluation_config(str(tiny_run_inputs / "model"), offload="nvme", swap_dir=str(tmp_path / "swap"))
+    cfg = evaluation_config(str(tiny_run_inputs / "model"), offload="nvme", swap_dir=str(tmp_path / "swap"),
+                            device=compute_device.type)
     streamed = StreamedModel(lazy.eval(), cfg, fill)
     try:
         ours = loglikelihoods(streamed.scorer, tok, reqs, max_tokens=64)

@@ -93,10 +93,10 @@ def test_resume_errors_name_the_problem(tiny_run_inputs, tmp_path):
         finetune(load_config(overrides={"resume": str(tmp_path / "run"), "max_steps": 3}), sink=_Collect())
 
 
-def test_offload_cpu_with_activations_on_nvme(tiny_run_inputs, tmp_path):
+def test_offload_cpu_with_activations_on_nvme(tiny_run_inputs, tmp_path, compute_device):
     """Weights and state in HOST, activations to NVMe: the run's store has no swap dir, so the
-    activations get a private one (and the run still equals the in-memory one)."""
-    kw = dict(max_steps=2, eval_every=0, max_grad_norm=0.0)
+    activations get a private one (and the run still equals the in-memory one, on its device)."""
+    kw = dict(max_steps=2, eval_every=0, max_grad_norm=0.0, device=compute_device.type)
     mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", **kw), sink=_Collect())
     ooc = finetune(_cfg(tiny_run_inputs, tmp_path / "ooc", offload="cpu", activations="offload", **kw),
                    sink=_Collect())
@@ -129,10 +129,11 @@ def test_default_model_and_data_improve_perplexity(tmp_path):
 
 
 @pytest.mark.parametrize("clip,activations", [(0.0, "keep"), (1.0, "keep"), (0.0, "recompute"), (1.0, "offload")])
-def test_offloaded_run_equals_in_memory_run(tiny_run_inputs, tmp_path, clip, activations):
+def test_offloaded_run_equals_in_memory_run(tiny_run_inputs, tmp_path, clip, activations, compute_device):
     """The recipe with everything on NVMe (and blocks recomputed in the backward, or their
-    activations on NVMe too) gives the in-memory run's losses and weights, bit for bit."""
-    kw = dict(max_steps=5, eval_every=0, max_grad_norm=clip)
+    activations on NVMe too) gives the in-memory run's losses and weights, bit for bit (both
+    on the same device)."""
+    kw = dict(max_steps=5, eval_every=0, max_grad_norm=clip, device=compute_device.type)
     mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", **kw), sink=_Collect())
     sink = _Collect()
     ooc = finetune(_cfg(tiny_run_inputs, tmp_path / "ooc", offload="nvme", activations=activations, **kw),
@@ -153,10 +154,10 @@ def test_offloaded_run_equals_in_memory_run(tiny_run_inputs, tmp_path, clip, act
     assert not (ooc.output_dir / "swap").exists()  # removed on clean exit
 
 
-def test_offloaded_lora_equals_in_memory_lora_and_resumes(tiny_run_inputs, tmp_path):
+def test_offloaded_lora_equals_in_memory_lora_and_resumes(tiny_run_inputs, tmp_path, compute_device):
     """LoRA out of core: the frozen base streams from NVMe, the adapters stay resident;
     losses and the merged export equal the in-memory LoRA run's, and resume is exact."""
-    kw = dict(method="lora", lr=1e-2, max_steps=4, eval_every=0, max_grad_norm=1.0)
+    kw = dict(method="lora", lr=1e-2, max_steps=4, eval_every=0, max_grad_norm=1.0, device=compute_device.type)
     mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", **kw), sink=_Collect())
     sink = _Collect()
     ooc = finetune(_cfg(tiny_run_inputs, tmp_path / "ooc", offload="nvme", **kw), sink=sink)
@@ -221,9 +222,9 @@ def test_qlora_in_memory_and_offloaded(tiny_run_inputs, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_offloaded_resume_is_bit_identical(tiny_run_inputs, tmp_path, dtype):
+def test_offloaded_resume_is_bit_identical(tiny_run_inputs, tmp_path, dtype, compute_device):
     """Also for mixed precision (bf16 compute, fp32 masters and state streamed with the units)."""
-    kw = dict(offload="nvme", max_steps=5, eval_every=0, dtype=dtype)
+    kw = dict(offload="nvme", max_steps=5, eval_every=0, dtype=dtype, device=compute_device.type)
     full = finetune(_cfg(tiny_run_inputs, tmp_path / "full", **kw), sink=_Collect())
     with pytest.raises(KeyboardInterrupt):
         finetune(_cfg(tiny_run_inputs, tmp_path / "cut", save_every=2, **kw), sink=_Collect(interrupt_at=3))

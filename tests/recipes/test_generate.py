@@ -14,24 +14,26 @@ from outcore.recipes.generate import STOP, Completion, load_generator, resolve_m
 PROMPTS = ["Hello there", "To be, or not to be: that is the question"]  # two lengths: left padding
 
 
-def _reference(model_dir, texts: list[str], max_new_tokens: int, add_special_tokens: bool = True
-               ) -> list[list[int]]:
-    """Greedy tokens of the prompts from transformers alone (one left-padded batch), cut after an EOS."""
+def _reference(model_dir, texts: list[str], max_new_tokens: int, add_special_tokens: bool = True,
+               device: torch.device = torch.device("cpu")) -> list[list[int]]:
+    """Greedy tokens of the prompts from transformers alone (one left-padded batch, in memory on
+    ``device``), cut after an EOS."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
+    batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=add_special_tokens).to(device)
     out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
     rows = out[:, batch["input_ids"].shape[1]:].tolist()
     return [row[:row.index(tok.eos_token_id) + 1] if tok.eos_token_id in row else row for row in rows]
 
 
 @pytest.mark.parametrize("offload", ["none", "nvme", "cpu"])
-def test_greedy_tokens_equal_transformers_generate(tiny_chat_model, tmp_path, offload):
-    want = _reference(tiny_chat_model, PROMPTS, 12)
+def test_greedy_tokens_equal_transformers_generate(tiny_chat_model, tmp_path, offload, compute_device):
+    want = _reference(tiny_chat_model, PROMPTS, 12, device=compute_device)
     assert len(set(want[0])) > 3  # a model that says something: the check can fail
-    with load_generator(tiny_chat_model, offload=offload, swap_dir=tmp_path / "swap") as gen:
+    with load_generator(tiny_chat_model, offload=offload, swap_dir=tmp_path / "swap",
+                        device=compute_device.type) as gen:
         assert gen.offload == offload
         got = gen.generate(PROMPTS, max_new_tokens=12, chat=False)
         if offload == "nvme":  # every token read the weights again (2 blocks: the window holds them all)
@@ -41,20 +43,20 @@ def test_greedy_tokens_equal_transformers_generate(tiny_chat_model, tmp_path, of
     assert all(c.finish_reason in (STOP, "length") for c in got)
 
 
-def test_chat_template_and_sampling_are_the_same_streamed(tiny_chat_model, tmp_path):
+def test_chat_template_and_sampling_are_the_same_streamed(tiny_chat_model, tmp_path, compute_device):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_chat_model)
     templated = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                          tokenize=False) for p in PROMPTS]
-    want = _reference(tiny_chat_model, templated, 10, add_special_tokens=False)
+    want = _reference(tiny_chat_model, templated, 10, add_special_tokens=False, device=compute_device)
     kw = dict(max_new_tokens=10, temperature=0.9, seed=7)
-    with load_generator(tiny_chat_model, offload="none") as gen:
+    with load_generator(tiny_chat_model, offload="none", device=compute_device.type) as gen:
         assert [c.token_ids for c in gen.generate(PROMPTS, max_new_tokens=10)] == want  # chat by default
         sampled = gen.generate(PROMPTS, **kw)
         assert sampled == gen.generate(PROMPTS, **kw)  # the seed decides
         assert sampled != gen.generate(PROMPTS, **{**kw, "seed": 8})
-    with load_generator(tiny_chat_model, offload="nvme", swap_dir=tmp_path / "swap") as gen:
+    with load_generator(tiny_chat_model, offload="nvme", swap_dir=tmp_path / "swap", device=compute_device.type) as gen:
         assert gen.generate(PROMPTS, **kw) == sampled
 
 
@@ -121,14 +123,14 @@ def test_the_default_model_answers_as_transformers_does(tmp_path, offload):
     assert got.token_ids == want and got.text.startswith("The capital of France")
 
 
-def test_each_token_streams_the_weights_again_with_the_same_tokens(tiny_llama_factory, tmp_path):
+def test_each_token_streams_the_weights_again_with_the_same_tokens(tiny_llama_factory, tmp_path, compute_device):
     from outcore.offload.inference import StreamedInference
 
-    ids = torch.tensor([[1, 5, 9, 33, 70]])
+    ids = torch.tensor([[1, 5, 9, 33, 70]], device=compute_device)
     kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
-    want = tiny_llama_factory(layers=8).generate(ids, **kw)
+    want = tiny_llama_factory(layers=8).to(compute_device).generate(ids, **kw)
     model = tiny_llama_factory(layers=8)  # 8 blocks: more than the DEVICE window of k=2 holds
-    streamed = StreamedInference(model, offload="nvme", swap_dir=tmp_path / "swap", prefetch=2)
+    streamed = StreamedInference(model, offload="nvme", swap_dir=tmp_path / "swap", prefetch=2, device=compute_device)
     try:
         assert torch.equal(model.generate(ids, **kw), want)
         nvme = streamed.tier_stats()["NVME"]

@@ -56,9 +56,10 @@ def test_conflicts_are_one_line_errors(overrides, match):
 
 
 @pytest.mark.slow(ci=True)  # four tiny runs (AdamW8bit's lean update: tests/offload/test_engine_lean.py)
-def test_lean_in_memory_equals_out_of_core_and_resumes(tiny_run_inputs, tmp_path):
-    mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", offload="none"), sink=_Sink())
-    ooc = finetune(_cfg(tiny_run_inputs, tmp_path / "ooc", offload="nvme"), sink=_Sink())
+def test_lean_in_memory_equals_out_of_core_and_resumes(tiny_run_inputs, tmp_path, compute_device):
+    on = compute_device.type  # both runs compute there (and the resumed one, by its config)
+    mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", offload="none", device=on), sink=_Sink())
+    ooc = finetune(_cfg(tiny_run_inputs, tmp_path / "ooc", offload="nvme", device=on), sink=_Sink())
     assert mem.losses == ooc.losses
     a, b = _weights(mem.final_dir), _weights(ooc.final_dir)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -66,7 +67,8 @@ def test_lean_in_memory_equals_out_of_core_and_resumes(tiny_run_inputs, tmp_path
     units = load_file(str(ooc.output_dir / "checkpoints" / "step_000004" / "units" / "block.1.safetensors"))
     assert not any("master" in k for k in units) and any("sr_step" in k for k in units)
     with pytest.raises(KeyboardInterrupt):
-        finetune(_cfg(tiny_run_inputs, tmp_path / "cut", offload="nvme", save_every=2), sink=_Sink(interrupt_at=3))
+        finetune(_cfg(tiny_run_inputs, tmp_path / "cut", offload="nvme", save_every=2, device=on),
+                 sink=_Sink(interrupt_at=3))
     resumed = finetune(load_config(overrides={"resume": str(tmp_path / "cut"), "ui": "none"}), sink=_Sink())
     c = _weights(resumed.final_dir)
     assert all(torch.equal(a[k], c[k]) for k in a)

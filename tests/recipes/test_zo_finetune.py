@@ -39,10 +39,10 @@ def _final(run) -> dict[str, torch.Tensor]:
     return load_file(str(Path(run.final_dir) / "model.safetensors"))
 
 
-def test_in_memory_and_nvme_runs_give_identical_exports(tiny_run_inputs, tmp_path):
+def test_in_memory_and_nvme_runs_give_identical_exports(tiny_run_inputs, tmp_path, compute_device):
     sink = _Collect()
-    mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", offload="none"), sink)
-    disk = finetune(_cfg(tiny_run_inputs, tmp_path / "disk", offload="nvme"), _Collect())
+    mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", offload="none", device=compute_device.type), sink)
+    disk = finetune(_cfg(tiny_run_inputs, tmp_path / "disk", offload="nvme", device=compute_device.type), _Collect())
     assert mem.steps_done == disk.steps_done == 5
     assert mem.losses == disk.losses and mem.final_eval_loss == disk.final_eval_loss
     a, b = _final(mem), _final(disk)
