@@ -179,8 +179,13 @@ def _device_module() -> types.ModuleType:
     mod.Event = lambda enable_timing=False, **_: torch.Event(device=NAME, enable_timing=enable_timing)
     mod.stream = _stream_context
     mod._is_in_bad_fork = lambda: False
-    # Sim ops draw from the CPU generator, which torch.manual_seed has already seeded.
+    # Sim ops draw from the CPU generator, which torch.manual_seed has already seeded; its state
+    # is the CPU's (what torch.utils.checkpoint and AOT dispatch save and restore per device).
     mod.manual_seed = mod.manual_seed_all = lambda seed: None
+    mod.get_rng_state = lambda device=None: torch.get_rng_state()
+    mod.set_rng_state = lambda state, device=None: torch.set_rng_state(state)
+    mod.get_rng_state_all = lambda: [torch.get_rng_state()]
+    mod.set_rng_state_all = lambda states: torch.set_rng_state(states[0])
     mod.memory_allocated = lambda device=None: report()["allocated_bytes"]
     mod.max_memory_allocated = lambda device=None: report()["peak_bytes"]
     mod.empty_cache = lambda: torch.ops.outcore_sim.empty_cache()
