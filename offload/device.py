@@ -243,11 +243,19 @@ class SideStreams:
         return out, copied
 
 
-def distributed_backend(device: torch.device | None = None) -> str:
-    """The torch.distributed backend for ``device`` (default: this machine's): nccl on CUDA,
-    else gloo."""
-    cuda = cuda_available() if device is None else device.type == "cuda"
-    return "nccl" if cuda else "gloo"
+def distributed_backend(device: torch.device | str | None = None) -> str:
+    """The torch.distributed backend for ``device`` (a device or a ``--device`` kind; default:
+    this machine's): nccl on CUDA, ``simgloo`` on the simulated accelerator (``simdist.py``:
+    its tensors through CPU copies over gloo, CPU tensors over gloo; registered now), else gloo."""
+    kind = device.type if isinstance(device, torch.device) else (device or "auto")
+    if kind == "sim":
+        from .simdist import NAME, register
+
+        register()
+        return NAME
+    if kind == "auto":
+        kind = "cuda" if cuda_available() else "cpu"
+    return "nccl" if kind == "cuda" else "gloo"
 
 
 def use_local_device(local_rank: int) -> None:

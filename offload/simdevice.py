@@ -32,6 +32,9 @@ bit-identical to the CPU's. The simulation is in what a GPU does differently:
   ``use after free`` when it runs;
 * mixing sim tensors with CPU tensors of dim >= 1 raises CUDA's ``Expected all tensors to be
   on the same device``; 0-dim CPU scalars, copies and CPU index tensors are allowed, as there;
+* collectives: :func:`enable` registers sim's ``torch.distributed`` backend, ``simgloo``
+  (``offload/simdist.py``: gloo underneath, sim tensors staged through CPU copies on the current
+  stream), which refuses what NCCL refuses (CPU and device tensors in one collective);
 * random ops draw from the CPU default generator: ``torch.manual_seed`` seeds them, and a
   seeded sim run gives the CPU's numbers. ``torch.optim`` picks foreach kernels for sim, as
   for CUDA (the CPU default is the single-tensor loop).
@@ -141,6 +144,9 @@ def enable() -> torch.device:
                 torch.utils.generate_methods_for_privateuse1_backend()
             torch.ops.outcore_sim.init()
             _check_autograd()
+            from .simdist import register  # its collectives: the "simgloo" process-group backend
+
+            register()
             _device = torch.device(NAME)
     return _device
 

@@ -70,7 +70,9 @@ def join_run(cfg: Any) -> tuple[Ranks, bool]:
     if joined:
         return ranks, False
     # CPU tensors (the in-memory replicas, the small exchanges) over gloo, CUDA ones over NCCL
-    backend = "cpu:gloo,cuda:nccl" if distributed_backend() == "nccl" else "gloo"
+    # (sim's: simgloo, which carries CPU tensors over gloo itself)
+    backend = distributed_backend(cfg.device)
+    backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
     return join(timeout_s=cfg.dist_timeout_s, backend=backend), True
 
 

@@ -10,6 +10,8 @@ for bit; with clipping the global norm is summed in another order (equal within 
 rounding: the measured difference is printed and bounded). The model's vocabulary makes its
 (tied) embedding's state large enough to stream in pieces inside each rank's range; the head
 (a final norm of 64 elements) lies wholly in rank 0's range, so rank 1 owns none of it.
+On the simulated accelerator (``compute_device``) the ranks compute on sim and join over
+``simgloo`` (``offload/simdist.py``): the reduce-scatter and all-gather take device tensors.
 """
 from __future__ import annotations
 
@@ -59,8 +61,16 @@ def batches(step):
     return [torch.randint(0, 2048, (2, 16), generator=g) for _ in range(2)]
 
 
-# the workers import the model, loss and batches from this file (its folder: their last argument)
-COMMON = "import sys, torch\nsys.path.insert(0, sys.argv[-1])\nfrom test_sharded import batches, loss, model\n"
+# the workers import the model, loss and batches from this file (its folder: their last argument);
+# they compute on the device their second-to-last argument names (sim: built and enabled before
+# their first backward) and join the group over that device's backend (sim: simgloo)
+COMMON = textwrap.dedent('''
+    import sys, torch
+    sys.path.insert(0, sys.argv[-1])
+    from test_sharded import batches, loss, model
+    from outcore.offload.device import distributed_backend, resolve_device
+    device = resolve_device(sys.argv[-2])
+''')
 
 WORKER = COMMON + textwrap.dedent('''
     import datetime, sys
@@ -77,14 +87,14 @@ WORKER = COMMON + textwrap.dedent('''
     rank, init, out, cases = int(sys.argv[1]), sys.argv[2], sys.argv[3], eval(sys.argv[4])
     hparams = eval(sys.argv[5])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=2,
+    dist.init_process_group(distributed_backend(device), init_method="file://" + init, rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
     results = {}
     for name, clip, offload, dtype in cases:
         m = model(dtype)
         opt = build_optimizer(name, list(m.parameters()), lr=%r, **hparams[name])
         eng = offload_model(m, opt, offload=offload, swap_dir=f"{out}/swap{rank}", prefetch=1,
-                            max_grad_norm=clip, ranks=Ranks(rank, 2, rank))
+                            max_grad_norm=clip, ranks=Ranks(rank, 2, rank), device=device)
         losses = [eng.train_step(loss, [batches(s)[rank]], %r).item() for s in range(%r)]
         weights = {n: w.clone() for u in eng.units for n, w in unit_weights(eng, u).items()}
         state = sum(h.numel * h.dtype.itemsize for u in eng.units for p, h in u.handles.items()
@@ -106,23 +116,32 @@ def _wait(procs):
 
 @pytest.fixture(scope="module")
 def ranks_out(request, tmp_path_factory):
-    """Both ranks' results for every case that runs (one pair of processes for the module)."""
+    """``ranks_out(device)``: both ranks' results on ``device`` for every case that runs (one pair
+    of processes per device for the module, started at the first test that asks)."""
     cases = CASES if request.config.getoption("--slow") == "all" else CASES[:CI_CASES]
-    tmp = tmp_path_factory.mktemp("sharded")
-    script = tmp / "worker.py"
-    script.write_text(WORKER)
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp / "init"), str(tmp), repr(cases),
-                               repr(HPARAMS), str(Path(__file__).parent)],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
-    _wait(procs)
-    return [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
+    done: dict[str, list] = {}
+
+    def run(device: torch.device) -> list:
+        if device.type not in done:
+            tmp = tmp_path_factory.mktemp(f"sharded_{device.type}")
+            script = tmp / "worker.py"
+            script.write_text(WORKER)
+            procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp / "init"), str(tmp), repr(cases),
+                                       repr(HPARAMS), device.type, str(Path(__file__).parent)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+            _wait(procs)
+            done[device.type] = [torch.load(tmp / f"rank{r}.pt") for r in range(2)]
+        return done[device.type]
+
+    return run
 
 
-def _one_rank(name, clip, offload, dtype, swap_dir):
+def _one_rank(name, clip, offload, dtype, swap_dir, device):
     """One rank accumulating both micro-batches of each step (the reference)."""
     m = model(dtype)
     opt = build_optimizer(name, list(m.parameters()), lr=LR, **HPARAMS[name])
-    eng = offload_model(m, opt, offload=offload, swap_dir=swap_dir, prefetch=1, max_grad_norm=clip, grad_accum=2)
+    eng = offload_model(m, opt, offload=offload, swap_dir=swap_dir, prefetch=1, max_grad_norm=clip, grad_accum=2,
+                        device=device)
     for s in range(STEPS):
         eng.train_step(loss, batches(s), LR)
     weights = {n: w.clone() for u in eng.units for n, w in unit_weights(eng, u).items()}
@@ -134,15 +153,15 @@ def _one_rank(name, clip, offload, dtype, swap_dir):
 
 @pytest.mark.parametrize("name,clip,offload,dtype", [
     pytest.param(*case, marks=pytest.mark.slow(ci=i < CI_CASES)) for i, case in enumerate(CASES)])
-def test_two_ranks_equal_one_rank_accumulating(ranks_out, tmp_path, name, clip, offload, dtype):
+def test_two_ranks_equal_one_rank_accumulating(ranks_out, tmp_path, name, clip, offload, dtype, compute_device):
     torch.set_num_threads(1)
-    want, state, norm = _one_rank(name, clip, offload, dtype, tmp_path / "swap")
-    r0, r1 = (out[(name, clip, offload, dtype)] for out in ranks_out)
+    want, state, norm = _one_rank(name, clip, offload, dtype, tmp_path / "swap", compute_device)
+    r0, r1 = (out[(name, clip, offload, dtype)] for out in ranks_out(compute_device))
     diff = 0.0
     for pname, w in want.items():
         assert torch.equal(r0["weights"][pname], r1["weights"][pname]), pname  # the replicas agree
         diff = max(diff, (r0["weights"][pname] - w).abs().max().item())
-    print(f"{name} clip={clip} {offload} {dtype}: max |2 ranks - 1 rank| = {diff:.3g}")
+    print(f"{compute_device.type} {name} clip={clip} {offload} {dtype}: max |2 ranks - 1 rank| = {diff:.3g}")
     if clip == 0:
         assert diff == 0.0
     else:  # the global norm summed in another order: equal within fp32 rounding, which
@@ -203,14 +222,14 @@ CKPT_WORKER = COMMON + textwrap.dedent('''
 
     rank, init, out, lr, hp = int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4]), eval(sys.argv[5])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="file://" + init, rank=rank, world_size=2,
+    dist.init_process_group(distributed_backend(device), init_method="file://" + init, rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=120))
 
     def engine():
         m = model()
         opt = build_optimizer("adamw8bit", list(m.parameters()), lr=lr, **hp)
         return offload_model(m, opt, offload="nvme", swap_dir=f"{out}/swap{rank}", prefetch=1,
-                             ranks=Ranks(rank, 2, rank))
+                             ranks=Ranks(rank, 2, rank), device=device)
 
     def weights(eng):
         return {n: w.clone() for u in eng.units for n, w in unit_weights(eng, u).items()}
@@ -233,10 +252,10 @@ CKPT_WORKER = COMMON + textwrap.dedent('''
 ''')
 
 
-def _engine(swap_dir):
+def _engine(swap_dir, device):
     m = model()
     opt = build_optimizer("adamw8bit", list(m.parameters()), lr=LR, **HPARAMS["adamw8bit"])
-    return offload_model(m, opt, offload="nvme", swap_dir=swap_dir, prefetch=1, grad_accum=2)
+    return offload_model(m, opt, offload="nvme", swap_dir=swap_dir, prefetch=1, grad_accum=2, device=device)
 
 
 def _weights(eng):
@@ -244,9 +263,9 @@ def _weights(eng):
 
 
 @pytest.mark.slow(ci=True)
-def test_checkpoints_reshard_between_one_and_two_ranks(tmp_path):
+def test_checkpoints_reshard_between_one_and_two_ranks(tmp_path, compute_device):
     torch.set_num_threads(1)
-    eng = _engine(tmp_path / "swap")  # one rank: two steps, saved, one more step
+    eng = _engine(tmp_path / "swap", compute_device)  # one rank: two steps, saved, one more step
     for s in range(2):
         eng.train_step(loss, batches(s), LR)
     save_sharded(eng, tmp_path / "ckpt1")
@@ -257,13 +276,13 @@ def test_checkpoints_reshard_between_one_and_two_ranks(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(CKPT_WORKER)
     procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "init"), str(tmp_path), repr(LR),
-                               repr(HPARAMS["adamw8bit"]), str(Path(__file__).parent)],
+                               repr(HPARAMS["adamw8bit"]), compute_device.type, str(Path(__file__).parent)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
              for r in range(2)]
     _wait(procs)
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in range(2))
 
-    eng = _engine(tmp_path / "swap")  # 2 -> 1: the two ranks' checkpoint, one more step here
+    eng = _engine(tmp_path / "swap", compute_device)  # 2 -> 1: the two ranks' checkpoint, one more step here
     load_sharded(eng, tmp_path / "ckpt2")
     eng.train_step(loss, batches(2), LR)
     from2 = _weights(eng)

@@ -1,5 +1,9 @@
 """``torchrun --nproc-per-node 2 -m outcore finetune``: real 2-process gloo runs on a tiny model.
 
+The runs that compare 2 ranks with 1 run on each compute device (``compute_device``): on the
+simulated accelerator each rank computes on sim and joins the group over ``simgloo``
+(``offload/simdist.py``), so the tensors' devices where they meet a collective are checked.
+
 2 ranks with micro-batch B == 1 rank accumulating 2 micro-batches of B over the same
 sequences, bit for bit (two gradients summed: a + b is b + a); DCP checkpoints resume at
 another world size (2 → 1, 1 → 2) with the same bits; a killed rank stops the other with
@@ -53,11 +57,13 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _args(inputs: Path, out: Path, **kw) -> dict:
+def _args(inputs: Path, out: Path, device: torch.device | None = None, **kw) -> dict:
+    """A run's config words; ``device``: the compute device (the ranks' too: they are torchrun's
+    children, each with ``device=sim`` joins the group over simgloo)."""
     base = dict(model=str(inputs / "model"), data=str(inputs / "data.txt"), seq_len=32, batch_size=2,
                 max_steps=4, eval_every=0, eval_batches=2, lr=1e-3, warmup_steps=1, output=str(out),
                 ui="none", val_fraction=0.1, offload="none", save_every=2, threads=1)
-    return {**base, **kw}
+    return {**base, **({"device": device.type} if device is not None else {}), **kw}
 
 
 def _torchrun(args: dict, *, script: list[str] | None = None, env: dict | None = None, timeout: float = 600,
@@ -88,13 +94,13 @@ def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None
 
 
 @pytest.mark.slow(ci=True)
-def test_two_ranks_equal_one_rank_accumulating_and_resume_on_one(tiny_run_inputs, tmp_path):
+def test_two_ranks_equal_one_rank_accumulating_and_resume_on_one(tiny_run_inputs, tmp_path, compute_device):
     """AdamW, full fine-tune in memory: the acceptance run, its files, and 2 → 1."""
     two, one = tmp_path / "two", tmp_path / "one"
-    res = _torchrun(_args(tiny_run_inputs, two))
+    res = _torchrun(_args(tiny_run_inputs, two, compute_device))
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("outcore: output in") == 1  # rank 0 alone says it
-    _one_rank(_args(tiny_run_inputs, one, grad_accum=2))
+    _one_rank(_args(tiny_run_inputs, one, compute_device, grad_accum=2))
     _assert_same(_weights(two), _weights(one))
 
     # rank 0 writes metrics.jsonl with every rank's row; rank 1 its own file
@@ -112,17 +118,18 @@ def test_two_ranks_equal_one_rank_accumulating_and_resume_on_one(tiny_run_inputs
     # 2 → 1: step 2's DCP checkpoint, resumed by one rank with grad_accum 2 (the same 2 micro-batches a step)
     shutil.rmtree(two / "checkpoints" / "step_000004")
     shutil.rmtree(two / "final")
-    _one_rank(_args(tiny_run_inputs, two, grad_accum=2, resume=str(two)))
+    _one_rank(_args(tiny_run_inputs, two, compute_device, grad_accum=2, resume=str(two)))
     _assert_same(_weights(two), _weights(one))
 
 
 @pytest.mark.slow(ci=True)
-def test_out_of_core_two_ranks_shard_the_state_equal_one_rank_and_resume_on_one(tiny_run_inputs, tmp_path):
+def test_out_of_core_two_ranks_shard_the_state_equal_one_rank_and_resume_on_one(tiny_run_inputs, tmp_path,
+                                                                                compute_device):
     """A full fine-tune out of core on 2 ranks (each holds half of every unit's state: the
     engine reduce-scatters, updates its range and all-gathers) == 1 rank accumulating; its
     sharded DCP checkpoint resumes on one rank with the same bits."""
     two, one = tmp_path / "two", tmp_path / "one"
-    kw = dict(offload="nvme", max_grad_norm=0.0)  # (with clipping: the norm's order differs, ~1e-6)
+    kw = dict(offload="nvme", max_grad_norm=0.0, device=compute_device)  # (clipping: the norm's order differs)
     res = _torchrun(_args(tiny_run_inputs, two, **kw))
     assert res.returncode == 0, res.stderr[-3000:]
     _one_rank(_args(tiny_run_inputs, one, grad_accum=2, **kw))
@@ -143,9 +150,10 @@ def test_out_of_core_two_ranks_shard_the_state_equal_one_rank_and_resume_on_one(
 @pytest.mark.slow
 @pytest.mark.parametrize("method,optim,offload", [("full", "adamw8bit", "none"), ("lora", "adamw", "none"),
                                                    ("lora", "adamw", "cpu")])  # cpu: the base streamed read-only
-def test_two_ranks_equal_one_rank_for_adamw8bit_and_lora(tiny_run_inputs, tmp_path, method, optim, offload):
+def test_two_ranks_equal_one_rank_for_adamw8bit_and_lora(tiny_run_inputs, tmp_path, method, optim, offload,
+                                                         compute_device):
     two, one = tmp_path / "two", tmp_path / "one"
-    kw = dict(method=method, optim=optim, offload=offload, save_every=0)
+    kw = dict(method=method, optim=optim, offload=offload, save_every=0, device=compute_device)
     res = _torchrun(_args(tiny_run_inputs, two, **kw))
     assert res.returncode == 0, res.stderr[-3000:]
     _one_rank(_args(tiny_run_inputs, one, grad_accum=2, **kw))
@@ -154,11 +162,11 @@ def test_two_ranks_equal_one_rank_for_adamw8bit_and_lora(tiny_run_inputs, tmp_pa
 
 @pytest.mark.parametrize("offload", [pytest.param("none", marks=pytest.mark.slow),
                                      pytest.param("nvme", marks=pytest.mark.slow(ci=True))])
-def test_a_one_rank_checkpoint_resumes_on_two_ranks(tiny_run_inputs, tmp_path, offload):
+def test_a_one_rank_checkpoint_resumes_on_two_ranks(tiny_run_inputs, tmp_path, offload, compute_device):
     """1 → 2: a one-process checkpoint (out of core: whole units in ``units/``, each rank keeps
     its range of the state) resumed by 2 ranks == the one-process run going on."""
     one, ref = tmp_path / "one", tmp_path / "ref"
-    kw = dict(optim="adamw8bit", offload=offload, max_grad_norm=0.0)
+    kw = dict(optim="adamw8bit", offload=offload, max_grad_norm=0.0, device=compute_device)
     _one_rank(_args(tiny_run_inputs, ref, grad_accum=2, **kw))
     _one_rank(_args(tiny_run_inputs, one, grad_accum=2, **kw))
     shutil.rmtree(one / "checkpoints" / "step_000004")
@@ -209,9 +217,9 @@ def test_torchrun_restarts_continue_the_launch_s_own_run(tiny_run_inputs, tmp_pa
 
 
 @pytest.mark.slow
-def test_zo_under_torchrun_writes_the_one_rank_log(tiny_run_inputs, tmp_path):
+def test_zo_under_torchrun_writes_the_one_rank_log(tiny_run_inputs, tmp_path, compute_device):
     two, one = tmp_path / "two", tmp_path / "one"
-    kw = dict(method="zo", optim="mezo", save_every=0, optim_args={"n_samples": 2}, lr=1e-4)
+    kw = dict(method="zo", optim="mezo", save_every=0, optim_args={"n_samples": 2}, lr=1e-4, device=compute_device)
     args = _args(tiny_run_inputs, two, **kw)
     args["optim_args.n_samples"] = args.pop("optim_args")["n_samples"]
     res = _torchrun(args)
