@@ -13,8 +13,8 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it (relative to this package)
 _LAZY = {
-    "FinetuneConfig": ".recipes.config",
-    "load_config": ".recipes.config",
+    "FinetuneConfig": ".training.config",
+    "load_config": ".training.config",
     "finetune": ".api",
     "generate": ".recipes.generate",
     "load_generator": ".recipes.generate",
@@ -26,7 +26,7 @@ __all__ = sorted(_LAZY) + ["__version__"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from .errors import OutcoreError
-    from .recipes.config import FinetuneConfig, load_config
+    from .training.config import FinetuneConfig, load_config
     from .api import evaluate, finetune
     from .recipes.generate import generate, load_generator
 

@@ -6,7 +6,7 @@ dashboard or plain log, ``OUTPUT/metrics.jsonl`` and the ``report_to`` trackers;
 never import ``tui``), runs the recipe of ``config.method`` and, with ``push_to_hub``,
 uploads the export. ``outcore finetune`` calls it too. Under ``torchrun`` (or Ray Train) every
 rank calls it: rank 0 gets the view, the others their ``metrics.rankR.jsonl`` only
-(``recipes/distributed.py``).
+(``training/distributed.py``).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from .events import EventSink
-    from .recipes.config import FinetuneConfig
+    from .training.config import FinetuneConfig
     from .recipes.evaluate import EvalReport
     from .recipes.full_finetune import FinetuneResult
 
@@ -34,9 +34,9 @@ def finetune(config: FinetuneConfig | None = None, sink: EventSink | None = None
 
     Raises:
         OutcoreError: bad config, model, data or checkpoint (one-line message); a failed
-            ``push_to_hub`` upload (``recipes.hub.HubError``, raised after the run, its outputs kept).
+            ``push_to_hub`` upload (``training.hub.HubError``, raised after the run, its outputs kept).
     """
-    from .recipes.config import load_config
+    from .training.config import load_config
 
     config = load_config(overrides={**(config.to_dict() if config else {}), **overrides})
     own_sink = sink is None
@@ -59,7 +59,7 @@ def finetune(config: FinetuneConfig | None = None, sink: EventSink | None = None
         if own_sink:
             sink.close()  # also when the recipe failed before it could (idempotent)
     if config.push_to_hub and result.final_dir is not None:
-        from .recipes.hub import push_to_hub
+        from .training.hub import push_to_hub
 
         push_to_hub(result.final_dir, config.push_to_hub)
     return result

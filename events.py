@@ -69,7 +69,7 @@ class StepEvent:
     stall_s: float = 0.0  # time compute waited on I/O during this step
     tiers: dict[str, TierStats] = field(default_factory=dict)  # by tier name
     ranks: list[RankStats] = field(default_factory=list)  # under torchrun: every rank's, in rank order
-    # SSD wear (recipes/wear.py; None when not measured): bytes this run wrote to its swap disk
+    # SSD wear (training/wear.py; None when not measured): bytes this run wrote to its swap disk
     ssd_written_bytes: int | None = None  # since the run started, its setup included
     ssd_written_per_step_bytes: float | None = None  # per step, since the previous logged step
     ssd_life_used_pct: float | None = None  # with ssd_tbw: % of the drive's rated writes used so far

@@ -38,7 +38,7 @@ class MethodTraits:
     compute_passes: float
 
 
-#: the methods the planner sizes (``recipes.config.METHODS``, which it may not import: a test
+#: the methods the planner sizes (``training.config.METHODS``, which it may not import: a test
 #: keeps the two equal)
 METHOD_TRAITS = {
     "full": MethodTraits(trains_weights=True, backward=True, quantized_base=False, compute_passes=3.0),

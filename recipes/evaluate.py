@@ -247,7 +247,7 @@ def evaluation_config(model: str, **overrides: Any):
     from pathlib import Path
 
     from ..errors import CheckpointError
-    from .config import load_config
+    from ..training.config import load_config
 
     given = {k: v for k, v in overrides.items() if v is not None}
     # in memory unless asked: a run's own offload setting was for training, with optimizer state
@@ -284,7 +284,7 @@ def evaluate_model(cfg: Any, *, perplexity: bool = True) -> EvalReport:
 
     from ..data import build_datasets
     from ..data.tasks import load_task
-    from ._common import evaluate, set_threads
+    from ..training._common import evaluate, set_threads
 
     t0 = time.perf_counter()
     set_threads(cfg.threads)

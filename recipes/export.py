@@ -29,8 +29,8 @@ from safetensors.torch import load_file, save_file
 
 from .._faults import fault_point
 from ..errors import CheckpointError
-from . import checkpoint as ckpt
-from .config import load_config
+from ..training import checkpoint as ckpt
+from ..training.config import load_config
 
 Shard = dict[str, torch.Tensor]  # tensors by plain model name, written as one file
 
@@ -207,7 +207,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
 
     from ..models import load_model
     from ..dtypes import torch_dtype
-    from ._common import with_lora
+    from ..training._common import with_lora
 
     model, tokenizer = load_model(cfg.model, dtype=torch_dtype(cfg.dtype), quantize_4bit=cfg.quantizes_base)
     if cfg.uses_adapters:
@@ -227,7 +227,7 @@ def _export_units(cfg: Any, last: Path, out: Path) -> Path:
     from ..models import load_model_lazily
     from ..offload.units import WEIGHTS, causal_lm_units
     from ..dtypes import torch_dtype
-    from .checkpoint_dcp import sharded_unit_weights
+    from ..training.dcp import sharded_unit_weights
 
     def weights(unit: Any) -> dict[str, torch.Tensor]:
         if (last / "units").is_dir():

@@ -354,7 +354,7 @@ def export_run_gguf(source: str | Path, out_dir: str | Path | None = None, gguf_
         CheckpointError: a run with neither ``final/`` nor a complete checkpoint.
         ModelError: a model spec that does not resolve to local files, or that GGUF cannot hold.
     """
-    from .config import load_config
+    from ..training.config import load_config
     from .export import resolve_model_or_run
 
     _check_type(gguf_type)

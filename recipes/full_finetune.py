@@ -27,17 +27,17 @@ from ..dtypes import torch_dtype
 from ..errors import ConfigError, Interrupted
 from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent, TaskEvalEvent
 from ..offload.device import device_memory, resolve_device
-from . import checkpoint as ckpt
-from . import distributed as dist
-from ._common import (StopOnSignal, evaluate, holding_output_dir, lr_lambda, peak_rss_bytes, ram_total_bytes,
+from ..training import checkpoint as ckpt
+from ..training import distributed as dist
+from ..training._common import (StopOnSignal, evaluate, holding_output_dir, lr_lambda, peak_rss_bytes, ram_total_bytes,
                       rss_bytes, set_threads, with_lora)
-from .checkpoint_dcp import restore_trainable, restore_units, save_distributed
-from .config import FinetuneConfig
+from ..training.dcp import restore_trainable, restore_units, save_distributed
+from ..training.config import FinetuneConfig
 from .evaluate import CausalLMScorer, score_task
 from .export import export_hf, export_offloaded
-from .in_memory import InMemoryModel
-from .offload_setup import build_optimizer, check_offload_supported, make_plan, offload_from_plan, swap_dir_of
-from .wear import WearMeter
+from ..training.in_memory import InMemoryModel
+from ..training.offload_setup import build_optimizer, check_offload_supported, make_plan, offload_from_plan, swap_dir_of
+from ..training.wear import WearMeter
 
 # A run stopped by a signal writes a checkpoint unless its newest one is younger than
 # this: a few seconds of steps are cheaper to redo than a large model's checkpoint to write.
@@ -86,7 +86,7 @@ class Recipe:
         from ..models import load_model, load_model_lazily
 
         cfg = self.cfg
-        self.ranks, self.joined = dist.join_run(cfg)  # under torchrun: this rank (recipes/distributed.py)
+        self.ranks, self.joined = dist.join_run(cfg)  # under torchrun: this rank (training/distributed.py)
         self.device = resolve_device(cfg.device)  # (after join_run: under torchrun, this rank's GPU)
         set_threads(dist.rank_threads(cfg.threads, self.ranks))
         torch.manual_seed(cfg.seed)

@@ -43,13 +43,13 @@ from ..errors import CheckpointError, ConfigError, Interrupted
 from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent
 from ..offload.device import resolve_device
 from ..offload.modes import NVME
-from . import distributed as dist
-from ._common import (StopOnSignal, evaluate, holding_output_dir, lr_lambda, peak_rss_bytes, ram_total_bytes,
+from ..training import distributed as dist
+from ..training._common import (StopOnSignal, evaluate, holding_output_dir, lr_lambda, peak_rss_bytes, ram_total_bytes,
                       rss_bytes, set_threads)
-from .config import FinetuneConfig, load_config
+from ..training.config import FinetuneConfig, load_config
 from .export import export_hf
 from .full_finetune import FinetuneResult
-from .wear import WearMeter
+from ..training.wear import WearMeter
 
 _RECIPE_KEYS = ("prefetch", "lora")  # optim_args read here, not by ZOHyper
 
@@ -113,7 +113,7 @@ class ZORecipe:
         from ..optim.zo_replay import ZOLog, ZOLogWriter, replay_into_
 
         cfg = self.cfg
-        self.ranks, self.joined = dist.join_run(cfg)  # under torchrun: this rank (recipes/distributed.py)
+        self.ranks, self.joined = dist.join_run(cfg)  # under torchrun: this rank (training/distributed.py)
         set_threads(dist.rank_threads(cfg.threads, self.ranks))
         self.device = resolve_device(cfg.device)
         self.hyper, opts = zo_options(cfg)

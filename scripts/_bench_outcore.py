@@ -127,8 +127,8 @@ class OutcoreTrainer:
         from outcore.dtypes import torch_dtype
         from outcore.kernels.linear_cross_entropy import CausalLMHeadLoss
         from outcore.models import model_parts
-        from outcore.recipes.config import FinetuneConfig
-        from outcore.recipes.offload_setup import (build_optimizer, check_offload_supported, make_plan,
+        from outcore.training.config import FinetuneConfig
+        from outcore.training.offload_setup import (build_optimizer, check_offload_supported, make_plan,
                                                    offload_from_plan)
 
         cfg = FinetuneConfig(offload=offload, optim=optim, seq_len=seq_len, batch_size=batch_size,

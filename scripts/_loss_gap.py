@@ -28,7 +28,7 @@ def run_one(codec: str, steps: int, dtype: str, out_dir: str) -> dict:
     """One recipe run (in this process); returns its losses and time."""
     import torch
 
-    from outcore.recipes.config import load_config
+    from outcore.training.config import load_config
     from outcore.recipes.full_finetune import finetune
 
     torch.set_num_threads(int(os.environ.get("OUTCORE_BENCH_THREADS", "0")) or os.cpu_count() or 1)

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _config(args: argparse.Namespace, swap: str):
     """The run's FinetuneConfig: the benchmark's settings, then ``--precision`` and ``--set``."""
-    from outcore.recipes.config import load_config
+    from outcore.training.config import load_config
 
     keys = dict(method=args.method, optim=args.optim, dtype=args.dtype, seq_len=args.seq, batch_size=args.batch,
                 activations=args.activations, offload="nvme", max_grad_norm=0.0, grad_accum=1, lr=1e-5,
@@ -121,11 +121,11 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
     from outcore.activations import apply_activation_policy
     from outcore.kernels import CausalLMHeadLoss
     from outcore.models._lazy import materialize_buffers
-    from outcore.recipes._common import with_lora
+    from outcore.training._common import with_lora
     from outcore.offload.plan import plan_for_config
     from outcore.offload.plan_budget import budgets_from_probe
     from outcore.offload.probe import probe_hardware
-    from outcore.recipes.offload_setup import build_optimizer, offload_from_plan
+    from outcore.training.offload_setup import build_optimizer, offload_from_plan
 
     cfg = _config(args, swap)
     shape = dict(SHAPES[args.shape])

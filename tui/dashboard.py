@@ -239,7 +239,7 @@ class Dashboard:
             grid.add_row("memory", self._memory_row(ev))
             wear = wear_text(ev.ssd_written_bytes, ev.ssd_written_per_step_bytes, ev.ssd_life_used_pct,
                              ev.ssd_life_per_1000_steps_pct)
-            if wear:  # SSD wear: what this run wrote to its swap disk (recipes/wear.py)
+            if wear:  # SSD wear: what this run wrote to its swap disk (training/wear.py)
                 grid.add_row("ssd", Text(wear))
 
         title, style = self._title(snap)

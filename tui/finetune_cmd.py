@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..recipes.config import (ACTIVATION_COMPRESSION, ACTIVATION_POLICIES, METHODS, OFFLOAD_MODES, OPTIMIZERS,
+from ..training.config import (ACTIVATION_COMPRESSION, ACTIVATION_POLICIES, METHODS, OFFLOAD_MODES, OPTIMIZERS,
                               PRECISIONS, UI_MODES)
 
 HELP = "fine-tune a model (no options: the embedded default)"
@@ -95,7 +95,7 @@ def config_from_args(args: argparse.Namespace) -> Any:
     Raises:
         ConfigError: a missing or malformed --config file, an unknown key or a bad value.
     """
-    from ..recipes.config import load_config
+    from ..training.config import load_config
 
     return load_config(args.config, list(args.overrides or []), **given_flags(args))
 

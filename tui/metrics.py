@@ -5,7 +5,7 @@ Row format (strict JSON, one object per line)::
     {"step": 12, "total_steps": 40, "loss": 2.31, "lr": 4.5e-05, "tokens_per_s": 1210.0,
      "step_s": 0.42, "elapsed_s": 5.1, "rss_bytes": 3400000000, "ram_bytes": ...,
      "stall_s": 0.0, "eval_loss": 2.40,                    # eval_loss only on eval steps
-     "ssd_written_bytes": ..., "ssd_written_per_step_bytes": ...,  # SSD wear (recipes/wear.py)
+     "ssd_written_bytes": ..., "ssd_written_per_step_bytes": ...,  # SSD wear (training/wear.py)
      "ssd_life_used_pct": ..., "ssd_life_per_1000_steps_pct": ...,  # only with ssd_tbw
      "tiers.NVME.held_bytes": ..., "tiers.NVME.read_gbps": ..., ...,   # one key per tier field
      "time": 1763760000.0}                                  # unix time the row was written

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from ..offload.plan import plan_for_config
     from ..offload.probe import probe_hardware
     from ..offload.ranks import from_env
-    from ..recipes.distributed import plan_note
+    from ..training.distributed import plan_note
 
     if args.ranks < 0:
         raise ConfigError(f"--ranks {args.ranks} must be >= 1 (or 0: torchrun's WORLD_SIZE)")

@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Print the runs as a table (rich on a terminal) or JSON. Returns 0."""
-    from ..recipes.runs import describe_run, find_runs
+    from ..training.runs import describe_run, find_runs
     from .metrics import METRICS_FILENAME, read_metrics
 
     infos = [describe_run(path, read_metrics(path / METRICS_FILENAME)) for path in find_runs(args.dir)]

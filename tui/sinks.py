@@ -21,7 +21,7 @@ from typing import IO, Any
 
 from ..errors import ConfigError
 from ..events import EventSink, RunFinished
-from ..recipes.config import UI_MODES
+from ..training.config import UI_MODES
 from .metrics import MetricsWriter, read_metrics
 from .plot import LOSS_CURVE_FILENAME, curves_from_rows, plot_loss_curve, task_accuracy_from_rows
 from .state import RunState

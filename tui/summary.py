@@ -37,7 +37,7 @@ class RunSummary:
     final_task_acc: float | None = None  # after the last step
     base_task_acc_norm: float | None = None
     final_task_acc_norm: float | None = None
-    ssd_written_bytes: int | None = None  # bytes the run wrote to its swap disk (recipes/wear.py)
+    ssd_written_bytes: int | None = None  # bytes the run wrote to its swap disk (training/wear.py)
     ssd_life_used_pct: float | None = None  # with ssd_tbw: % of the drive's rated writes this run used
     ssd_life_per_1000_steps_pct: float | None = None  # ... and 1000 steps like these would use
     paths: dict[str, str] = field(default_factory=dict)  # label -> path (output, final model, metrics, ...)

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from ..errors import ConfigError
 from ..events import EvalEvent, RunFinished, RunStarted, StepEvent, TierStats
-from ..recipes.config import TRACKERS
+from ..training.config import TRACKERS
 
 #: each tracker's module, and the pip package that provides it (the lightest that works)
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
@@ -130,7 +130,7 @@ class Trackers:
     """The run's trackers, fed every event by the sink (``tui/sinks.py``).
 
     Args:
-        names: any of ``recipes.config.TRACKERS``.
+        names: any of ``training.config.TRACKERS``.
 
     Raises:
         ConfigError: an unknown name, or a tracker whose library is not installed.

@@ -2,7 +2,7 @@
 
 Ray starts the workers (on one machine or a Ray cluster), sets their ranks and joins them in
 one ``torch.distributed`` process group; ``outcore.finetune`` finds that group and runs as it
-does under ``torchrun`` (``recipes/distributed.py``): every worker trains on its share of each
+does under ``torchrun`` (``training/distributed.py``): every worker trains on its share of each
 step's micro-batches, rank 0 writes ``config.yaml``, the checkpoints' commit and ``final/``,
 every rank its metrics file. The output directory must be one file system every worker sees
 (an NFS mount, or one machine)::
@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> Any:
         from ray.train.torch import TorchTrainer
     except ImportError:
         raise ConfigError("ray is not installed; pip install 'ray[train]' to run this example") from None
-    from outcore.recipes.config import load_config
+    from outcore.training.config import load_config
 
     cfg = load_config(overrides=[*args.overrides, f"model={args.model}", f"data={args.data}",
                                  f"output={args.output}", "ui=plain"])  # checked before Ray starts

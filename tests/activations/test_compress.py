@@ -201,7 +201,7 @@ def test_choice_and_plan_size_offloads_by_the_compressed_bytes():
 
 
 def test_config_and_apply_refuse_an_unknown_codec(tiny_llama):
-    from outcore.recipes.config import load_config
+    from outcore.training.config import load_config
 
     assert load_config(overrides={"activations_compress": "fp8"}).activations_compress == "fp8"
     with pytest.raises(ConfigError, match="activations_compress.*int4"):

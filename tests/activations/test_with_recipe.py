@@ -6,7 +6,7 @@ import functools
 
 import outcore.activations
 import pytest
-from outcore.recipes.config import load_config
+from outcore.training.config import load_config
 from outcore.recipes.full_finetune import finetune
 
 

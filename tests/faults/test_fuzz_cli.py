@@ -9,7 +9,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from outcore.recipes.config import _FIELDS
+from outcore.training.config import _FIELDS
 from outcore.tui.finetune_cmd import FLAGS
 
 from .conftest import run_cli

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from outcore.models import SUPPORTED_MODEL_TYPES
-from outcore.recipes.config import load_config
+from outcore.training.config import load_config
 from outcore.recipes.full_finetune import finetune
 
 SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=64, num_hidden_layers=2,

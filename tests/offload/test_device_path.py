@@ -165,7 +165,7 @@ def test_activation_auto_sizes_from_the_device_the_blocks_compute_on(tiny_llama_
 
 def test_checkpoints_save_one_devices_rng_state():
     """A resume on a machine with another number of GPUs restores the state all the same."""
-    from outcore.recipes import checkpoint as ckpt
+    from outcore.training import checkpoint as ckpt
 
     state = ckpt.rng_state(torch.device("cpu"))
     assert "cuda" not in state  # the CPU's generator is saved apart

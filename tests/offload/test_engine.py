@@ -11,7 +11,7 @@ from outcore.offload.device import is_accelerator
 from outcore.offload.handle import Tier
 from outcore.offload.training import offload_model
 from outcore.optim import AdamW
-from outcore.recipes.checkpoint import load_units, save_units
+from outcore.training.checkpoint import load_units, save_units
 from outcore.recipes.export import export_offloaded, unit_weights
 
 LR, WD = 1e-3, 0.01

@@ -11,7 +11,7 @@ from outcore.offload.training import offload_model
 from outcore.offload import unit_sizes
 from outcore.offload.unit_sizes import PIECE_ALIGN, state_pieces, step_window, weights_arena_bytes, window_bytes
 from outcore.optim import AdamW, GaLore
-from outcore.recipes.checkpoint import load_units, save_units
+from outcore.training.checkpoint import load_units, save_units
 from outcore.recipes.export import unit_weights
 
 LR, WD, VOCAB = 1e-3, 0.01, 4096

@@ -356,7 +356,7 @@ def test_slow_disk_exposes_io(tiny):
 
 def test_plan_for_config_uses_config_and_probe_budgets(tiny):
     from outcore.offload.probe import HardwareProbe
-    from outcore.recipes.config import FinetuneConfig
+    from outcore.training.config import FinetuneConfig
 
     probe = HardwareProbe(cpu_threads=2, ram_total_bytes=32 * GiB, ram_available_bytes=30 * GiB, devices=[],
                           swap_dir="/tmp", swap_free_bytes=100 * GiB, swap_fs_type="ext4", o_direct=True,
@@ -484,6 +484,6 @@ def test_planned_state_matches_what_each_optimizer_allocates(tiny):
 
 def test_the_planner_knows_every_method_of_the_config():
     from outcore.offload.plan_sizes import METHOD_TRAITS
-    from outcore.recipes.config import METHODS
+    from outcore.training.config import METHODS
 
     assert tuple(METHOD_TRAITS) == METHODS

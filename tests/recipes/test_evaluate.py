@@ -156,7 +156,7 @@ def test_streamed_loglikelihoods_equal_in_memory(tiny, tiny_run_inputs, tmp_path
 def test_evaluation_config_of_a_run(tmp_path):
     """A run directory: its final/ model with the run's data and split; any method (zo too) may take a task."""
     from outcore.errors import CheckpointError
-    from outcore.recipes.config import FinetuneConfig, save_config
+    from outcore.training.config import FinetuneConfig, save_config
 
     run = tmp_path / "run"
     run.mkdir()

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from outcore.errors import CheckpointError, ConfigError, IntegrityError, OutcoreError
-from outcore.recipes.config import load_config
+from outcore.training.config import load_config
 from outcore.recipes.full_finetune import finetune
 
 
@@ -282,7 +282,7 @@ def test_a_corrupt_swap_file_stops_the_run_naming_file_and_unit(tiny_run_inputs,
         finetune(_cfg(tiny_run_inputs, out, offload="nvme", max_steps=5, save_every=2, eval_every=0), sink=sink)
     assert e.value.exit_code == 4 and sink.closed
     assert not (out / "swap").exists()
-    from outcore.recipes import checkpoint as ckpt
+    from outcore.training import checkpoint as ckpt
     assert ckpt.load_newest_valid(out)[0].name == "step_000002"  # the last checkpoint, intact
 
 

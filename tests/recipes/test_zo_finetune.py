@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from outcore.errors import ConfigError
-from outcore.recipes.config import load_config
+from outcore.training.config import load_config
 from outcore.recipes.zo_finetune import finetune
 
 

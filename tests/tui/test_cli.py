@@ -11,7 +11,7 @@ import pytest
 
 import outcore
 from outcore.errors import DataError, DiskFullError, IntegrityError, Interrupted, ModelError
-from outcore.recipes.config import METHODS, OPTIMIZERS, FinetuneConfig
+from outcore.training.config import METHODS, OPTIMIZERS, FinetuneConfig
 from outcore.tui.cli import main
 
 

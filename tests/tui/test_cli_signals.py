@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from outcore.recipes import checkpoint as ckpt
+from outcore.training import checkpoint as ckpt
 
 
 def _start(inputs: Path, out: Path, *extra: str) -> subprocess.Popen:

@@ -81,7 +81,7 @@ def test_in_memory_advice_only_where_it_fits():
 
 def test_out_of_core_run_is_refused_before_any_work(configs, tmp_path):
     """The recipe refuses a model that cannot stream before reading a weight (there is none)."""
-    from outcore.recipes.config import load_config
+    from outcore.training.config import load_config
     from outcore.recipes.full_finetune import finetune
 
     data = tmp_path / "data.txt"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from outcore.recipes.config import load_config, save_config
-from outcore.recipes.runs import describe_run, find_runs
+from outcore.training.config import load_config, save_config
+from outcore.training.runs import describe_run, find_runs
 from outcore.tui.cli import main
 from outcore.tui.metrics import MetricsWriter
 from outcore.tui.runs_cmd import plain_table

@@ -15,8 +15,8 @@ import pytest
 import outcore
 from outcore.errors import ConfigError
 from outcore.events import EvalEvent, RunFinished, RunStarted, StepEvent, TierStats
-from outcore.recipes.config import TRACKERS, load_config
-from outcore.recipes.hub import HubError, push_to_hub
+from outcore.training.config import TRACKERS, load_config
+from outcore.training.hub import HubError, push_to_hub
 from outcore.tui import make_sink
 from outcore.tui import trackers as trackers_mod
 

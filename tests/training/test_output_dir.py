@@ -6,8 +6,8 @@ import os
 import pytest
 
 from outcore.errors import CheckpointError, ConfigError
-from outcore.recipes._common import holding_output_dir, prepare_output_dir
-from outcore.recipes.config import FinetuneConfig
+from outcore.training._common import holding_output_dir, prepare_output_dir
+from outcore.training.config import FinetuneConfig
 
 
 def test_a_live_runs_output_dir_is_refused_even_with_overwrite(tmp_path):

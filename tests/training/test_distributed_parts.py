@@ -12,8 +12,8 @@ import pytest
 from outcore.errors import CheckpointError, ConfigError
 from outcore.events import RankStats, RunStarted, StepEvent, TierStats
 from outcore.offload.ranks import Ranks
-from outcore.recipes import distributed as dist
-from outcore.recipes.config import load_config
+from outcore.training import distributed as dist
+from outcore.training.config import load_config
 
 
 class _Loader:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from outcore.recipes.config import load_config
-from outcore.recipes.elastic import LAUNCH_MARKER, continue_after_restart, launch_id, mark_launch
+from outcore.training.config import load_config
+from outcore.training.elastic import LAUNCH_MARKER, continue_after_restart, launch_id, mark_launch
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ each joins the process group here (:func:`join_run`, ``offload.ranks.join`` with
   (:class:`DataParallelAdapters`); a full fine-tune out of core shards its optimizer state
   across the ranks inside the engine (``offload/sharding.py``: reduce-scatter, update, all-gather);
 * **what is written once** — rank 0 holds the output directory's lock, writes ``config.yaml``,
-  ``final/`` and commits checkpoints (:func:`prepare_run_dir`; ``checkpoint_dcp.py``); every
+  ``final/`` and commits checkpoints (:func:`prepare_run_dir`; ``dcp.py``); every
   rank writes its own metrics file (``tui.sinks.make_sink(rank=)``), rank 0's with every rank's
   stats (:func:`with_ranks`);
 * **ZO** — the ``samples`` split of ``offload/zo_distributed.py`` (:func:`zo_split`);

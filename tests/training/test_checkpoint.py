@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from outcore.errors import EXIT_DISK_FULL, CheckpointError, DiskFullError
-from outcore.recipes import checkpoint as ckpt
+from outcore.training import checkpoint as ckpt
 
 
 def _save(out: Path, step: int, keep: int = 2, **kw) -> Path:

@@ -1,4 +1,4 @@
-"""SSD wear (recipes/wear.py): bytes written to the swap disk in the events and metrics rows,
+"""SSD wear (training/wear.py): bytes written to the swap disk in the events and metrics rows,
 equal to the store's counters; the TBW arithmetic; the ssd_tbw key and flag."""
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from outcore.errors import ConfigError
 from outcore.events import RunFinished, StepEvent, TierStats
 from outcore.offload.handle import Tier
 from outcore.offload.traffic import TierTraffic
-from outcore.recipes.config import load_config
-from outcore.recipes.wear import WearMeter, life_used_pct
+from outcore.training.config import load_config
+from outcore.training.wear import WearMeter, life_used_pct
 
 
 class _Collect:

@@ -1,5 +1,5 @@
 """Checkpoints of a data-parallel run with ``torch.distributed.checkpoint`` (DCP), inside
-``recipes/checkpoint.py``'s atomic protocol.
+``training/checkpoint.py``'s atomic protocol.
 
 A run under torchrun writes, besides ``trainer.pt`` (rank 0's: the step, the data position and
 the RNG states are the same on every rank), its model and optimizer state as one DCP

@@ -7,7 +7,7 @@ Layout of ``OUTPUT/checkpoints``::
                             the adapters for LoRA; empty for a full fine-tune out of core)
         optimizer.pt        optimizer.state_dict() (empty out of core)
         dcp/                under torchrun: model and optimizer state as one
-                            torch.distributed.checkpoint (``checkpoint_dcp.py``)
+                            torch.distributed.checkpoint (``dcp.py``)
         trainer.pt          step, RNG states, data position, run facts
         units/              out of core only: one ``<unit>.safetensors`` per unit (its
                             weights ``w`` and each optimizer-state kind) and ``units.json``
@@ -333,7 +333,7 @@ def load_checkpoint(ckpt_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict
     except Exception as e:  # unreadable despite its digest: name it, never continue silently
         raise CheckpointError(f"checkpoint {str(d)!r} is unreadable ({type(e).__name__}: {e}); "
                               "delete it to resume from the previous one") from None
-    from .checkpoint_dcp import dcp_model_state, is_distributed
+    from .dcp import dcp_model_state, is_distributed
 
     if is_distributed(d):  # written under torchrun: the trainable tensors are DCP's
         model_state = dcp_model_state(d)
