@@ -284,7 +284,8 @@ def evaluate_model(cfg: Any, *, perplexity: bool = True) -> EvalReport:
 
     from ..data import build_datasets
     from ..data.tasks import load_task
-    from ..training._common import evaluate, set_threads
+    from ..training.loss import evaluate
+    from ..training.process import set_threads
 
     t0 = time.perf_counter()
     set_threads(cfg.threads)

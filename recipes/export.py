@@ -207,7 +207,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
 
     from ..models import load_model
     from ..dtypes import torch_dtype
-    from ..training._common import with_lora
+    from ..training.build import with_lora
 
     model, tokenizer = load_model(cfg.model, dtype=torch_dtype(cfg.dtype), quantize_4bit=cfg.quantizes_base)
     if cfg.uses_adapters:

@@ -29,15 +29,19 @@ from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, St
 from ..offload.device import device_memory, resolve_device
 from ..training import checkpoint as ckpt
 from ..training import distributed as dist
-from ..training._common import (StopOnSignal, evaluate, holding_output_dir, lr_lambda, peak_rss_bytes, ram_total_bytes,
-                      rss_bytes, set_threads, with_lora)
-from ..training.dcp import restore_trainable, restore_units, save_distributed
+from ..training.build import (build_optimizer, check_offload_supported, make_plan, offload_from_plan, swap_dir_of,
+                              with_lora)
 from ..training.config import FinetuneConfig
+from ..training.dcp import restore_trainable, restore_units, save_distributed
+from ..training.in_memory import InMemoryModel
+from ..training.loss import evaluate
+from ..training.output_dir import holding_output_dir
+from ..training.process import peak_rss_bytes, ram_total_bytes, rss_bytes, set_threads
+from ..training.schedule import lr_lambda
+from ..training.signals import StopOnSignal
+from ..training.wear import WearMeter
 from .evaluate import CausalLMScorer, score_task
 from .export import export_hf, export_offloaded
-from ..training.in_memory import InMemoryModel
-from ..training.offload_setup import build_optimizer, check_offload_supported, make_plan, offload_from_plan, swap_dir_of
-from ..training.wear import WearMeter
 
 # A run stopped by a signal writes a checkpoint unless its newest one is younger than
 # this: a few seconds of steps are cheaper to redo than a large model's checkpoint to write.

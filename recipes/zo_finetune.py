@@ -44,12 +44,15 @@ from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, St
 from ..offload.device import resolve_device
 from ..offload.modes import NVME
 from ..training import distributed as dist
-from ..training._common import (StopOnSignal, evaluate, holding_output_dir, lr_lambda, peak_rss_bytes, ram_total_bytes,
-                      rss_bytes, set_threads)
 from ..training.config import FinetuneConfig, load_config
+from ..training.loss import evaluate
+from ..training.output_dir import holding_output_dir
+from ..training.process import peak_rss_bytes, ram_total_bytes, rss_bytes, set_threads
+from ..training.schedule import lr_lambda
+from ..training.signals import StopOnSignal
+from ..training.wear import WearMeter
 from .export import export_hf
 from .full_finetune import FinetuneResult
-from ..training.wear import WearMeter
 
 _RECIPE_KEYS = ("prefetch", "lora")  # optim_args read here, not by ZOHyper
 

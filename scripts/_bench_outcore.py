@@ -128,8 +128,8 @@ class OutcoreTrainer:
         from outcore.kernels.linear_cross_entropy import CausalLMHeadLoss
         from outcore.models import model_parts
         from outcore.training.config import FinetuneConfig
-        from outcore.training.offload_setup import (build_optimizer, check_offload_supported, make_plan,
-                                                   offload_from_plan)
+        from outcore.training.build import (build_optimizer, check_offload_supported, make_plan,
+                                           offload_from_plan)
 
         cfg = FinetuneConfig(offload=offload, optim=optim, seq_len=seq_len, batch_size=batch_size,
                              max_grad_norm=0.0, grad_accum=1, seed=seed, dtype=dtype,

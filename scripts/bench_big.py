@@ -121,11 +121,10 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
     from outcore.activations import apply_activation_policy
     from outcore.kernels import CausalLMHeadLoss
     from outcore.models._lazy import materialize_buffers
-    from outcore.training._common import with_lora
     from outcore.offload.plan import plan_for_config
     from outcore.offload.plan_budget import budgets_from_probe
     from outcore.offload.probe import probe_hardware
-    from outcore.training.offload_setup import build_optimizer, offload_from_plan
+    from outcore.training.build import build_optimizer, offload_from_plan, with_lora
 
     cfg = _config(args, swap)
     shape = dict(SHAPES[args.shape])

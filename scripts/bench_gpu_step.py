@@ -110,7 +110,7 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
     from outcore.offload.plan_budget import budgets_from_probe
     from outcore.offload.probe import probe_hardware
     from outcore.training.config import load_config
-    from outcore.training.offload_setup import build_optimizer, offload_from_plan
+    from outcore.training.build import build_optimizer, offload_from_plan
 
     device = resolve_device(args.device)
     cap = parse_bytes(args.device_mem)

@@ -242,7 +242,7 @@ def data_parallel(engine: Any, ranks: Ranks, output: str | Path) -> Any:
 
 
 def prepare_run_dir(cfg: Any, ranks: Ranks) -> tuple[Path, int | None]:
-    """``_common.prepare_output_dir`` on rank 0; the other ranks wait for its verdict.
+    """``output_dir.prepare_output_dir`` on rank 0; the other ranks wait for its verdict.
 
     Rank 0 alone holds the run lock and writes ``config.yaml``: the ranks of one run share
     its directory while a second run (another launch, whose rank 0 finds the lock held) is
@@ -256,7 +256,7 @@ def prepare_run_dir(cfg: Any, ranks: Ranks) -> tuple[Path, int | None]:
     Raises:
         OutcoreError: rank 0's error, on every rank.
     """
-    from ._common import prepare_output_dir
+    from .output_dir import prepare_output_dir
     from .elastic import continue_after_restart, mark_launch
 
     def on_main() -> tuple[Path, int | None]:

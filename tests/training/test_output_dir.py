@@ -6,7 +6,7 @@ import os
 import pytest
 
 from outcore.errors import CheckpointError, ConfigError
-from outcore.training._common import holding_output_dir, prepare_output_dir
+from outcore.training.output_dir import holding_output_dir, prepare_output_dir
 from outcore.training.config import FinetuneConfig
 
 

@@ -7,7 +7,7 @@ import signal
 import pytest
 
 from outcore.errors import Interrupted
-from outcore.training._common import StopOnSignal
+from outcore.training.signals import StopOnSignal
 
 
 def test_a_signal_during_a_step_waits_for_the_boundary_and_handlers_are_restored():

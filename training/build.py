@@ -1,5 +1,6 @@
-"""What a recipe builds before it trains: the optimizer, the memory plan and the out-of-core
-engine the plan describes (``full_finetune.Recipe.setup`` and the benchmarks call these)."""
+"""What a recipe builds before it trains: the LoRA adapters, the optimizer, the memory plan and
+the out-of-core engine the plan describes (``full_finetune.Recipe.setup`` and the benchmarks call
+these)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,6 +13,14 @@ from ..errors import ConfigError
 from ..offload.ranks import Ranks
 from . import distributed as dist
 from .config import FinetuneConfig
+
+
+def with_lora(model: torch.nn.Module, cfg: FinetuneConfig) -> torch.nn.Module:
+    """Wrap ``model`` with peft LoRA adapters on ``cfg.lora_targets`` (seeded; see ``models.add_lora``)."""
+    from ..models import add_lora
+
+    return add_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                    targets=cfg.lora_targets, seed=cfg.seed)
 
 
 def build_optimizer(cfg: FinetuneConfig, params: list[torch.nn.Parameter], streaming: bool = False

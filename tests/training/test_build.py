@@ -10,7 +10,7 @@ from outcore.offload.plan import plan_for_config
 from outcore.offload.plan_budget import Budgets
 from outcore.optim import build_optimizer, with_precision
 from outcore.training.config import load_config
-from outcore.training.offload_setup import offload_from_plan
+from outcore.training.build import offload_from_plan
 
 GiB = 1 << 30
 

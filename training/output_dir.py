@@ -1,26 +1,15 @@
-"""Pieces every recipe shares: the output directory, memory readings, the schedule, eval, LoRA.
-
-Kept out of the recipe scripts so that each script reads top to bottom as
-setup → train → cleanup without bookkeeping in the way.
-"""
+"""A run's output directory: created, or checked for a resume, locked for the run's life,
+and its ``config.yaml`` written before anything else."""
 from __future__ import annotations
 
-import math
 import os
-import resource
 import shutil
-import signal
-import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-import psutil
-import torch
-
-from ..errors import CheckpointError, ConfigError, Interrupted
+from ..errors import CheckpointError, ConfigError
 from .config import FinetuneConfig, load_config, save_config
 
 RUN_LOCK = ".outcore-run.lock"  # held by the live run of an output directory
@@ -31,53 +20,6 @@ _RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 _RUN_DEFINING = ("model", "data", "data_max_bytes", "val_fraction", "seq_len", "method", "optim",
                  "optim_args", "batch_size", "seed", "dtype", "lora_r", "lora_alpha",
                  "lora_targets", "offload")
-
-
-class StopOnSignal:
-    """SIGINT and SIGTERM during a run: stop cleanly at the next step boundary.
-
-    A signal in the middle of a step would leave it half applied (some units updated,
-    the step counter and the data position not), so while :attr:`deferring` the handler
-    only notes the signal and :meth:`check`, called between steps, raises
-    :class:`~outcore.errors.Interrupted`. Outside the loop (setup, the final export) it
-    raises at once, as Ctrl-C always did. A second signal exits at once with 128 + its
-    number: checkpoints are written to ``.tmp`` and renamed, so that never corrupts one.
-
-    Handlers are installed only in the main thread (Python delivers signals there) and
-    restored on exit.
-    """
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-        self.deferring = False
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> "StopOnSignal":
-        if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
-                self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        self._previous.clear()
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.signum is not None:  # the second one: the user wants out now
-            os.write(2, f"outcore: {signal.Signals(signum).name} again: exiting at once "
-                        "(complete checkpoints are intact)\n".encode())
-            os._exit(128 + signum)
-        self.signum = signum
-        if not self.deferring:
-            raise Interrupted(signum)
-
-    def check(self) -> None:
-        """Raise :class:`~outcore.errors.Interrupted` if a signal came since the run began."""
-        if self.signum is not None:
-            raise Interrupted(self.signum)
 
 
 def prepare_output_dir(config: FinetuneConfig) -> tuple[Path, int]:
@@ -162,64 +104,3 @@ def _check_or_clear(config: FinetuneConfig, out: Path) -> None:
                 shutil.rmtree(p)
             elif p.exists():
                 p.unlink()
-
-
-def set_threads(threads: int) -> None:
-    """Use ``threads`` CPU threads for torch (0 = every core)."""
-    torch.set_num_threads(threads or os.cpu_count() or 1)
-
-
-def rss_bytes() -> int:
-    """Resident set size of this process now."""
-    return psutil.Process().memory_info().rss
-
-
-def peak_rss_bytes() -> int:
-    """Peak RSS of this process so far (``ru_maxrss`` is KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
-
-
-def ram_total_bytes() -> int:
-    return psutil.virtual_memory().total
-
-
-def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
-    """Linear warmup to 1, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        span = max(1, max_steps - warmup_steps)
-        progress = min(1.0, (step - warmup_steps) / span)
-        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return factor
-
-
-@torch.no_grad()
-def evaluate(loss_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], dataset: Any,
-             batch_size: int, n_batches: int) -> float:
-    """Token-weighted mean loss over the fixed validation batches.
-
-    Args:
-        loss_fn: batch -> mean loss over its labelled tokens.
-        n_batches: how many batches of the validation set (0 = all of it).
-
-    Returns:
-        The mean loss (a float: this is a host sync, once per evaluation).
-    """
-    from ..data import eval_batches
-
-    total, tokens = 0.0, 0
-    for batch in eval_batches(dataset, batch_size, n_batches):
-        n = int((batch["labels"][:, 1:] != -100).sum())
-        total += float(loss_fn(batch)) * n
-        tokens += n
-    return total / max(tokens, 1)
-
-
-def with_lora(model: torch.nn.Module, cfg: FinetuneConfig) -> torch.nn.Module:
-    """Wrap ``model`` with peft LoRA adapters on ``cfg.lora_targets`` (seeded; see ``models.add_lora``)."""
-    from ..models import add_lora
-
-    return add_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
-                    targets=cfg.lora_targets, seed=cfg.seed)
