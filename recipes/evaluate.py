@@ -1,7 +1,7 @@
 """Evaluate a causal LM: held-out perplexity on text data, accuracy on a labelled task.
 
-Both go through one :class:`CausalLMScorer`, the same forward the training loop's loss
-takes (the decoder, then the LM head and cross-entropy in chunks, never the whole
+Both go through one :class:`CausalLMScorer` (``training/loss.py``), the same forward the
+training loop's loss takes (the decoder, then the LM head and cross-entropy in chunks, never the whole
 ``[tokens, vocab]`` logits), so it runs unchanged on a model in memory or on one whose
 weights stream through the tiers (the out-of-core engine's module hooks bring each
 unit in as the forward reaches it, exactly as in the finetune eval pass).
@@ -21,62 +21,14 @@ from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..data.tasks import Task
 from ..errors import ConfigError
-from ..offload.device import resolve_device, to_device
+from ..offload.device import resolve_device
+from ..training.loss import CausalLMScorer, evaluate
 
-
-def _device_of(model: torch.nn.Module) -> torch.device:
-    """Where ``model``'s parameters are (the CPU for a meta-device model, not yet placed)."""
-    p = next(model.parameters(), None)
-    return torch.device("cpu") if p is None or p.device.type == "meta" else p.device
 
 TARGET_DELIMITER = " "  # between the query and each choice, as the harness's default
-
-
-class CausalLMScorer:
-    """The forward of a causal LM as the run's loss and as per-token negative log-likelihoods.
-
-    Args:
-        model: a Hugging Face causal LM (or a peft wrapper of one), in memory or
-            wrapped by the out-of-core engine.
-        device: where it computes: batches are moved there (default: its parameters' device;
-            give it for a model still on the meta device, which the engine will place).
-    """
-
-    def __init__(self, model: torch.nn.Module, device: torch.device | None = None) -> None:
-        from ..kernels.linear_cross_entropy import CausalLMHeadLoss, head_loss_covers
-        from ..models import model_parts, unwrap_peft
-
-        base = unwrap_peft(model)
-        self.model, self.decoder, self.head_loss = model, base.model, None
-        self.device = device or _device_of(model)
-        # a loss the chunked head does not cover (soft-capping, the routers' auxiliary loss)
-        # takes the model's own forward
-        if head_loss_covers(base.config):
-            self.head_loss = CausalLMHeadLoss(model_parts(base).lm_head)
-
-    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Mean next-token loss over the batch's labelled tokens (-100 = no loss)."""
-        batch = to_device(batch, self.device)
-        if self.head_loss is None:
-            return self.model(**batch).loss
-        return self.head_loss(self._hidden(batch), batch["labels"])
-
-    def token_nll(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``[B, T]`` fp32: at t, -log p(labels[t + 1] | tokens <= t); 0 where the label is -100."""
-        batch = to_device(batch, self.device)
-        labels = batch["labels"]
-        if self.head_loss is not None:
-            return self.head_loss(self._hidden(batch), labels, reduction="none")
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels[:, 1:], reduction="none")
-        return F.pad(nll, (0, 1))
-
-    def _hidden(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
 
 
 # ------------------------------------------------------------------ log-likelihoods
@@ -284,7 +236,6 @@ def evaluate_model(cfg: Any, *, perplexity: bool = True) -> EvalReport:
 
     from ..data import build_datasets
     from ..data.tasks import load_task
-    from ..training.loss import evaluate
     from ..training.process import set_threads
 
     t0 = time.perf_counter()

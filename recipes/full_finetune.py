@@ -34,13 +34,13 @@ from ..training.build import (build_optimizer, check_offload_supported, make_pla
 from ..training.config import FinetuneConfig
 from ..training.dcp import restore_trainable, restore_units, save_distributed
 from ..training.in_memory import InMemoryModel
-from ..training.loss import evaluate
+from ..training.loss import CausalLMScorer, evaluate
 from ..training.output_dir import holding_output_dir
 from ..training.process import peak_rss_bytes, ram_total_bytes, rss_bytes, set_threads
 from ..training.schedule import lr_lambda
 from ..training.signals import StopOnSignal
 from ..training.wear import WearMeter
-from .evaluate import CausalLMScorer, score_task
+from .evaluate import score_task
 from .export import export_hf, export_offloaded
 
 # A run stopped by a signal writes a checkpoint unless its newest one is younger than

@@ -1,9 +1,63 @@
-"""The held-out loss of a run: the token-weighted mean over the validation batches."""
+"""The training loss: a causal LM's forward as the run's loss and as per-token negative
+log-likelihoods (:class:`CausalLMScorer`), and its token-weighted mean over the held-out
+batches (:func:`evaluate`)."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
+
+from ..offload.device import to_device
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    """Where ``model``'s parameters are (the CPU for a meta-device model, not yet placed)."""
+    p = next(model.parameters(), None)
+    return torch.device("cpu") if p is None or p.device.type == "meta" else p.device
+
+
+class CausalLMScorer:
+    """The forward of a causal LM as the run's loss and as per-token negative log-likelihoods.
+
+    Args:
+        model: a Hugging Face causal LM (or a peft wrapper of one), in memory or
+            wrapped by the out-of-core engine.
+        device: where it computes: batches are moved there (default: its parameters' device;
+            give it for a model still on the meta device, which the engine will place).
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device | None = None) -> None:
+        from ..kernels.linear_cross_entropy import CausalLMHeadLoss, head_loss_covers
+        from ..models import model_parts, unwrap_peft
+
+        base = unwrap_peft(model)
+        self.model, self.decoder, self.head_loss = model, base.model, None
+        self.device = device or _device_of(model)
+        # a loss the chunked head does not cover (soft-capping, the routers' auxiliary loss)
+        # takes the model's own forward
+        if head_loss_covers(base.config):
+            self.head_loss = CausalLMHeadLoss(model_parts(base).lm_head)
+
+    def loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean next-token loss over the batch's labelled tokens (-100 = no loss)."""
+        batch = to_device(batch, self.device)
+        if self.head_loss is None:
+            return self.model(**batch).loss
+        return self.head_loss(self._hidden(batch), batch["labels"])
+
+    def token_nll(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``[B, T]`` fp32: at t, -log p(labels[t + 1] | tokens <= t); 0 where the label is -100."""
+        batch = to_device(batch, self.device)
+        labels = batch["labels"]
+        if self.head_loss is not None:
+            return self.head_loss(self._hidden(batch), labels, reduction="none")
+        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels[:, 1:], reduction="none")
+        return F.pad(nll, (0, 1))
+
+    def _hidden(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
 
 
 @torch.no_grad()

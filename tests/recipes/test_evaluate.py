@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from outcore.data.tasks import load_task
-from outcore.recipes.evaluate import (TARGET_DELIMITER, CausalLMScorer, StreamedModel, encode_pair,
-                                      evaluate_model, evaluation_config, loglikelihoods, score_task)
+from outcore.recipes.evaluate import (TARGET_DELIMITER, StreamedModel, encode_pair, evaluate_model,
+                                      evaluation_config, loglikelihoods, score_task)
+from outcore.training.loss import CausalLMScorer
 
 TASK_ITEMS = 12  # of the shipped Shakespeare task: enough for several right and wrong answers
 
