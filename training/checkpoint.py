@@ -57,6 +57,8 @@ _DIR = "checkpoints"
 _LATEST = "latest"
 _COMPLETE = "COMPLETE"
 _TMP = ".tmp"
+DCP_DIR = "dcp"  # inside a checkpoint directory: the DCP files (``.metadata``, ``__R_0.distcp``)
+DCP_MODEL = "model"  # the DCP state's key of the trainable tensors (``dcp.py``)
 # Bytes a checkpoint needs beyond its tensors: safetensors headers and the small files.
 _SLACK_BYTES = 4 << 20
 # What the restricted unpickler may build besides tensors and containers: NumPy's RNG
@@ -333,8 +335,6 @@ def load_checkpoint(ckpt_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict
     except Exception as e:  # unreadable despite its digest: name it, never continue silently
         raise CheckpointError(f"checkpoint {str(d)!r} is unreadable ({type(e).__name__}: {e}); "
                               "delete it to resume from the previous one") from None
-    from .dcp import dcp_model_state, is_distributed
-
     if is_distributed(d):  # written under torchrun: the trainable tensors are DCP's
         model_state = dcp_model_state(d)
     return model_state, optimizer_state, trainer_state
@@ -360,6 +360,41 @@ def load_newest_valid(output_dir: str | Path) -> tuple[Path, tuple, list[str]]:
         raise CheckpointError(f"no checkpoint of {str(output_dir)!r} loads: {skipped[0]}")
     raise CheckpointError(f"--resume {str(output_dir)!r}: the run has no complete checkpoint; "
                           "start over with --overwrite")
+
+
+def is_distributed(ckpt_dir: str | Path) -> bool:
+    """Whether a checkpoint directory holds DCP state (written under torchrun)."""
+    return (Path(ckpt_dir) / DCP_DIR).is_dir()
+
+
+def dcp_model_state(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The trainable tensors of a DCP checkpoint by parameter name, read without a model
+    (:func:`load_checkpoint` returns them, so export and resume read one format)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = Path(ckpt_dir) / DCP_DIR
+    try:
+        meta = dcp.FileSystemReader(str(path)).read_metadata()
+        prefix = DCP_MODEL + "."
+        state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+                 if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+        load_dcp_in_process(state, path)
+    except Exception as e:  # digests matched, yet unreadable: name it
+        raise CheckpointError(f"checkpoint {str(ckpt_dir)!r} has unreadable DCP state ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:160]}); delete it to resume from the previous one") from None
+    return {k[len(prefix):]: v for k, v in state.items()}
+
+
+def load_dcp_in_process(state: dict[str, Any], path: Path) -> None:
+    """``dcp.load`` in this process alone: every rank reads the replicated state itself."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # it warns that it loads in one process: what is asked
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=True)
 
 
 def save_units(om: Any, directory: str | Path) -> None:

@@ -17,8 +17,8 @@ writing over the ranks (a replicated tensor is written once, by one rank). In or
 A rank killed at any point leaves the previous checkpoint intact (``.tmp`` debris is never
 read). Loading reads the files on each rank (``no_dist``): the state is a replica, so a
 checkpoint written by 2 ranks resumes on 1 and one written by 1 rank (the single-process
-format) on 2. ``checkpoint.load_checkpoint`` reads the model part here too, so ``outcore
-export`` of a distributed run is the one-rank export.
+format) on 2. ``checkpoint.load_checkpoint`` reads the model part too
+(``checkpoint.dcp_model_state``), so ``outcore export`` of a distributed run is the one-rank export.
 
 A full fine-tune out of core across ranks (its state sharded, ``offload/sharding.py``) writes
 ``step_X/units_dcp/<unit>`` instead, one DCP checkpoint per unit in a world-independent shard
@@ -35,11 +35,11 @@ import torch
 from ..errors import CheckpointError, OutcoreError
 from ..offload.ranks import Ranks
 from . import checkpoint as ckpt
+from .checkpoint import DCP_DIR, DCP_MODEL, is_distributed, load_dcp_in_process
 from .distributed import broadcast_from_main
 
-DCP_DIR = "dcp"  # inside a checkpoint directory: the DCP files (``.metadata``, ``__R_0.distcp``)
 SHARDED_UNITS_DIR = "units_dcp"  # a sharded out-of-core run's: one DCP checkpoint per unit
-_MODEL, _OPTIM = "model", "optim"
+_OPTIM = "optim"
 
 
 def _options() -> Any:
@@ -54,7 +54,8 @@ def app_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     single-process format) and the optimizer state keyed by parameter name."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return {_MODEL: ckpt.trainable_state(model), _OPTIM: get_optimizer_state_dict(model, optimizer, options=_options())}
+    return {DCP_MODEL: ckpt.trainable_state(model),
+            _OPTIM: get_optimizer_state_dict(model, optimizer, options=_options())}
 
 
 def save_distributed(output_dir: str | Path, step: int, model: torch.nn.Module,
@@ -137,41 +138,6 @@ def save_distributed(output_dir: str | Path, step: int, model: torch.nn.Module,
     return path
 
 
-def _load_here(state: dict[str, Any], path: Path) -> None:
-    """``dcp.load`` in this process alone: every rank reads the replicated state itself."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    with warnings.catch_warnings():  # it warns that it loads in one process: what is asked
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=path, no_dist=True)
-
-
-def is_distributed(ckpt_dir: str | Path) -> bool:
-    """Whether a checkpoint directory holds DCP state (written under torchrun)."""
-    return (Path(ckpt_dir) / DCP_DIR).is_dir()
-
-
-def dcp_model_state(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
-    """The trainable tensors of a DCP checkpoint by parameter name, read without a model
-    (``checkpoint.load_checkpoint`` returns them, so export and resume read one format)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    path = Path(ckpt_dir) / DCP_DIR
-    try:
-        meta = dcp.FileSystemReader(str(path)).read_metadata()
-        prefix = _MODEL + "."
-        state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
-                 if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
-        _load_here(state, path)
-    except Exception as e:  # digests matched, yet unreadable: name it
-        raise CheckpointError(f"checkpoint {str(ckpt_dir)!r} has unreadable DCP state ({type(e).__name__}: "
-                              f"{' '.join(str(e).split())[:160]}); delete it to resume from the previous one") from None
-    return {k[len(prefix):]: v for k, v in state.items()}
-
-
 def restore_trainable(ckpt_dir: str | Path, weights: dict[str, torch.Tensor], optim_state: dict[str, Any],
                       model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Put a checkpoint's trainable tensors and optimizer state into ``model`` and ``optimizer``.
@@ -192,7 +158,7 @@ def restore_trainable(ckpt_dir: str | Path, weights: dict[str, torch.Tensor], op
         # first: building the target state steps the optimizer once with zero gradients at lr 0
         state = {_OPTIM: get_optimizer_state_dict(model, optimizer, options=_options())}
         try:
-            _load_here(state, Path(ckpt_dir) / DCP_DIR)
+            load_dcp_in_process(state, Path(ckpt_dir) / DCP_DIR)
         except Exception as e:
             raise CheckpointError(f"checkpoint {str(ckpt_dir)!r} does not hold this run's optimizer state "
                                   f"({' '.join(str(e).split())[:160]}); resume with the same --optim") from None
@@ -238,7 +204,7 @@ def sharded_unit_weights(ckpt_dir: str | Path, unit_name: str) -> dict[str, torc
         meta = dcp.FileSystemReader(str(path)).read_metadata()
         state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
                  if not k.startswith("state.") and isinstance(m, TensorStorageMetadata)}
-        _load_here(state, path)
+        load_dcp_in_process(state, path)
     except Exception as e:  # digests matched, yet unreadable: name it
         raise CheckpointError(f"checkpoint {str(ckpt_dir)!r}: unit {unit_name} is unreadable ({type(e).__name__}: "
                               f"{' '.join(str(e).split())[:160]}); delete it to export the previous one") from None

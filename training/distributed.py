@@ -42,6 +42,8 @@ from .._faults import fault_point
 from ..errors import CheckpointError, OutcoreError, RankLostError
 from ..offload.device import distributed_backend
 from ..offload.ranks import Ranks, from_env, join, leave
+from .elastic import continue_after_restart, mark_launch
+from .output_dir import prepare_output_dir
 
 SINGLE = Ranks()  # one process: what every recipe is when not launched distributed
 
@@ -256,9 +258,6 @@ def prepare_run_dir(cfg: Any, ranks: Ranks) -> tuple[Path, int | None]:
     Raises:
         OutcoreError: rank 0's error, on every rank.
     """
-    from .output_dir import prepare_output_dir
-    from .elastic import continue_after_restart, mark_launch
-
     def on_main() -> tuple[Path, int | None]:
         note = continue_after_restart(cfg, Path(cfg.output))
         if note:
