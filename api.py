@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .events import EventSink
     from .training.config import FinetuneConfig
     from .recipes.evaluate import EvalReport
-    from .recipes.full_finetune import FinetuneResult
+    from .training.runs import FinetuneResult
 
 
 def finetune(config: FinetuneConfig | None = None, sink: EventSink | None = None, **overrides: Any

@@ -17,7 +17,7 @@ The header records where z was drawn (``torch-cpu``, ``torch-cuda`` or ``triton`
 ``kernels/zo_perturb.py``): replay draws it the same way, on any device that can
 (``torch-cpu`` anywhere; a GPU run's noise needs a GPU).
 Exporting a run directory (replay onto the base model it names) is the ZO
-recipe's job: :func:`outcore.recipes.zo_finetune.export_zo_run`.
+recipe's job: :func:`outcore.recipes.export.export_zo_run`.
 """
 from __future__ import annotations
 

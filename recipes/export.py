@@ -8,8 +8,8 @@ index json, the config, the generation config and the tokenizer. Its sources:
   dequantized), one shard;
 * :func:`export_offloaded` — an out-of-core run, streamed out of the store one unit
   per shard, so the memory needed is one unit's, whatever the size of the model;
-* :func:`export_run` — ``outcore export``: a run's latest checkpoint (the ZO recipe
-  replays its log instead).
+* :func:`export_run` — ``outcore export``: a run's latest checkpoint (a ZO run's log is
+  replayed onto its base weights instead: :func:`export_zo_run`).
 
 LoRA adapters are merged into their base weights by ``models.merge_lora`` in every
 case; peft's name prefixes are dropped (``models.plain_name``).
@@ -20,6 +20,7 @@ import copy
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -30,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from .._faults import fault_point
 from ..errors import CheckpointError
 from ..training import checkpoint as ckpt
+from ..training.build import load_zo_model
 from ..training.config import load_config
 
 Shard = dict[str, torch.Tensor]  # tensors by plain model name, written as one file
@@ -195,7 +197,6 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     cfg = load_config(run / "config.yaml", resume=None, overwrite=True)
     out = Path(out_dir) if out_dir is not None else run / "export"
     if cfg.zeroth_order:
-        from .zo_finetune import export_zo_run
         return export_zo_run(run, out)
 
     last = ckpt.latest_checkpoint(run)
@@ -217,6 +218,51 @@ def export_run(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
         for name, t in model_state.items():
             named[name].copy_(t)
     return export_hf(model, tokenizer, out)
+
+
+def export_zo_run(run_dir: str | Path, out_dir: str | Path) -> Path:
+    """Replay a ZO run directory into full weights (what ``outcore export`` calls).
+
+    The run directory holds ``zo_log.jsonl`` whose header names the base weights:
+    ``{"base": {"kind": "safetensors", "path": "base.safetensors"}}`` (relative to
+    the run directory; the result is ``out_dir/model.safetensors``) or
+    ``{"base": {"kind": "model", "model": <what load_model accepts>}}`` (the result
+    is a Hugging Face directory written by ``save_pretrained``).
+
+    Args:
+        run_dir: the run's output directory.
+        out_dir: where to write the trained weights (created).
+
+    Returns:
+        ``out_dir``.
+
+    Raises:
+        CheckpointError: no log, a log without a base, or a base that cannot be read.
+    """
+    from ..optim.zo_replay import ZOLog, replay_into_
+
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    log = ZOLog.load(run_dir)
+    if log.damaged:
+        print(f"outcore: warning: {log.damaged}; exporting step {len(log.records)}", file=sys.stderr)
+    base = log.header.get("base")
+    if not base:
+        raise CheckpointError(f"ZO log in {str(run_dir)!r} names no base weights; cannot export it")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if base["kind"] == "safetensors":
+        path = run_dir / base["path"]
+        if not path.is_file():
+            raise CheckpointError(f"base weights {str(path)!r} of ZO run {str(run_dir)!r} are missing")
+        sd = load_file(str(path))
+        replay_into_(sd, log)
+        save_file(sd, str(out_dir / "model.safetensors"))
+        return out_dir
+    if base["kind"] == "model":
+        model, tok, wrapped = load_zo_model(base["model"], base.get("dtype", "float32"),
+                                            int(log.header.get("seed", 0)), base.get("lora"))
+        replay_into_(dict(model.named_parameters()), log)
+        return export_hf(wrapped if wrapped is not None else model, tok, out_dir)
+    raise CheckpointError(f"ZO log base kind {base['kind']!r} is unknown (expected safetensors or model)")
 
 
 def _export_units(cfg: Any, last: Path, out: Path) -> Path:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,6 +36,7 @@ from ..training.in_memory import InMemoryModel
 from ..training.loss import CausalLMScorer, evaluate
 from ..training.output_dir import holding_output_dir
 from ..training.process import peak_rss_bytes, ram_total_bytes, rss_bytes, set_threads
+from ..training.runs import FinetuneResult
 from ..training.schedule import lr_lambda
 from ..training.signals import StopOnSignal
 from ..training.wear import WearMeter
@@ -46,19 +46,6 @@ from .export import export_hf, export_offloaded
 # A run stopped by a signal writes a checkpoint unless its newest one is younger than
 # this: a few seconds of steps are cheaper to redo than a large model's checkpoint to write.
 RECENT_CHECKPOINT_S = 10.0
-
-
-@dataclass
-class FinetuneResult:
-    """What a finished (or interrupted) run leaves behind."""
-
-    output_dir: Path
-    steps_done: int
-    final_dir: Path | None
-    base_eval_loss: float | None
-    final_eval_loss: float | None
-    losses: list[float] = field(default_factory=list)  # train loss of each logged step
-    interrupted: bool = False
 
 
 class Recipe:

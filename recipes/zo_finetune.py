@@ -37,22 +37,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..errors import CheckpointError, ConfigError, Interrupted
 from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent
 from ..offload.device import resolve_device
 from ..offload.modes import NVME
 from ..training import distributed as dist
+from ..training.build import load_zo_model
 from ..training.config import FinetuneConfig, load_config
 from ..training.loss import evaluate
 from ..training.output_dir import holding_output_dir
 from ..training.process import peak_rss_bytes, ram_total_bytes, rss_bytes, set_threads
+from ..training.runs import FinetuneResult
 from ..training.schedule import lr_lambda
 from ..training.signals import StopOnSignal
 from ..training.wear import WearMeter
-from .export import export_hf
-from .full_finetune import FinetuneResult
+from .export import export_zo_run
 
 _RECIPE_KEYS = ("prefetch", "lora")  # optim_args read here, not by ZOHyper
 
@@ -77,28 +76,6 @@ def zo_options(cfg: FinetuneConfig) -> tuple[Any, dict[str, Any]]:
     elif args.get("sparsity", 0):
         raise ConfigError(f"optim_args.sparsity={args['sparsity']!r} needs optim=sparse-mezo")
     return ZOHyper.from_args({"weight_decay": cfg.weight_decay, **args}), recipe
-
-
-def load_zo_model(spec: str, dtype: str, seed: int, lora: dict[str, Any] | None):
-    """The model a ZO run trains: the base model, plus LoRA adapters when asked (seeded init).
-
-    Returns:
-        ``(model, tokenizer, peft_model)``; with LoRA ``model`` is the base causal LM
-        with the adapters injected (only they require grad) and ``peft_model`` its
-        peft wrapper (for merging at export), else ``peft_model`` is None.
-    """
-    from ..models import load_model
-
-    model, tok = load_model(spec, dtype=getattr(torch, dtype))
-    model.config.use_cache = False
-    if not lora:
-        return model, tok, None
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)  # the adapters' init must be the same at export time
-    wrapped = get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=0.0,
-                                               target_modules=list(lora["targets"])))
-    return wrapped.get_base_model(), tok, wrapped
 
 
 class ZORecipe:
@@ -269,53 +246,6 @@ class ZORecipe:
         finally:
             if getattr(self, "sink", None) is not None:
                 self.sink.close()
-
-
-def export_zo_run(run_dir: str | Path, out_dir: str | Path) -> Path:
-    """Replay a ZO run directory into full weights (what ``outcore export`` calls).
-
-    The run directory holds ``zo_log.jsonl`` whose header names the base weights:
-    ``{"base": {"kind": "safetensors", "path": "base.safetensors"}}`` (relative to
-    the run directory; the result is ``out_dir/model.safetensors``) or
-    ``{"base": {"kind": "model", "model": <what load_model accepts>}}`` (the result
-    is a Hugging Face directory written by ``save_pretrained``).
-
-    Args:
-        run_dir: the run's output directory.
-        out_dir: where to write the trained weights (created).
-
-    Returns:
-        ``out_dir``.
-
-    Raises:
-        CheckpointError: no log, a log without a base, or a base that cannot be read.
-    """
-    from ..optim.zo_replay import ZOLog, replay_into_
-
-    run_dir, out_dir = Path(run_dir), Path(out_dir)
-    log = ZOLog.load(run_dir)
-    if log.damaged:
-        print(f"outcore: warning: {log.damaged}; exporting step {len(log.records)}", file=sys.stderr)
-    base = log.header.get("base")
-    if not base:
-        raise CheckpointError(f"ZO log in {str(run_dir)!r} names no base weights; cannot export it")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if base["kind"] == "safetensors":
-        from safetensors.torch import load_file, save_file
-
-        path = run_dir / base["path"]
-        if not path.is_file():
-            raise CheckpointError(f"base weights {str(path)!r} of ZO run {str(run_dir)!r} are missing")
-        sd = load_file(str(path))
-        replay_into_(sd, log)
-        save_file(sd, str(out_dir / "model.safetensors"))
-        return out_dir
-    if base["kind"] == "model":
-        model, tok, wrapped = load_zo_model(base["model"], base.get("dtype", "float32"),
-                                            int(log.header.get("seed", 0)), base.get("lora"))
-        replay_into_(dict(model.named_parameters()), log)
-        return export_hf(wrapped if wrapped is not None else model, tok, out_dir)
-    raise CheckpointError(f"ZO log base kind {base['kind']!r} is unknown (expected safetensors or model)")
 
 
 def finetune(config: FinetuneConfig, sink: EventSink | None = None) -> FinetuneResult:

@@ -1,6 +1,6 @@
-"""What a recipe builds before it trains: the LoRA adapters, the optimizer, the memory plan and
-the out-of-core engine the plan describes (``full_finetune.Recipe.setup`` and the benchmarks call
-these)."""
+"""What a recipe builds before it trains: the LoRA adapters (and the ZO recipe's model with
+them), the optimizer, the memory plan and the out-of-core engine the plan describes
+(``full_finetune.Recipe.setup`` and the benchmarks call these)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,6 +21,28 @@ def with_lora(model: torch.nn.Module, cfg: FinetuneConfig) -> torch.nn.Module:
 
     return add_lora(model, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
                     targets=cfg.lora_targets, seed=cfg.seed)
+
+
+def load_zo_model(spec: str, dtype: str, seed: int, lora: dict[str, Any] | None):
+    """The model a ZO run trains: the base model, plus LoRA adapters when asked (seeded init).
+
+    Returns:
+        ``(model, tokenizer, peft_model)``; with LoRA ``model`` is the base causal LM
+        with the adapters injected (only they require grad) and ``peft_model`` its
+        peft wrapper (for merging at export), else ``peft_model`` is None.
+    """
+    from ..models import load_model
+
+    model, tok = load_model(spec, dtype=getattr(torch, dtype))
+    model.config.use_cache = False
+    if not lora:
+        return model, tok, None
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)  # the adapters' init must be the same at export time
+    wrapped = get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=0.0,
+                                               target_modules=list(lora["targets"])))
+    return wrapped.get_base_model(), tok, wrapped
 
 
 def build_optimizer(cfg: FinetuneConfig, params: list[torch.nn.Parameter], streaming: bool = False

@@ -1,4 +1,5 @@
-"""What a run directory says about its run: finished, interrupted (resumable) or failed.
+"""What a run leaves: what a recipe returns (:class:`FinetuneResult`), and what its directory
+says about it: finished, interrupted (resumable) or failed.
 
 A run is a directory holding ``config.yaml`` (written first, by ``prepare_output_dir``).
 What else it holds tells how far it went:
@@ -18,7 +19,7 @@ to resume from (it stopped before its first checkpoint, or its config is unreada
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -27,6 +28,19 @@ from ..errors import ConfigError
 FINISHED, RUNNING, INTERRUPTED, FAILED = "finished", "running", "interrupted", "failed"
 CONFIG_NAME = "config.yaml"
 ZO_LOG_NAME = "zo_log.jsonl"  # optim/zo_replay.LOG_NAME (that module imports torch)
+
+
+@dataclass
+class FinetuneResult:
+    """What a finished (or interrupted) run leaves behind."""
+
+    output_dir: Path
+    steps_done: int
+    final_dir: Path | None
+    base_eval_loss: float | None
+    final_eval_loss: float | None
+    losses: list[float] = field(default_factory=list)  # train loss of each logged step
+    interrupted: bool = False
 
 
 @dataclass

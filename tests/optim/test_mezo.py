@@ -152,7 +152,7 @@ def test_replay_rejects_mismatched_base(tmp_path):
 def test_export_zo_run_from_safetensors_base(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from outcore.recipes.zo_finetune import export_zo_run
+    from outcore.recipes.export import export_zo_run
 
     model, loss = _quadratic(seed=4)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "base.safetensors"))
