@@ -1,4 +1,32 @@
-"""Training services every recipe uses: the run's config, its output directory, checkpoints
-(atomic; DCP across ranks), a run as one of several ranks, SSD-wear counting, the training loss,
-and what is built before the first step. Recipes (``outcore.recipes``) compose these; nothing
-here imports ``recipes`` or ``tui``."""
+"""outcore.training — the services every recipe uses: the run's config and output directory,
+its checkpoints (DCP across ranks), a run as one of several ranks, the training loss, what is
+built before the first step (adapters, optimizer, plan, engine), SSD wear and run status.
+Recipes (``outcore.recipes``) compose them; nothing here imports ``recipes`` or ``tui``.
+"""
+from .._exports import lazy_exports
+
+# Lazy exports (PEP 562): ``import outcore.training`` stays free of torch until a name is used
+# (the command line reads the config's choices without it).
+_EXPORTS = {
+    "FinetuneConfig": ".config", "load_config": ".config", "save_config": ".config", "METHODS": ".config",
+    "OPTIMIZERS": ".config", "UI_MODES": ".config", "TRACKERS": ".config",
+    "prepare_output_dir": ".output_dir", "holding_output_dir": ".output_dir",
+    "StopOnSignal": ".signals", "lr_lambda": ".schedule",
+    "set_threads": ".process", "rss_bytes": ".process", "peak_rss_bytes": ".process", "ram_total_bytes": ".process",
+    "CausalLMScorer": ".loss", "evaluate": ".loss",
+    "with_lora": ".build", "load_zo_model": ".build", "build_optimizer": ".build",
+    "check_offload_supported": ".build", "make_plan": ".build", "offload_from_plan": ".build", "swap_dir_of": ".build",
+    "InMemoryModel": ".in_memory",
+    "save_checkpoint": ".checkpoint", "load_checkpoint": ".checkpoint", "latest_checkpoint": ".checkpoint",
+    "save_units": ".checkpoint", "load_units": ".checkpoint",
+    "save_distributed": ".dcp", "restore_trainable": ".dcp", "restore_units": ".dcp",
+    "sharded_unit_weights": ".dcp",
+    "join_run": ".distributed", "plan_note": ".distributed",
+    "WearMeter": ".wear",
+    "FinetuneResult": ".runs", "RunInfo": ".runs", "describe_run": ".runs", "find_runs": ".runs",
+    "push_to_hub": ".hub", "HubError": ".hub",
+}
+__all__ = sorted(_EXPORTS)
+
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

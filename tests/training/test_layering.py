@@ -57,3 +57,10 @@ def test_importing_training_loads_no_recipe_and_no_ui():
             "print([m for m in sys.modules if m.startswith(('outcore.recipes', 'outcore.tui'))])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_package_names_resolve_and_import_no_torch_until_used():
+    code = ("import sys, outcore.training as t; light = 'torch' not in sys.modules; "
+            "[getattr(t, n) for n in t.__all__]; print(light, sorted(set(t.__all__) - set(dir(t))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "True []"
