@@ -174,6 +174,9 @@ def _device_module() -> types.ModuleType:
 
     mod.is_available = lambda: True
     mod.is_initialized = lambda: True
+    # torch's device_lazy_init marks a PrivateUse1 backend initialized only after calling
+    # its module's _lazy_init; until then torch.accelerator.synchronize() is a no-op (2.11)
+    mod._lazy_init = lambda: None
     mod.device_count = lambda: 1
     mod.current_device = lambda: 0
     mod.set_device = set_device
