@@ -25,7 +25,7 @@ from ..activations.policy import OFFLOAD, ActivationPolicy
 from .._faults import fault_point
 from ..dtypes import torch_dtype
 from ..errors import ConfigError, Interrupted
-from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent, TaskEvalEvent
+from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent, TaskEvalEvent, perplexity
 from ..offload.device import device_memory, resolve_device
 from . import checkpoint as ckpt
 from . import distributed as dist
@@ -264,7 +264,7 @@ class Recipe:
         task = None if self.task is None else score_task(self.scorer, self.tokenizer, self.task,
                                                          self.cfg.batch_size * self.cfg.seq_len)
         self.model.train()
-        self.sink.emit(EvalEvent(step=step, eval_loss=loss, perplexity=math.exp(min(loss, 50.0))))
+        self.sink.emit(EvalEvent(step=step, eval_loss=loss, perplexity=perplexity(loss)))
         if task is not None:
             self.sink.emit(TaskEvalEvent(step=step, task=task.task, n=task.n, acc=task.acc, acc_norm=task.acc_norm))
         return loss

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, ConfigError, Interrupted
-from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent
+from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent, perplexity
 from ..offload.device import resolve_device
 from ..offload.modes import NVME
 from . import distributed as dist
@@ -203,7 +203,7 @@ class ZORecipe:
 
     def _eval(self, step: int) -> float:
         loss = evaluate(self.trainer.eval_loss, self.val_set, self.cfg.batch_size, self.cfg.eval_batches)
-        self.sink.emit(EvalEvent(step=step, eval_loss=loss, perplexity=math.exp(min(loss, 50.0))))
+        self.sink.emit(EvalEvent(step=step, eval_loss=loss, perplexity=perplexity(loss)))
         return loss
 
     # ---------------------------------------------------------------- cleanup
