@@ -196,8 +196,8 @@ def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float) -> Callabl
 
 
 @torch.no_grad()
-def evaluate(loss_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], dataset: Any,
-             batch_size: int, n_batches: int) -> float:
+def mean_eval_loss(loss_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], dataset: Any,
+                   batch_size: int, n_batches: int) -> float:
     """Token-weighted mean loss over the fixed validation batches.
 
     Args:

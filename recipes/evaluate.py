@@ -285,7 +285,7 @@ def evaluate_model(cfg: Any, *, perplexity: bool = True) -> EvalReport:
 
     from ..data import build_datasets
     from ..data.tasks import load_task
-    from ._common import evaluate, set_threads
+    from ._common import mean_eval_loss, set_threads
 
     t0 = time.perf_counter()
     set_threads(cfg.threads)
@@ -297,7 +297,8 @@ def evaluate_model(cfg: Any, *, perplexity: bool = True) -> EvalReport:
         if perplexity:
             _, val = build_datasets(cfg.data, tokenizer, cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction,
                                     max_bytes=cfg.data_max_bytes)
-            report.data, report.eval_loss = cfg.data, evaluate(scorer.loss, val, cfg.batch_size, cfg.eval_batches)
+            report.data, report.eval_loss = cfg.data, mean_eval_loss(scorer.loss, val, cfg.batch_size,
+                                                                      cfg.eval_batches)
             report.perplexity = events.perplexity(report.eval_loss)  # (``perplexity`` here is the flag)
             report.eval_tokens = _labelled_tokens(val, cfg.batch_size, cfg.eval_batches)
         if task is not None:

@@ -29,7 +29,7 @@ from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, St
 from ..offload.device import device_memory, resolve_device
 from . import checkpoint as ckpt
 from . import distributed as dist
-from ._common import (StopOnSignal, evaluate, holding_output_dir, lr_lambda, peak_rss_bytes, ram_total_bytes,
+from ._common import (StopOnSignal, holding_output_dir, lr_lambda, mean_eval_loss, peak_rss_bytes, ram_total_bytes,
                       rss_bytes, set_threads, with_lora)
 from .checkpoint_dcp import restore_trainable, restore_units, save_distributed
 from .config import FinetuneConfig
@@ -259,8 +259,8 @@ class Recipe:
     def _eval(self, step: int) -> float:
         self.model.eval()
         fault_point("eval")
-        loss = evaluate(lambda batch: self.loss(self.model, batch), self.val_set, self.cfg.batch_size,
-                        self.cfg.eval_batches)
+        loss = mean_eval_loss(lambda batch: self.loss(self.model, batch), self.val_set, self.cfg.batch_size,
+                              self.cfg.eval_batches)
         task = None if self.task is None else score_task(self.scorer, self.tokenizer, self.task,
                                                          self.cfg.batch_size * self.cfg.seq_len)
         self.model.train()

@@ -44,7 +44,7 @@ from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, St
 from ..offload.device import resolve_device
 from ..offload.modes import NVME
 from . import distributed as dist
-from ._common import (StopOnSignal, evaluate, holding_output_dir, lr_lambda, peak_rss_bytes, ram_total_bytes,
+from ._common import (StopOnSignal, holding_output_dir, lr_lambda, mean_eval_loss, peak_rss_bytes, ram_total_bytes,
                       rss_bytes, set_threads)
 from .config import FinetuneConfig, load_config
 from .export import export_hf
@@ -202,7 +202,7 @@ class ZORecipe:
         dist.check_stop(self.stop, self.ranks, self.out)
 
     def _eval(self, step: int) -> float:
-        loss = evaluate(self.trainer.eval_loss, self.val_set, self.cfg.batch_size, self.cfg.eval_batches)
+        loss = mean_eval_loss(self.trainer.eval_loss, self.val_set, self.cfg.batch_size, self.cfg.eval_batches)
         self.sink.emit(EvalEvent(step=step, eval_loss=loss, perplexity=perplexity(loss)))
         return loss
 
