@@ -1,0 +1,35 @@
+"""Plain helpers the tests of several folders share (fixtures live in ``tests/conftest.py``).
+
+Import them as ``from tests._helpers import ...`` from any test folder: pytest
+(``--import-mode=importlib``, rootdir = the repository root) registers ``tests`` as a package,
+so the import does not depend on where the importing file sits.
+"""
+from __future__ import annotations
+
+
+def causal_lm_loss(model, ids):
+    """The causal LM's mean next-token loss on ``ids`` (labels = the inputs), as the engine's
+    ``train_step(loss_fn, ...)`` calls it: ``loss_fn(model, batch)``."""
+    return model(input_ids=ids, labels=ids).loss
+
+
+def reference_step(model, opt, micro, clip):
+    """One in-memory training step, the reference the out-of-core engine must equal bit for bit.
+
+    On the model's device (the batches are moved there, as the engine moves them): each
+    micro-batch's loss divided by their number and backpropagated, the gradients clipped to
+    ``clip`` by their global norm (0: not clipped), one optimizer step. Returns the summed
+    (scaled) losses, detached — what ``train_step`` returns.
+    """
+    import torch
+
+    device, total = next(model.parameters()).device, None
+    for ids in micro:
+        loss = causal_lm_loss(model, ids.to(device)) / len(micro)
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    if clip:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total
