@@ -6,6 +6,8 @@ so the import does not depend on where the importing file sits.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 
 def causal_lm_loss(model, ids):
     """The causal LM's mean next-token loss on ``ids`` (labels = the inputs), as the engine's
@@ -33,3 +35,28 @@ def reference_step(model, opt, micro, clip):
     opt.step()
     opt.zero_grad(set_to_none=True)
     return total
+
+
+class RecordingSink:
+    """An event sink that keeps every event (``events``) and notes ``close`` (``closed``); with
+    ``interrupt_at`` it raises Ctrl-C (KeyboardInterrupt) after that step's StepEvent."""
+
+    def __init__(self, interrupt_at: int | None = None):
+        self.events, self.interrupt_at, self.closed = [], interrupt_at, False
+
+    def emit(self, event):
+        self.events.append(event)
+        if self.interrupt_at is not None and type(event).__name__ == "StepEvent" \
+                and event.step == self.interrupt_at:
+            raise KeyboardInterrupt
+
+    def close(self):
+        self.closed = True
+
+
+def exported_weights(folder) -> dict:
+    """Every tensor of the ``*.safetensors`` files in ``folder`` (an exported model: one file
+    in memory, one shard per unit out of core), by name."""
+    from safetensors.torch import load_file
+
+    return {k: t for f in sorted(Path(folder).glob("*.safetensors")) for k, t in load_file(str(f)).items()}
