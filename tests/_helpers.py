@@ -6,7 +6,22 @@ so the import does not depend on where the importing file sits.
 """
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+
+#: the repository root, which is the package ``outcore`` (scripts/, pyproject.toml, tests/ ...)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_module(path, name: str | None = None):
+    """The Python file at ``path`` executed as a new module named ``name`` (default: the file's
+    stem), not entered in ``sys.modules``: for files outside any package (``scripts/``) or
+    another folder's helpers."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def causal_lm_loss(model, ids):
