@@ -26,20 +26,3 @@ def is_triton_available() -> bool:
 def triton_interpret() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def is_kvikio_available() -> bool:
-    """True when ``kvikio`` is installed (it can do I/O only where libcuda is present)."""
-    return _has("kvikio")
-
-
-def is_bitsandbytes_available() -> bool:
-    return _has("bitsandbytes")
-
-
-def is_deepspeed_available() -> bool:
-    return _has("deepspeed")
-
-
-def is_peft_available() -> bool:
-    return _has("peft")

@@ -6,6 +6,7 @@ log intervals, because filling ``loss`` costs a host sync (``.item()``).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -83,13 +84,30 @@ class StepEvent:
         return row
 
 
+def perplexity(loss: float | None) -> float | None:
+    """``exp(loss)``, exact wherever a float holds it; ``inf`` past that and for a NaN loss.
+
+    No lower cap: any finite cap below the float's range (``exp(50)`` once) would report a
+    made-up number for every loss above it. ``exp`` overflows a double past a loss of ~709.78,
+    and there the perplexity saturates at ``inf`` instead of raising; None means no loss.
+    """
+    if loss is None:
+        return None
+    if math.isnan(loss):
+        return math.inf
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
 @dataclass
 class EvalEvent:
     """A validation pass finished."""
 
     step: int  # 0 = before training
     eval_loss: float
-    perplexity: float
+    perplexity: float  # perplexity(eval_loss)
 
 
 @dataclass

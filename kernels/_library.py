@@ -10,6 +10,7 @@ Nothing here imports triton at module import time (docs/architecture.md §11).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import torch
@@ -29,6 +30,24 @@ def op_name(name: str) -> str:
         ``"outcore::" + name``.
     """
     return f"{NAMESPACE}::{name}"
+
+
+@functools.lru_cache(maxsize=1)
+def triton_importable() -> bool:
+    """True when ``import triton`` works (an installed but broken triton counts as absent).
+
+    It imports triton (once; the answer is cached): for the moment a kernel is registered,
+    never at import time. :func:`triton_usable` answers another question: whether a launch
+    on given tensors can run here.
+    """
+    if not is_triton_available():
+        return False
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "no Triton here"
+        return False
+    return True
 
 
 def triton_usable(*tensors: torch.Tensor) -> bool:
@@ -96,9 +115,7 @@ def cuda_kernel_registrar(op: Any, load: Callable[[], Callable[..., Any]]) -> Ca
         if done:
             return
         done.append(True)
-        from .zo_perturb_triton import triton_usable
-
-        if triton_usable():
+        if triton_importable():
             op.register_kernel("cuda")(load())
 
     return register

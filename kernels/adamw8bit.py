@@ -34,9 +34,9 @@ Implementations (the tests check each claim):
     (``kernels/adamw8bit_segments.py``). Contract, per step against the reference from the
     same state: params within 1e-6 relative, block absmax within 4 ulp, codes equal except
     for values within ``SEG_TOL`` (2^-14) code spacings of a threshold, which may be one
-    code off (measured: ~1e-5 of ordinary values). Bit-exactness cost ~1.4x the cycles (a
-    guard band with a scalar redo, no FMAs) and kept the update slower than torch's fused
-    fp32 AdamW. The path is deterministic: the same bits for any thread
+    code off (measured: ~1e-5 of ordinary values). Bit-exactness would cost ~1.4x the
+    cycles (a guard band with a scalar redo, no FMAs): measured, 0.72x the speed of torch's
+    fused fp32 AdamW in ``scripts/bench_optim.py``. The path is deterministic: the same bits for any thread
     count, per tensor or batched, so out-of-core runs still equal in-memory runs bit for
     bit (both call this kernel).
 * ``torch.compile`` of the reference (``impl="compile"``, for comparison in benchmarks),
@@ -48,13 +48,12 @@ because ``torch.sqrt`` on CPU is not (1 ulp off for ~20% of inputs here); every 
 IEEE-exact in both PyTorch and C++.
 
 Measured on the 2-core shared dev box (AMD EPYC, Zen 5; noisy; one thread, aligned data):
-the bit-exact AVX-512 kernel ~0.50 ns/elem in cache and 0.53 from DRAM, this one ~0.35 and
-0.40 (~1.55 cycles per element in cache); torch's fused fp32 AdamW ~0.47 from DRAM. In
-``scripts/bench_optim.py`` (50M params, 2 threads, quiet window) the fused update took
-~12 ms/step, the bit-exact kernel ~17.5 (0.72x), this one ~11.5 (1.07x median of ten). The
-fused update is bound by memory (28 B/param against our 16), so the ratio moves with the
-bandwidth the host grants (see that script's docstring). ``--impls`` there compares ref /
-compile / C++ and the fused fp32 AdamW.
+the AVX-512 path ~0.35 ns/elem in cache and 0.40 from DRAM (~1.55 cycles per element in
+cache); torch's fused fp32 AdamW ~0.47 from DRAM. In ``scripts/bench_optim.py`` (50M params,
+2 threads, quiet window) the fused update took ~12 ms/step, this kernel ~11.5 (1.07x median
+of ten). The fused update is bound by memory (28 B/param against our 16), so the ratio
+moves with the bandwidth the host grants (see that script's docstring). ``--impls`` there
+compares ref / compile / C++ and the fused fp32 AdamW.
 """
 from __future__ import annotations
 

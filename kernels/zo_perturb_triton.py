@@ -18,21 +18,6 @@ BLOCK = 4096  # elements per program
 
 
 @functools.lru_cache(maxsize=1)
-def triton_usable() -> bool:
-    """True when ``import triton`` works (an installed but broken triton counts as absent)."""
-    from .._optional import is_triton_available
-
-    if not is_triton_available():
-        return False
-    try:
-        import triton  # noqa: F401
-        import triton.language  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "no Triton here"
-        return False
-    return True
-
-
-@functools.lru_cache(maxsize=1)
 def _kernel():
     """Build the kernel on first use (no Triton work at import time)."""
     import triton

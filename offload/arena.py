@@ -194,11 +194,6 @@ class Arena:
         return max(self.slab_sizes, default=0)
 
     @property
-    def slab_bytes_created(self) -> int:
-        """Bytes of slabs materialized so far (physical memory in use)."""
-        return sum(n for n, s in zip(self.slab_sizes, self._slabs, strict=False) if s is not None)
-
-    @property
     def largest_free(self) -> int:
         return max((f.largest_free for f in self._free), default=0)
 

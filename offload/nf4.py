@@ -23,14 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .units import Unit
+from .units import PARAM_ALIGN, Unit
 
 BLOCK = 64  # weights per absmax (QLoRA's block size)
-_ALIGN = 64
 
 
 def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+    return (n + PARAM_ALIGN - 1) // PARAM_ALIGN * PARAM_ALIGN
 
 
 def quantizable(unit: Unit, k: int) -> bool:

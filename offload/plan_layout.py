@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from ..activations.policy import OFFLOAD, ActivationPolicy, compressed_ratio
 from ..dtypes import DTYPE_BYTES
+from .directio import ALIGN  # the store aligns every arena block and NVMe extent to it
 from .handle import Tier
 from .modes import CPU, NONE, NVME
 from .plan_budget import Budgets
@@ -21,11 +22,10 @@ from .plan_compute import ComputeRates
 from .plan_sizes import (MethodTraits, ModelSpec, UnitBytes, block_activation_bytes, checkpoint_bytes,
                          forward_flops_per_token, head_activation_bytes)
 from .unit_sizes import step_window, window_bytes
+from .units import PARAM_ALIGN
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
 KEEP, RECOMPUTE = ActivationPolicy.KEEP.value, ActivationPolicy.RECOMPUTE.value
-ALIGN = 4096  # the store aligns every arena block and NVMe extent to 4 KiB (offload/directio.py)
-PARAM_ALIGN = 64  # each parameter's offset in a unit's flat buffer is 64-byte aligned (offload/units.py)
 
 
 def _slack(u: UnitBytes, allocations: int = 1) -> int:

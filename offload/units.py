@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from .nf4 import NF4Layout
     from .sharding import Shard
 
-_ALIGN_BYTES = 64
+PARAM_ALIGN = 64  # bytes: each parameter's offset in a unit's flat buffer is a multiple of it
 
 WEIGHTS = "w"  # a unit's weights
 GRADS = "g"  # a unit's spilled gradients (same layout as its weights)
@@ -168,7 +168,7 @@ class Unit:
 
 
 def _pad(n: int, itemsize: int) -> int:
-    per = max(1, _ALIGN_BYTES // itemsize)
+    per = max(1, PARAM_ALIGN // itemsize)
     return (n + per - 1) // per * per
 
 

@@ -5,11 +5,11 @@ gradient, :meth:`UnitUpdater.update` runs — state fetched ahead, updated in pl
 written back asynchronously — while autograd goes on with earlier units; the gradients
 are freed at once. With global-norm clipping or gradient accumulation the updates wait
 for every gradient: gradients are kept, or *spilled* to the state's home tier as each
-unit's completes (:meth:`UnitUpdater.spill_grads`), and :meth:`UnitUpdater.update_all` updates
-unit by unit once the norm is known. A unit whose state dwarfs a block's (the
-embedding, an untied head, an MoE block among dense ones) updates a block-sized piece at a
-time (``unit_sizes.state_pieces``). All of
-it is exact: fp32 and the same seed give the in-memory run's weights bit for bit.
+unit's completes (:meth:`UnitUpdater.spill_grads`); once :meth:`UnitUpdater.clip` knows the
+norm, the engine's ``end_step`` calls :meth:`UnitUpdater.update` unit by unit. A unit
+whose state dwarfs a block's (the embedding, an untied head, an MoE block among dense ones)
+updates a block-sized piece at a time (``unit_sizes.state_pieces``). All of it is exact:
+fp32 and the same seed give the in-memory run's weights bit for bit.
 """
 from __future__ import annotations
 

@@ -22,10 +22,11 @@ from typing import Any, Sequence
 
 import torch
 
+from .. import events
 from ..data.tasks import Task
 from ..errors import ConfigError
 from ..offload.device import resolve_device
-from ..training.loss import CausalLMScorer, evaluate
+from ..training.loss import CausalLMScorer, mean_eval_loss
 
 
 TARGET_DELIMITER = " "  # between the query and each choice, as the harness's default
@@ -248,8 +249,9 @@ def evaluate_model(cfg: Any, *, perplexity: bool = True) -> EvalReport:
         if perplexity:
             _, val = build_datasets(cfg.data, tokenizer, cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction,
                                     max_bytes=cfg.data_max_bytes)
-            report.data, report.eval_loss = cfg.data, evaluate(scorer.loss, val, cfg.batch_size, cfg.eval_batches)
-            report.perplexity = math.exp(min(report.eval_loss, 50.0))
+            report.data, report.eval_loss = cfg.data, mean_eval_loss(scorer.loss, val, cfg.batch_size,
+                                                                      cfg.eval_batches)
+            report.perplexity = events.perplexity(report.eval_loss)  # (``perplexity`` here is the flag)
             report.eval_tokens = _labelled_tokens(val, cfg.batch_size, cfg.eval_batches)
         if task is not None:
             report.task = score_task(scorer, tokenizer, task, cfg.batch_size * cfg.seq_len)

@@ -24,7 +24,7 @@ from ..activations.policy import OFFLOAD, ActivationPolicy
 from .._faults import fault_point
 from ..dtypes import torch_dtype
 from ..errors import ConfigError, Interrupted
-from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent, TaskEvalEvent
+from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent, TaskEvalEvent, perplexity
 from ..offload.device import device_memory, resolve_device
 from ..training import checkpoint as ckpt
 from ..training import distributed as dist
@@ -33,7 +33,7 @@ from ..training.build import (build_optimizer, check_offload_supported, make_pla
 from ..training.config import FinetuneConfig
 from ..training.dcp import restore_trainable, restore_units, save_distributed
 from ..training.in_memory import InMemoryModel
-from ..training.loss import CausalLMScorer, evaluate
+from ..training.loss import CausalLMScorer, mean_eval_loss
 from ..training.output_dir import holding_output_dir
 from ..training.process import peak_rss_bytes, ram_total_bytes, rss_bytes, set_threads
 from ..training.runs import FinetuneResult
@@ -250,12 +250,12 @@ class Recipe:
     def _eval(self, step: int) -> float:
         self.model.eval()
         fault_point("eval")
-        loss = evaluate(lambda batch: self.loss(self.model, batch), self.val_set, self.cfg.batch_size,
-                        self.cfg.eval_batches)
+        loss = mean_eval_loss(lambda batch: self.loss(self.model, batch), self.val_set, self.cfg.batch_size,
+                              self.cfg.eval_batches)
         task = None if self.task is None else score_task(self.scorer, self.tokenizer, self.task,
                                                          self.cfg.batch_size * self.cfg.seq_len)
         self.model.train()
-        self.sink.emit(EvalEvent(step=step, eval_loss=loss, perplexity=math.exp(min(loss, 50.0))))
+        self.sink.emit(EvalEvent(step=step, eval_loss=loss, perplexity=perplexity(loss)))
         if task is not None:
             self.sink.emit(TaskEvalEvent(step=step, task=task.task, n=task.n, acc=task.acc, acc_norm=task.acc_norm))
         return loss

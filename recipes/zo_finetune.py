@@ -38,13 +38,13 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointError, ConfigError, Interrupted
-from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent
+from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent, perplexity
 from ..offload.device import resolve_device
 from ..offload.modes import NVME
 from ..training import distributed as dist
 from ..training.build import load_zo_model
 from ..training.config import FinetuneConfig, load_config
-from ..training.loss import evaluate
+from ..training.loss import mean_eval_loss
 from ..training.output_dir import holding_output_dir
 from ..training.process import peak_rss_bytes, ram_total_bytes, rss_bytes, set_threads
 from ..training.runs import FinetuneResult
@@ -182,8 +182,8 @@ class ZORecipe:
         dist.check_stop(self.stop, self.ranks, self.out)
 
     def _eval(self, step: int) -> float:
-        loss = evaluate(self.trainer.eval_loss, self.val_set, self.cfg.batch_size, self.cfg.eval_batches)
-        self.sink.emit(EvalEvent(step=step, eval_loss=loss, perplexity=math.exp(min(loss, 50.0))))
+        loss = mean_eval_loss(self.trainer.eval_loss, self.val_set, self.cfg.batch_size, self.cfg.eval_batches)
+        self.sink.emit(EvalEvent(step=step, eval_loss=loss, perplexity=perplexity(loss)))
         return loss
 
     # ---------------------------------------------------------------- cleanup

@@ -301,9 +301,9 @@ def _sr_or_zo_impl(c: Ctx, t: torch.Tensor) -> str:
     if c.impl == "triton":
         return op_impl(c, t)
     if c.dev.kind == "cuda":
-        from outcore.kernels.zo_perturb_triton import triton_usable
+        from outcore.kernels._library import triton_importable
 
-        return "triton" if triton_usable() else "reference (Triton is not usable here)"
+        return "triton" if triton_importable() else "reference (Triton is not usable here)"
     return "reference"
 
 

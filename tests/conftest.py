@@ -97,6 +97,18 @@ def _quiet_and_deterministic():
     yield
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test, the process's count restored after it. A module that
+    wants it for every test says ``pytestmark = pytest.mark.usefixtures("one_thread")`` and why."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def make_tiny_llama(seed: int = 0, layers: int = 4, hidden: int = 64, vocab: int = 256,
                     heads: int = 4, kv_heads: int = 2, intermediate: int = 128,
                     tie: bool = True, max_pos: int = 512):

@@ -13,7 +13,7 @@ _EXPORTS = {
     "prepare_output_dir": ".output_dir", "holding_output_dir": ".output_dir",
     "StopOnSignal": ".signals", "lr_lambda": ".schedule",
     "set_threads": ".process", "rss_bytes": ".process", "peak_rss_bytes": ".process", "ram_total_bytes": ".process",
-    "CausalLMScorer": ".loss", "evaluate": ".loss",
+    "CausalLMScorer": ".loss", "mean_eval_loss": ".loss",
     "with_lora": ".build", "load_zo_model": ".build", "build_optimizer": ".build",
     "check_offload_supported": ".build", "make_plan": ".build", "offload_from_plan": ".build", "swap_dir_of": ".build",
     "InMemoryModel": ".in_memory",

@@ -1,6 +1,6 @@
 """The training loss: a causal LM's forward as the run's loss and as per-token negative
 log-likelihoods (:class:`CausalLMScorer`), and its token-weighted mean over the held-out
-batches (:func:`evaluate`)."""
+batches (:func:`mean_eval_loss`)."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -61,7 +61,7 @@ class CausalLMScorer:
 
 
 @torch.no_grad()
-def evaluate(loss_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], dataset: Any,
+def mean_eval_loss(loss_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], dataset: Any,
              batch_size: int, n_batches: int) -> float:
     """Token-weighted mean loss over the fixed validation batches.
 

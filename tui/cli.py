@@ -8,7 +8,8 @@ Exit codes (defined once, in :mod:`outcore.errors`): 0 success; 2 bad input (an
 :class:`outcore.errors.OutcoreError`, printed as exactly one line ``outcore: error:
 <message>``, or an argparse usage error); 3 a disk is full (``DiskFullError``: the
 last checkpoint is intact, free space and ``--resume``); 4 corrupt bytes read back
-(``IntegrityError``: the file and unit are named); 130 interrupted by SIGINT (Ctrl-C)
+(``IntegrityError``: the file and unit are named); 5 another rank of a distributed run
+died or stopped answering (``RankLostError``); 130 interrupted by SIGINT (Ctrl-C)
 and 143 by SIGTERM (one line ``outcore: interrupted: ...``; a run stops at the end of
 its step and checkpoints first, a second signal exits at once); 141 stdout closed by
 its reader (a pipe). Other exceptions are bugs and keep their traceback.
@@ -118,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns:
         The exit code (see the module docstring): 0 success, 2 bad input or usage, 3 disk
-        full, 4 corrupt data, 130 / 143 interrupted by SIGINT / SIGTERM.
+        full, 4 corrupt data, 5 a rank lost, 130 / 143 interrupted by SIGINT / SIGTERM, 141
+        stdout closed by its reader.
     """
     try:
         args = parse_args(argv)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from ..events import perplexity  # noqa: F401 - defined beside EvalEvent; the views print it from here
+
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _BLOCKS = "▁▂▃▄▅▆▇█"
 
@@ -106,13 +108,6 @@ def fmt_percent(share: float | None) -> str:
     if share is None or not math.isfinite(share):
         return "-"
     return f"{share * 100:.1f}%" if share < 0.1 else f"{share * 100:.0f}%"
-
-
-def perplexity(loss: float | None) -> float | None:
-    """``exp(loss)``, saturating at ``inf`` instead of raising on huge losses."""
-    if loss is None or not math.isfinite(loss):
-        return None if loss is None else float("inf")
-    return math.exp(loss) if loss < 700 else float("inf")
 
 
 def sparkline(values: Iterable[float | None], width: int = 32) -> str:

@@ -8,17 +8,7 @@ import outcore.activations
 import pytest
 from outcore.training.config import load_config
 from outcore.recipes.full_finetune import finetune
-
-
-class _Sink:
-    def __init__(self):
-        self.events = []
-
-    def emit(self, event):
-        self.events.append(event)
-
-    def close(self):
-        pass
+from tests._helpers import RecordingSink
 
 
 def _cfg(inputs, out, **kw):
@@ -32,7 +22,7 @@ def _cfg(inputs, out, **kw):
 def test_offloaded_activations_in_out_of_core_run_equal_in_memory(tiny_run_inputs, tmp_path, monkeypatch,
                                                                    compute_device):
     on = compute_device.type  # every run computes there
-    mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", device=on), sink=_Sink())
+    mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", device=on), sink=RecordingSink())
     applied, stats = [], []
     real = outcore.activations.apply_activation_policy
 
@@ -49,14 +39,14 @@ def test_offloaded_activations_in_out_of_core_run_equal_in_memory(tiny_run_input
         return handle
     monkeypatch.setattr(outcore.activations, "apply_activation_policy", tiny_threshold)
     ooc = finetune(_cfg(tiny_run_inputs, tmp_path / "ooc", offload="nvme", activations="offload", device=on),
-                   sink=_Sink())
+                   sink=RecordingSink())
     assert len(applied) == 1 and applied[0].offloader is None  # stopped by the recipe
     assert stats[0]["blocks"] > 0  # something really went to NVMe
     assert mem.losses == ooc.losses
     # activations_compress reaches the offloader: 8-bit bytes stored, the first step's loss
     # (its forward) unchanged, the later ones close (the backward saw 8-bit activations)
     int8 = finetune(_cfg(tiny_run_inputs, tmp_path / "int8", offload="nvme", activations="offload",
-                         activations_compress="int8", device=on), sink=_Sink())
+                         activations_compress="int8", device=on), sink=RecordingSink())
     assert 0 < stats[1]["offloaded_bytes"] < 0.4 * stats[1]["raw_bytes"]  # fp32: ~0.3
     assert int8.losses[0] == mem.losses[0] and int8.losses != mem.losses
     assert int8.losses == pytest.approx(mem.losses, rel=1e-3)

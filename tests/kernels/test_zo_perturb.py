@@ -75,8 +75,9 @@ def test_bad_inputs_name_the_value(bad, match):
 # Run in the Triton interpreter by the `run_in_triton_interpreter` fixture (tests/kernels/conftest.py).
 _TRITON_CHECK = textwrap.dedent("""
     import torch
-    from outcore.kernels.zo_perturb_triton import triton_usable, zo_perturb_triton_
-    assert triton_usable()
+    from outcore.kernels._library import triton_importable
+    from outcore.kernels.zo_perturb_triton import zo_perturb_triton_
+    assert triton_importable()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
     src = torch.randn(10_000, device=dev)

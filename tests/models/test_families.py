@@ -25,6 +25,7 @@ import torch
 from outcore.models import SUPPORTED_MODEL_TYPES
 from outcore.training.config import load_config
 from outcore.recipes.full_finetune import finetune
+from tests._helpers import exported_weights
 
 SHAPE = dict(vocab_size=320, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -85,28 +86,11 @@ def data_file(tmp_path_factory):
     return path
 
 
-class _Sink:
-    def emit(self, event):
-        pass
-
-    def close(self):
-        pass
-
-
 def _run(model_dir, data, out, **kw):
     base = dict(model=str(model_dir), data=str(data), seq_len=32, batch_size=2, max_steps=3,
                 eval_every=0, eval_batches=1, lr=1e-3, warmup_steps=1, output=str(out), ui="none",
                 val_fraction=0.1, offload="none", max_grad_norm=1.0, log_every=1)
-    return finetune(load_config(overrides={**base, **kw}), sink=_Sink())
-
-
-def _final(run):
-    from safetensors.torch import load_file
-
-    state = {}
-    for shard in sorted((run.output_dir / "final").glob("*.safetensors")):  # one file or shards
-        state.update(load_file(str(shard)))
-    return state
+    return finetune(load_config(overrides={**base, **kw}))  # no sink: the recipe's NullSink
 
 
 def test_the_matrix_is_the_supported_list():
@@ -149,7 +133,7 @@ def test_full_out_of_core_equals_in_memory(family, family_dir, data_file, tmp_pa
     mem = _run(path, data_file, tmp_path / "mem")
     ooc = _run(path, data_file, tmp_path / "ooc", offload="nvme")
     assert mem.losses == ooc.losses and len(ooc.losses) == 3
-    a, b = _final(mem), _final(ooc)
+    a, b = exported_weights(mem.output_dir / "final"), exported_weights(ooc.output_dir / "final")
     assert a.keys() == b.keys()
     for name, t in a.items():
         assert torch.equal(t, b[name]), name
@@ -173,7 +157,7 @@ def test_lora_out_of_core_equals_lora_in_memory(family, family_dir, data_file, t
     mem = _run(path, data_file, tmp_path / "mem", **kw)
     ooc = _run(path, data_file, tmp_path / "ooc", offload="nvme", **kw)
     assert mem.losses == ooc.losses
-    a, b = _final(mem), _final(ooc)
+    a, b = exported_weights(mem.output_dir / "final"), exported_weights(ooc.output_dir / "final")
     for name, t in a.items():
         torch.testing.assert_close(b[name], t, rtol=0, atol=1e-6, msg=name)
 

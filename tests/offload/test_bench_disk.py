@@ -1,22 +1,19 @@
 """scripts/bench_step.py --regime disk: the disk-limited time, the disk model, the summary's figures."""
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from tests._helpers import ROOT, load_module
+
+SCRIPTS = ROOT / "scripts"
 
 
 @pytest.fixture(scope="module")
 def disk():
     sys.path.insert(0, str(SCRIPTS))  # the script's own siblings (_measure, bench_io) import by name
-    spec = importlib.util.spec_from_file_location("_bench_disk", SCRIPTS / "_bench_disk.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_module(SCRIPTS / "_bench_disk.py")
 
 
 def test_disk_limited_time_is_the_sum_on_a_shared_disk_and_the_max_on_a_concurrent_one(disk):
@@ -53,9 +50,7 @@ def test_summary_sets_the_median_step_against_the_median_disk_limit(disk):
 
 def test_disk_regime_defaults_to_the_disk_bound_shape():
     sys.path.insert(0, str(SCRIPTS))
-    spec = importlib.util.spec_from_file_location("bench_step", SCRIPTS / "bench_step.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_module(SCRIPTS / "bench_step.py")
     a = bench.parse_args(["--regime", "disk", "--layers", "2"])
     assert (a.seq, a.batch, a.layers) == (32, 1, 2)
     b = bench.parse_args([])

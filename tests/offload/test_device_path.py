@@ -20,16 +20,13 @@ from outcore.offload.store import TieredStore
 from outcore.offload.training import offload_model
 from outcore.offload.units import WEIGHTS
 from outcore.optim import AdamW
+from tests._helpers import causal_lm_loss
 
 
 def _model(factory, layers=2, **kw):
     m = factory(seed=0, layers=layers, **kw)
     m.config.use_cache = False
     return m.train()
-
-
-def _loss(model, ids):
-    return model(input_ids=ids, labels=ids).loss
 
 
 def test_engine_places_what_no_unit_streams(tiny_llama_factory, tmp_path, compute_device):
@@ -44,7 +41,7 @@ def test_engine_places_what_no_unit_streams(tiny_llama_factory, tmp_path, comput
     try:
         assert all(p.device == compute_device for p in model.parameters())  # adapters and placeholders
         assert all(b.device == compute_device for b in model.buffers())
-        loss = om.train_step(_loss, [torch.randint(0, 256, (2, 16))], 1e-3)  # CPU ids: moved by the engine
+        loss = om.train_step(causal_lm_loss, [torch.randint(0, 256, (2, 16))], 1e-3)  # CPU ids: moved by the engine
         assert loss.device == compute_device and torch.isfinite(loss).item()
     finally:
         om.close()
@@ -56,7 +53,7 @@ def test_the_update_runs_where_its_weights_are(tiny_llama_factory, tmp_path, com
     om = offload_model(_model(tiny_llama_factory), AdamW(_model(tiny_llama_factory).parameters(), lr=1e-3),
                        offload="nvme", swap_dir=tmp_path / "swap", device=compute_device)
     try:
-        om.train_step(_loss, [torch.randint(0, 256, (2, 16))], 1e-3)
+        om.train_step(causal_lm_loss, [torch.randint(0, 256, (2, 16))], 1e-3)
         want = Tier.DEVICE if is_accelerator(compute_device) else Tier.HOST
         state = [p for p in om.units[1].handles if p.kind != WEIGHTS]
         assert state and all(om.mem._tier(p) is want for p in state)
@@ -202,7 +199,7 @@ def test_a_large_units_state_streams_to_the_device_in_pieces(tiny_llama_factory,
             assert om.units[0].pieces and largest < embed_state / 4
         else:  # a CPU updates in HOST, where the state lives whole
             assert not om.units[0].pieces
-        loss = om.train_step(_loss, [torch.randint(0, 4096, (2, 16))], 1e-3)
+        loss = om.train_step(causal_lm_loss, [torch.randint(0, 4096, (2, 16))], 1e-3)
         assert torch.isfinite(loss).item()
     finally:
         om.close()

@@ -13,6 +13,7 @@ from outcore.offload.training import offload_model
 from outcore.optim import AdamW
 from outcore.training.checkpoint import load_units, save_units
 from outcore.recipes.export import export_offloaded, unit_weights
+from tests._helpers import causal_lm_loss, reference_step
 
 LR, WD = 1e-3, 0.01
 
@@ -23,26 +24,8 @@ def _model(factory, layers=6):
     return m.train()
 
 
-def _loss(model, ids):
-    return model(input_ids=ids, labels=ids).loss
-
-
 def _block_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
-
-
-def _reference_step(model, opt, micro, clip):
-    """In memory, on the model's device (the batches are moved there, as the engine moves them)."""
-    device, total = next(model.parameters()).device, None
-    for ids in micro:
-        loss = _loss(model, ids.to(device)) / len(micro)
-        loss.backward()
-        total = loss.detach() if total is None else total + loss.detach()
-    if clip:
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return total
 
 
 @pytest.mark.parametrize("offload,clip,accum", [
@@ -67,8 +50,8 @@ def test_streamed_training_is_bit_identical(tiny_llama_factory, tmp_path, offloa
     steps = 20 if offload == "nvme" and not clip else 6
     for _ in range(steps):
         micro = [torch.randint(0, 256, (2, 32), generator=g) for _ in range(accum)]
-        want = _reference_step(ref, opt, micro, clip)
-        got = om.train_step(_loss, micro, LR)
+        want = reference_step(ref, opt, micro, clip)
+        got = om.train_step(causal_lm_loss, micro, LR)
         assert torch.equal(want, got)
     for unit in om.units:
         for name, w in unit_weights(om, unit).items():
@@ -90,13 +73,13 @@ def test_checkpoint_resume_and_export(tiny_llama_factory, tmp_path, compute_devi
     g = torch.Generator().manual_seed(2)
     batches = [torch.randint(0, 256, (2, 16), generator=g) for _ in range(4)]
     for ids in batches[:2]:
-        _reference_step(ref, opt, [ids], 0.0)
-        om.train_step(_loss, [ids], LR)
+        reference_step(ref, opt, [ids], 0.0)
+        om.train_step(causal_lm_loss, [ids], LR)
     save_units(om, tmp_path / "ckpt")
-    om.train_step(_loss, [batches[3]], LR)  # diverge, then roll back to the checkpoint
+    om.train_step(causal_lm_loss, [batches[3]], LR)  # diverge, then roll back to the checkpoint
     load_units(om, tmp_path / "ckpt")
     for ids in batches[2:]:
-        assert torch.equal(_reference_step(ref, opt, [ids], 0.0), om.train_step(_loss, [ids], LR))
+        assert torch.equal(reference_step(ref, opt, [ids], 0.0), om.train_step(causal_lm_loss, [ids], LR))
     export_offloaded(om, ooc, tmp_path / "hf")
     # one shard per unit that owns weights, named the Hugging Face way
     n = sum(1 for u in om.units if u.slots)
@@ -115,7 +98,7 @@ def test_device_budget_below_one_unit_is_a_clear_error(tiny_llama_factory, tmp_p
     om = offload_model(ooc, AdamW(ooc.parameters(), lr=LR), offload="cpu", swap_dir=None,
                        device_bytes=8192)
     with pytest.raises(BudgetError, match="DEVICE tier budget"):
-        om.train_step(_loss, [torch.randint(0, 256, (1, 8))], LR)
+        om.train_step(causal_lm_loss, [torch.randint(0, 256, (1, 8))], LR)
     om.close()
 
 
@@ -133,7 +116,7 @@ def test_streamed_memory_lean_optimizers_equal_their_in_memory_runs(tiny_llama_f
     g = torch.Generator().manual_seed(3)
     for _ in range(4):
         ids = torch.randint(0, 256, (2, 32), generator=g)
-        assert torch.equal(_reference_step(ref, opt, [ids], 0.0), om.train_step(_loss, [ids], LR))
+        assert torch.equal(reference_step(ref, opt, [ids], 0.0), om.train_step(causal_lm_loss, [ids], LR))
     for unit in om.units:
         for pname, w in unit_weights(om, unit).items():
             assert torch.equal(w, dict(ref.named_parameters())[pname].detach().cpu()), pname

@@ -13,19 +13,15 @@ from outcore.offload.training import offload_model
 from outcore.optim import AdamW, AdamW8bit, LeanOptimizer
 from outcore.training.checkpoint import load_units, save_units
 from outcore.recipes.export import unit_weights
+from tests._helpers import causal_lm_loss, reference_step
 
 LR, WD, VOCAB = 1e-3, 0.01, 4096
 OPTIMIZERS = {"adamw": (AdamW, {}), "adamw8bit": (AdamW8bit, {"min_8bit_size": 256})}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread (the comparison is exact either way; on a shared 2-core machine the
-    small ops' parallel regions mostly wait at their barriers)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# One intra-op thread (the comparison is exact either way; on a shared 2-core machine the
+# small ops' parallel regions mostly wait at their barriers).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(factory):
@@ -40,24 +36,9 @@ def _lean(model, name):
     return LeanOptimizer(cls(model.parameters(), lr=LR, weight_decay=WD, **kw), seed=7)
 
 
-def _loss(model, ids):
-    return model(input_ids=ids, labels=ids).loss
-
-
 def _batches(n):
     g = torch.Generator().manual_seed(1)
     return [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(n)]
-
-
-def _in_memory_step(model, opt, ids, clip):
-    """On the model's device (the batch moved there, as the engine moves it)."""
-    loss = _loss(model, ids.to(next(model.parameters()).device))
-    loss.backward()
-    if clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss.detach()
 
 
 def _assert_same_weights(om, model):
@@ -86,7 +67,7 @@ def test_lean_out_of_core_equals_lean_in_memory(tiny_llama_factory, tmp_path, na
     for unit in om.mem.units:
         assert "master" not in unit.whole_kinds and {"sr_key", "sr_step"} <= set(unit.whole_kinds)
     for ids in _batches(4):
-        assert torch.equal(_in_memory_step(ref, opt, ids, clip), om.train_step(_loss, [ids], LR))
+        assert torch.equal(reference_step(ref, opt, [ids], clip), om.train_step(causal_lm_loss, [ids], LR))
     _assert_same_weights(om, ref)
     embed = ref.model.embed_tokens.weight
     assert int(om.mem.state(0, "sr_step")[0]) == 4 == int(opt.state[embed]["sr_step"])  # once per step
@@ -101,10 +82,10 @@ def test_chunked_update_equals_the_whole(tiny_llama_factory, monkeypatch):
     a, b = _lean(whole, "adamw8bit"), _lean(chunked, "adamw8bit")
     batches = _batches(3)
     for ids in batches:
-        _in_memory_step(whole, a, ids, 1.0)
+        reference_step(whole, a, [ids], 1.0)
     monkeypatch.setattr(lean, "CHUNK", 4096)  # the embedding is 32 chunks, a block's matrices 1
     for ids in batches:
-        _in_memory_step(chunked, b, ids, 1.0)
+        reference_step(chunked, b, [ids], 1.0)
     for (n, p), q in zip(whole.named_parameters(), chunked.parameters()):
         assert torch.equal(p, q), n
     st_a, st_b = a.state[whole.model.embed_tokens.weight], b.state[chunked.model.embed_tokens.weight]
@@ -116,7 +97,7 @@ def test_lean_moves_weights_that_round_to_nearest_would_keep(tiny_llama_factory)
     stochastic rounding moves a share of them, one ulp towards the exact result."""
     model = _model(tiny_llama_factory)
     before = [p.detach().clone() for p in model.parameters()]
-    _loss(model, _batches(1)[0]).backward()
+    causal_lm_loss(model, _batches(1)[0]).backward()
     exact = [p.detach().float().requires_grad_() for p in model.parameters()]
     for e, p in zip(exact, model.parameters()):
         e.grad = p.grad.float()
@@ -138,12 +119,12 @@ def test_resume_out_of_core_is_bit_identical(tiny_llama_factory, tmp_path, compu
     om = offload_model(full, _lean(full, "adamw8bit"), offload="nvme", swap_dir=tmp_path / "a", prefetch=2,
                        max_grad_norm=1.0, device=compute_device)
     for ids in batches:
-        om.train_step(_loss, [ids], LR)
+        om.train_step(causal_lm_loss, [ids], LR)
     cut = _model(tiny_llama_factory)
     oc = offload_model(cut, _lean(cut, "adamw8bit"), offload="nvme", swap_dir=tmp_path / "b", prefetch=2,
                        max_grad_norm=1.0, device=compute_device)
     for ids in batches[:2]:
-        oc.train_step(_loss, [ids], LR)
+        oc.train_step(causal_lm_loss, [ids], LR)
     save_units(oc, tmp_path / "units")
     oc.close()
     again = _model(tiny_llama_factory)
@@ -151,7 +132,7 @@ def test_resume_out_of_core_is_bit_identical(tiny_llama_factory, tmp_path, compu
                             prefetch=2, max_grad_norm=1.0, device=compute_device)
     load_units(resumed, tmp_path / "units")
     for ids in batches[2:]:
-        resumed.train_step(_loss, [ids], LR)
+        resumed.train_step(causal_lm_loss, [ids], LR)
     for unit, other in zip(om.units, resumed.units):
         a, b = unit_weights(om, unit), unit_weights(resumed, other)
         assert all(torch.equal(a[k], b[k]) for k in a)
@@ -188,7 +169,7 @@ def test_projection_optimizers_update_whole_tensors_alike(tiny_llama_factory, tm
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         ids = torch.randint(0, 256, (2, 16), generator=g)
-        assert torch.equal(_in_memory_step(ref, opt, ids, 0.0), om.train_step(_loss, [ids], LR))
+        assert torch.equal(reference_step(ref, opt, [ids], 0.0), om.train_step(causal_lm_loss, [ids], LR))
     _assert_same_weights(om, ref)
     om.close()
 
@@ -208,11 +189,11 @@ def test_lean_adamw8bit_writes_only_weights_and_codes(tiny_llama_factory, tmp_pa
             expect = "NVME" if part.kind in ("w", "m_codes", "v_codes") else "HOST"
             assert h.home.name == expect, (unit.name, str(part))
     batches = _batches(3)
-    om.train_step(_loss, [batches[0]], LR)
+    om.train_step(causal_lm_loss, [batches[0]], LR)
     om.mem.flush()  # write-behind runs on past the step: count whole steps' write-backs
     before = om.tier_stats()["NVME"].written_bytes
     for ids in batches[1:]:
-        om.train_step(_loss, [ids], LR)
+        om.train_step(causal_lm_loss, [ids], LR)
     om.mem.flush()
     per_step = (om.tier_stats()["NVME"].written_bytes - before) / 2
     extents = sum(len(u.handles) for u in om.mem.units)  # each write is 4 KiB-padded

@@ -10,6 +10,7 @@ from outcore.offload.handle import Tier
 from outcore.offload.training import offload_model
 from outcore.offload.units import Part
 from outcore.recipes.export import export_offloaded, unit_weights
+from tests._helpers import causal_lm_loss, reference_step
 
 LR = 1e-3
 
@@ -26,10 +27,6 @@ def _lora_pair(factory, layers=4):
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.02)
     return ref.train(), copy.deepcopy(ref).train()
-
-
-def _loss(model, ids):
-    return model(input_ids=ids, labels=ids).loss
 
 
 def _adapters(model):
@@ -57,13 +54,8 @@ def test_lora_streamed_equals_in_memory(tiny_llama_factory, tmp_path, clip, reco
     g = torch.Generator().manual_seed(1)
     for _ in range(6):
         ids = torch.randint(0, 256, (2, 24), generator=g)
-        loss = _loss(ref, ids.to(compute_device))
-        loss.backward()
-        if clip:
-            torch.nn.utils.clip_grad_norm_(list(_adapters(ref).values()), clip)
-        opt_ref.step()
-        opt_ref.zero_grad(set_to_none=True)
-        got = om.train_step(_loss, [ids], LR)
+        loss = reference_step(ref, opt_ref, [ids], clip)  # clips the adapters: the trainable ones
+        got = om.train_step(causal_lm_loss, [ids], LR)
         assert torch.equal(loss.detach(), got)
     for name, p in _adapters(ref).items():
         assert torch.equal(p.detach(), _adapters(ooc)[name].detach()), name
@@ -128,11 +120,8 @@ def test_qlora_streams_nf4_and_equals_the_dequantized_reference(tiny_llama_facto
     g = torch.Generator().manual_seed(4)
     for _ in range(4):
         ids = torch.randint(0, 256, (2, 24), generator=g)
-        loss = _loss(ref, ids.to(compute_device))
-        loss.backward()
-        opt_ref.step()
-        opt_ref.zero_grad(set_to_none=True)
-        assert torch.equal(loss.detach(), om.train_step(_loss, [ids], LR))
+        loss = reference_step(ref, opt_ref, [ids], 0.0)
+        assert torch.equal(loss.detach(), om.train_step(causal_lm_loss, [ids], LR))
     for name, p in _adapters(ref).items():
         assert torch.equal(p.detach(), _adapters(ooc)[name].detach()), name
     names = dict(ref.named_parameters())

@@ -11,12 +11,9 @@ from outcore.offload.training import offload_model
 from outcore.offload.units import Part
 from outcore.optim import AdamW
 from outcore.recipes.export import unit_weights
+from tests._helpers import causal_lm_loss
 
 LR, WD = 1e-3, 0.01
-
-
-def _loss(model, ids):
-    return model(input_ids=ids, labels=ids).loss
 
 
 class _MasterReference:
@@ -31,7 +28,7 @@ class _MasterReference:
 
     def step(self, ids):
         """In memory, on the model's device (the batch moved there, as the engine moves it)."""
-        loss = _loss(self.model, ids.to(self.params[0].device))
+        loss = causal_lm_loss(self.model, ids.to(self.params[0].device))
         loss.backward()
         if self.clip:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip)
@@ -61,7 +58,7 @@ def test_bf16_with_fp32_masters_equals_the_reference_loop(tiny_llama_factory, tm
     g = torch.Generator().manual_seed(1)
     for _ in range(8):
         ids = torch.randint(0, 256, (2, 24), generator=g)
-        assert torch.equal(ref.step(ids), om.train_step(_loss, [ids], LR))
+        assert torch.equal(ref.step(ids), om.train_step(causal_lm_loss, [ids], LR))
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     masters = dict(zip(names, ref.masters))
     for unit in om.units:

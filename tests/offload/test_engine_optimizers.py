@@ -17,6 +17,7 @@ from outcore.offload.handle import Tier
 from outcore.offload.training import offload_model
 from outcore.optim import build_optimizer
 from outcore.recipes.export import unit_weights
+from tests._helpers import causal_lm_loss, reference_step
 
 LR, WD, STEPS = 1e-3, 0.01, 3  # refreshes at step 2 (update_proj_gap=2)
 
@@ -30,15 +31,10 @@ HPARAMS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread for both runs (the comparison is exact either way): on a shared,
-    oversubscribed machine a 2-thread LAPACK SVD (GaLore's refresh) waits ~30x longer at
-    its barriers than it computes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+# One intra-op thread for both runs (the comparison is exact either way): on a shared,
+# oversubscribed machine a 2-thread LAPACK SVD (GaLore's refresh) waits ~30x longer at
+# its barriers than it computes.
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(factory, layers=2):
@@ -47,23 +43,8 @@ def _model(factory, layers=2):
     return m.train()
 
 
-def _loss(model, ids):
-    return model(input_ids=ids, labels=ids).loss
-
-
 def _block_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
-
-
-def _reference_step(model, opt, ids, clip):
-    """In memory, on the model's device (the batch moved there, as the engine moves it)."""
-    loss = _loss(model, ids.to(next(model.parameters()).device))
-    loss.backward()
-    if clip:
-        torch.nn.utils.clip_grad_norm_(list(model.parameters()), clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss.detach()
 
 
 @pytest.mark.parametrize("name,clip", [
@@ -84,8 +65,8 @@ def test_streamed_optimizer_equals_in_memory(tiny_llama_factory, tmp_path, name,
     g = torch.Generator().manual_seed(4)
     for step in range(STEPS):
         ids = torch.randint(0, 256, (2, 16), generator=g)
-        want = _reference_step(ref, opt, ids, clip)
-        assert torch.equal(want, om.train_step(_loss, [ids], LR)), f"step {step}"
+        want = reference_step(ref, opt, [ids], clip)
+        assert torch.equal(want, om.train_step(causal_lm_loss, [ids], LR)), f"step {step}"
     named = dict(ref.named_parameters())
     for unit in om.units:
         for pname, w in unit_weights(om, unit).items():
@@ -107,7 +88,7 @@ def test_refreshes_happened_in_the_reference(tiny_llama_factory):
     for step in range(3):
         for n, opt in opts.items():
             model.zero_grad(set_to_none=True)
-            _loss(model, ids).backward()
+            causal_lm_loss(model, ids).backward()
             opt.step()
             st = opt.state[p]
             key = "proj" if n == "galore" else "seed"

@@ -13,6 +13,7 @@ from outcore.offload.unit_sizes import PIECE_ALIGN, state_pieces, step_window, w
 from outcore.optim import AdamW, GaLore
 from outcore.training.checkpoint import load_units, save_units
 from outcore.recipes.export import unit_weights
+from tests._helpers import causal_lm_loss, reference_step
 
 LR, WD, VOCAB = 1e-3, 0.01, 4096
 
@@ -22,21 +23,6 @@ def _model(factory, tie=True, dtype=torch.float32):
     m = factory(seed=0, layers=3, vocab=VOCAB, tie=tie).to(dtype)
     m.config.use_cache = False
     return m.train()
-
-
-def _loss(model, ids):
-    return model(input_ids=ids, labels=ids).loss
-
-
-def _reference_step(model, opt, ids, clip):
-    """In memory, on the model's device (the batch moved there, as the engine moves it)."""
-    loss = _loss(model, ids.to(next(model.parameters()).device))
-    loss.backward()
-    if clip:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    return loss.detach()
 
 
 def _embed_state_bytes(om) -> int:
@@ -73,7 +59,7 @@ def test_pieced_embedding_is_bit_identical(tiny_llama_factory, tmp_path, offload
     g = torch.Generator().manual_seed(1)
     for _ in range(8):
         ids = torch.randint(0, VOCAB, (2, 24), generator=g)
-        assert torch.equal(_reference_step(ref, opt, ids, clip), om.train_step(_loss, [ids], LR))
+        assert torch.equal(reference_step(ref, opt, [ids], clip), om.train_step(causal_lm_loss, [ids], LR))
     params = dict(ref.named_parameters())
     for unit in om.units:
         for name, w in unit_weights(om, unit).items():
@@ -102,7 +88,7 @@ def test_pieced_mixed_precision_updates_pieces_of_the_master(tiny_llama_factory,
         else:
             assert "master" in om.mem.units[0].ratios
         g = torch.Generator().manual_seed(3)
-        losses = [om.train_step(_loss, [torch.randint(0, VOCAB, (2, 16), generator=g)], LR) for _ in range(4)]
+        losses = [om.train_step(causal_lm_loss, [torch.randint(0, VOCAB, (2, 16), generator=g)], LR) for _ in range(4)]
         runs.append((losses, om.mem.weights(0), om.mem.state(0, "master")))
         om.close()
     (l1, w1, m1), (l2, w2, m2) = runs
@@ -127,15 +113,15 @@ def test_checkpoint_of_pieced_state_resumes_whole_and_back(tiny_llama_factory, t
     g = torch.Generator().manual_seed(4)
     batches = [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(6)]
     for ids in batches[:3]:
-        om.train_step(_loss, [ids], LR)
+        om.train_step(causal_lm_loss, [ids], LR)
     save_units(om, tmp_path / "ckpt")
-    rest = [om.train_step(_loss, [ids], LR) for ids in batches[3:]]
+    rest = [om.train_step(causal_lm_loss, [ids], LR) for ids in batches[3:]]
     final = om.mem.state(0, "exp_avg_sq")
     om.close()
 
     whole = _unpieced(_model(tiny_llama_factory), tmp_path / "b", compute_device)
     load_units(whole, tmp_path / "ckpt")
-    assert all(torch.equal(want, whole.train_step(_loss, [ids], LR)) for want, ids in zip(rest, batches[3:]))
+    assert all(torch.equal(want, whole.train_step(causal_lm_loss, [ids], LR)) for want, ids in zip(rest, batches[3:]))
     assert torch.equal(whole.mem.state(0, "exp_avg_sq"), final)
     save_units(whole, tmp_path / "ckpt_whole")
     whole.close()
@@ -175,7 +161,7 @@ def test_pieced_adamw8bit_is_bit_identical(tiny_llama_factory, tmp_path, compute
     g = torch.Generator().manual_seed(5)
     for _ in range(5):
         ids = torch.randint(0, VOCAB, (2, 24), generator=g)
-        assert torch.equal(_reference_step(ref, opt, ids, 0.0), om.train_step(_loss, [ids], LR))
+        assert torch.equal(reference_step(ref, opt, [ids], 0.0), om.train_step(causal_lm_loss, [ids], LR))
     state = opt.state[ref.model.embed_tokens.weight]
     for kind in ("m_codes", "m_absmax", "v_codes", "v_absmax"):
         assert torch.equal(om.mem.state(0, kind)[:state[kind].numel()], state[kind].view(-1).cpu()), kind
@@ -194,15 +180,8 @@ def test_pieced_spill_with_accumulation_is_bit_identical(tiny_llama_factory, tmp
     g = torch.Generator().manual_seed(6)
     for _ in range(4):
         micro = [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(2)]
-        want = torch.zeros((), device=compute_device)
-        for ids in micro:
-            loss = _loss(ref, ids.to(compute_device)) / 2
-            loss.backward()
-            want += loss.detach()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        assert torch.equal(want, om.train_step(_loss, micro, LR))
+        want = reference_step(ref, opt, micro, 0.5)
+        assert torch.equal(want, om.train_step(causal_lm_loss, micro, LR))
     params = dict(ref.named_parameters())
     for unit in om.units:
         for name, w in unit_weights(om, unit).items():
@@ -253,7 +232,7 @@ def test_pieced_moe_block_is_bit_identical(tmp_path, clip, spill, compute_device
     g = torch.Generator().manual_seed(7)
     for _ in range(4):
         ids = torch.randint(0, 256, (2, 16), generator=g)
-        assert torch.equal(_reference_step(ref, opt, ids, clip), om.train_step(_loss, [ids], LR))
+        assert torch.equal(reference_step(ref, opt, [ids], clip), om.train_step(causal_lm_loss, [ids], LR))
     params = dict(ref.named_parameters())
     for unit in om.units:
         for name, w in unit_weights(om, unit).items():
@@ -296,7 +275,7 @@ def test_blocks_stream_in_pieces_under_the_piece_cap(tiny_llama_factory, tmp_pat
                            swap_dir=tmp_path / f"swap{cap}", prefetch=1, device=compute_device)
         assert all(bool(u.pieces) == cap for u in om.mem.units[1:-1]), "blocks pieced only under the cap"
         g = torch.Generator().manual_seed(2)
-        losses = [om.train_step(_loss, [torch.randint(0, VOCAB, (2, 24), generator=g)], LR) for _ in range(4)]
+        losses = [om.train_step(causal_lm_loss, [torch.randint(0, VOCAB, (2, 24), generator=g)], LR) for _ in range(4)]
         runs.append((losses, [unit_weights(om, u) for u in om.units], om.mem.state(1, "master")))
         om.close()
     (la, wa, ma), (lb, wb, mb) = runs

@@ -1,34 +1,27 @@
 """scripts/bench_step.py: the peer's config, the measurement helpers, the JSON contract."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import mmap
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_step.py"
+from tests._helpers import ROOT, load_module
 
-
-def _load(path: Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+SCRIPT = ROOT / "scripts" / "bench_step.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return _load(SCRIPT)
+    return load_module(SCRIPT)
 
 
 @pytest.fixture(scope="module")
 def peer():
-    return _load(SCRIPT.parent / "_deepspeed_peer.py")
+    return load_module(SCRIPT.parent / "_deepspeed_peer.py")
 
 
 HYPER = dict(lr=5e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)

@@ -13,16 +13,13 @@ from outcore.offload.plan_layout import Layout, Workload, step_time
 from outcore.offload.plan_sizes import method_traits, model_spec, unit_bytes
 from outcore.offload.training import offload_model
 from outcore.optim import AdamW
+from tests._helpers import causal_lm_loss
 
 GiB = 1 << 30
 #: round made-up speeds: 2 GB/s read, 1 GB/s write, 10 GB/s copies and RAM, 1e10 FLOP/s
 SPEEDS = Budgets(device_bytes=64 * GiB, host_bytes=64 * GiB, nvme_bytes=1 << 40, ram_bytes=64 * GiB,
                  disk_read_gbps=2.0, disk_write_gbps=1.0, h2d_gbps=10.0, d2h_gbps=10.0, host_mem_gbps=10.0,
                  flops=1e10, measured=True)
-
-
-def _loss(model, ids):
-    return model(input_ids=ids, labels=ids).loss
 
 
 def _planned_io(model, k: int) -> dict[str, int]:
@@ -48,7 +45,7 @@ def test_planned_nvme_bytes_are_what_a_steady_step_moves(tiny_llama_factory, tmp
         moved = []
         for _ in range(4):  # the first step starts from nothing resident: steady from the second
             before = om.store.tier_stats()["NVME"]
-            om.train_step(_loss, [torch.randint(0, 512, (1, 16), generator=g)], 1e-3)
+            om.train_step(causal_lm_loss, [torch.randint(0, 512, (1, 16), generator=g)], 1e-3)
             om.mem.flush()
             after = om.store.tier_stats()["NVME"]
             moved.append((after.read_bytes - before.read_bytes, after.written_bytes - before.written_bytes))

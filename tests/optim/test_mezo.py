@@ -10,13 +10,8 @@ from outcore.optim.zo_core import ZOHyper, sample_seeds
 from outcore.optim.zo_replay import ZOLog, replay
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny ops: thread hand-offs cost more than they save on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# tiny ops: thread hand-offs cost more than they save on a shared 2-core machine
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _quadratic(seed=0, n=24):

@@ -9,12 +9,7 @@ from outcore.optim.zo_core import ZOHyper
 from outcore.optim.zo_replay import ZOLog, replay
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # same reduction order in every mode; tiny shapes anyway
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # same reduction order in every mode; tiny shapes anyway
 
 
 def _batches(n, seed=0, vocab=256, b=2, t=16):

@@ -15,11 +15,11 @@ import subprocess
 import sys
 import tarfile
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests._helpers import ROOT
+
 SCRIPTS = ROOT / "scripts"
 STAGES = ("setup", "env", "tests", "kernels", "ds_ops", "step_1.7b", "step_8b", "peers_1.7b", "peers_8b", "race")
 FILES = ("setup.json", "env.json", "tests.json", "kernels.json", "ds_ops.json", "step_1.7b.json", "step_8b.json",

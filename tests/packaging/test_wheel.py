@@ -4,11 +4,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import zipfile
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests._helpers import ROOT
 
 
 @pytest.mark.slow(ci=True)
@@ -33,5 +32,5 @@ def test_the_gds_extra_is_built_for_the_cuda_torch_ships_with():
     """torch 2.11+'s CUDA wheels are CUDA 13 builds: kvikio must be the cu13 one."""
     import tomllib
 
-    extras = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert extras["project"]["optional-dependencies"]["gds"] == ["kvikio-cu13"]

@@ -11,7 +11,6 @@ f16 1.3e-3, bf16 1.3e-2, Q8_0 3.1e-2; the bounds below are those with some headr
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import time
@@ -23,11 +22,10 @@ import torch
 
 from outcore.errors import ConfigError, ModelError
 from outcore.recipes.export_gguf import GGUF_TYPES, export_gguf, export_run_gguf, write_modelfile
+from tests._helpers import ROOT, load_module
 
 # the tiny family models and tokenizer of tests/models (conftest fixtures do not cross folders)
-_spec = importlib.util.spec_from_file_location("_models_conftest", Path(__file__).parents[1] / "models" / "conftest.py")
-_models = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_models)
+_models = load_module(ROOT / "tests" / "models" / "conftest.py", "_models_conftest")
 
 FAMILIES = _models.FAMILIES
 LOGIT_BOUND = {"f16": 5e-3, "bf16": 5e-2, "q8_0": 1e-1}  # vs the unrounded model (measured, see above)

@@ -10,22 +10,7 @@ from safetensors.torch import load_file
 from outcore.errors import CheckpointError, ConfigError, IntegrityError, OutcoreError
 from outcore.training.config import load_config
 from outcore.recipes.full_finetune import finetune
-
-
-class _Collect:
-    """A sink that records events (and can raise Ctrl-C at a chosen step)."""
-
-    def __init__(self, interrupt_at: int | None = None):
-        self.events, self.interrupt_at, self.closed = [], interrupt_at, False
-
-    def emit(self, event):
-        self.events.append(event)
-        if self.interrupt_at is not None and getattr(event, "step", None) == self.interrupt_at \
-                and type(event).__name__ == "StepEvent":
-            raise KeyboardInterrupt
-
-    def close(self):
-        self.closed = True
+from tests._helpers import RecordingSink
 
 
 def _cfg(inputs: Path, out: Path, **kw):
@@ -38,7 +23,7 @@ def _cfg(inputs: Path, out: Path, **kw):
 def test_end_to_end_writes_metrics_config_final(tiny_run_inputs, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    sink = _Collect()
+    sink = RecordingSink()
     res = finetune(_cfg(tiny_run_inputs, tmp_path / "run"), sink=sink)
     assert res.steps_done == 6 and sink.closed
     assert res.final_eval_loss < res.base_eval_loss  # lr 1e-3 on a tiny model learns fast
@@ -55,12 +40,12 @@ def test_end_to_end_writes_metrics_config_final(tiny_run_inputs, tmp_path):
 
 
 def test_resume_is_bit_identical(tiny_run_inputs, tmp_path):
-    full = finetune(_cfg(tiny_run_inputs, tmp_path / "full"), sink=_Collect())
+    full = finetune(_cfg(tiny_run_inputs, tmp_path / "full"), sink=RecordingSink())
 
     with pytest.raises(KeyboardInterrupt):  # Ctrl-C after step 4; the step-3 checkpoint stays
-        finetune(_cfg(tiny_run_inputs, tmp_path / "cut", save_every=3), sink=_Collect(interrupt_at=4))
+        finetune(_cfg(tiny_run_inputs, tmp_path / "cut", save_every=3), sink=RecordingSink(interrupt_at=4))
     resumed = finetune(load_config(overrides={"resume": str(tmp_path / "cut"), "ui": "none"}),
-                       sink=_Collect())
+                       sink=RecordingSink())
     assert resumed.steps_done == full.steps_done == 6
     a = load_file(str(full.output_dir / "checkpoints" / "step_000006" / "model.safetensors"))
     b = load_file(str(resumed.output_dir / "checkpoints" / "step_000006" / "model.safetensors"))
@@ -71,41 +56,41 @@ def test_resume_is_bit_identical(tiny_run_inputs, tmp_path):
 
 
 def test_output_dir_with_another_run_is_refused(tiny_run_inputs, tmp_path):
-    finetune(_cfg(tiny_run_inputs, tmp_path / "run", max_steps=1, eval_every=0), sink=_Collect())
+    finetune(_cfg(tiny_run_inputs, tmp_path / "run", max_steps=1, eval_every=0), sink=RecordingSink())
     with pytest.raises(ConfigError, match="already holds a run.*--overwrite"):
-        finetune(_cfg(tiny_run_inputs, tmp_path / "run", max_steps=1), sink=_Collect())
-    res = finetune(_cfg(tiny_run_inputs, tmp_path / "run", max_steps=1, overwrite=True), sink=_Collect())
+        finetune(_cfg(tiny_run_inputs, tmp_path / "run", max_steps=1), sink=RecordingSink())
+    res = finetune(_cfg(tiny_run_inputs, tmp_path / "run", max_steps=1, overwrite=True), sink=RecordingSink())
     assert res.steps_done == 1
 
 
 def test_resume_errors_name_the_problem(tiny_run_inputs, tmp_path):
     with pytest.raises(CheckpointError, match="no run found"):
-        finetune(load_config(overrides={"resume": str(tmp_path / "nowhere")}), sink=_Collect())
-    finetune(_cfg(tiny_run_inputs, tmp_path / "run", max_steps=2, eval_every=0), sink=_Collect())
+        finetune(load_config(overrides={"resume": str(tmp_path / "nowhere")}), sink=RecordingSink())
+    finetune(_cfg(tiny_run_inputs, tmp_path / "run", max_steps=2, eval_every=0), sink=RecordingSink())
     with pytest.raises(CheckpointError, match="seq_len=64 differs"):
-        finetune(load_config(overrides={"resume": str(tmp_path / "run"), "seq_len": 64}), sink=_Collect())
+        finetune(load_config(overrides={"resume": str(tmp_path / "run"), "seq_len": 64}), sink=RecordingSink())
     # flip one byte of the weights: the checksum catches it, nothing loads silently
     f = tmp_path / "run" / "checkpoints" / "step_000002" / "model.safetensors"
     data = bytearray(f.read_bytes())
     data[len(data) // 2] ^= 0xFF
     f.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match="corrupt"):
-        finetune(load_config(overrides={"resume": str(tmp_path / "run"), "max_steps": 3}), sink=_Collect())
+        finetune(load_config(overrides={"resume": str(tmp_path / "run"), "max_steps": 3}), sink=RecordingSink())
 
 
 def test_offload_cpu_with_activations_on_nvme(tiny_run_inputs, tmp_path, compute_device):
     """Weights and state in HOST, activations to NVMe: the run's store has no swap dir, so the
     activations get a private one (and the run still equals the in-memory one, on its device)."""
     kw = dict(max_steps=2, eval_every=0, max_grad_norm=0.0, device=compute_device.type)
-    mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", **kw), sink=_Collect())
+    mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", **kw), sink=RecordingSink())
     ooc = finetune(_cfg(tiny_run_inputs, tmp_path / "ooc", offload="cpu", activations="offload", **kw),
-                   sink=_Collect())
+                   sink=RecordingSink())
     assert mem.losses == ooc.losses
 
 
 def test_lora_trains_adapters_only(tiny_run_inputs, tmp_path):
     res = finetune(_cfg(tiny_run_inputs, tmp_path / "lora", method="lora", lr=1e-2, max_steps=3,
-                        eval_every=0), sink=_Collect())
+                        eval_every=0), sink=RecordingSink())
     state = load_file(str(res.output_dir / "checkpoints" / "step_000003" / "model.safetensors"))
     assert state and all("lora_" in k for k in state)
     assert (res.output_dir / "final" / "config.json").is_file()
@@ -113,9 +98,9 @@ def test_lora_trains_adapters_only(tiny_run_inputs, tmp_path):
 
 def test_bad_model_and_seq_len(tiny_run_inputs, tmp_path):
     with pytest.raises(OutcoreError, match="nope"):
-        finetune(_cfg(tiny_run_inputs, tmp_path / "a", model=str(tmp_path / "nope")), sink=_Collect())
+        finetune(_cfg(tiny_run_inputs, tmp_path / "a", model=str(tmp_path / "nope")), sink=RecordingSink())
     with pytest.raises(ConfigError, match="seq_len"):
-        finetune(_cfg(tiny_run_inputs, tmp_path / "b", seq_len=4096), sink=_Collect())
+        finetune(_cfg(tiny_run_inputs, tmp_path / "b", seq_len=4096), sink=RecordingSink())
 
 
 @pytest.mark.slow(ci=True)
@@ -124,7 +109,7 @@ def test_default_model_and_data_improve_perplexity(tmp_path):
     res = finetune(load_config(overrides=dict(output=str(tmp_path / "run"), ui="none", max_steps=4,
                                               seq_len=128, eval_every=0, eval_batches=4,
                                               data_max_bytes=400_000, lr=1e-4, export=False)),
-                   sink=_Collect())
+                   sink=RecordingSink())
     assert res.final_eval_loss < res.base_eval_loss
 
 
@@ -134,8 +119,8 @@ def test_offloaded_run_equals_in_memory_run(tiny_run_inputs, tmp_path, clip, act
     activations on NVMe too) gives the in-memory run's losses and weights, bit for bit (both
     on the same device)."""
     kw = dict(max_steps=5, eval_every=0, max_grad_norm=clip, device=compute_device.type)
-    mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", **kw), sink=_Collect())
-    sink = _Collect()
+    mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", **kw), sink=RecordingSink())
+    sink = RecordingSink()
     ooc = finetune(_cfg(tiny_run_inputs, tmp_path / "ooc", offload="nvme", activations=activations, **kw),
                    sink=sink)
     assert mem.losses == ooc.losses and mem.final_eval_loss == ooc.final_eval_loss
@@ -158,8 +143,8 @@ def test_offloaded_lora_equals_in_memory_lora_and_resumes(tiny_run_inputs, tmp_p
     """LoRA out of core: the frozen base streams from NVMe, the adapters stay resident;
     losses and the merged export equal the in-memory LoRA run's, and resume is exact."""
     kw = dict(method="lora", lr=1e-2, max_steps=4, eval_every=0, max_grad_norm=1.0, device=compute_device.type)
-    mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", **kw), sink=_Collect())
-    sink = _Collect()
+    mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", **kw), sink=RecordingSink())
+    sink = RecordingSink()
     ooc = finetune(_cfg(tiny_run_inputs, tmp_path / "ooc", offload="nvme", **kw), sink=sink)
     assert mem.losses == ooc.losses and mem.final_eval_loss == ooc.final_eval_loss
     a = load_file(str(mem.output_dir / "final" / "model.safetensors"))
@@ -177,9 +162,9 @@ def test_offloaded_lora_equals_in_memory_lora_and_resumes(tiny_run_inputs, tmp_p
     assert nvme[-1].read_bytes > 0
     with pytest.raises(KeyboardInterrupt):
         finetune(_cfg(tiny_run_inputs, tmp_path / "cut", offload="nvme", save_every=2, **kw),
-                 sink=_Collect(interrupt_at=3))
+                 sink=RecordingSink(interrupt_at=3))
     resumed = finetune(load_config(overrides={"resume": str(tmp_path / "cut"), "ui": "none"}),
-                       sink=_Collect())
+                       sink=RecordingSink())
     assert ooc.losses[-2:] == resumed.losses[-2:]
 
 
@@ -194,13 +179,13 @@ def test_qlora_in_memory_and_offloaded(tiny_run_inputs, tmp_path):
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "model")
     AutoTokenizer.from_pretrained(tiny_run_inputs / "model").save_pretrained(tmp_path / "model")
     kw = dict(method="qlora", lr=1e-2, max_steps=3, eval_every=0, model=str(tmp_path / "model"))
-    mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", **kw), sink=_Collect())
-    ooc = finetune(_cfg(tiny_run_inputs, tmp_path / "ooc", offload="nvme", **kw), sink=_Collect())
+    mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", **kw), sink=RecordingSink())
+    ooc = finetune(_cfg(tiny_run_inputs, tmp_path / "ooc", offload="nvme", **kw), sink=RecordingSink())
     # bitsandbytes' CPU 4-bit matmul rounds the block absmax to bf16; the out-of-core path
     # dequantizes with the fp32 absmax (bitsandbytes' dequantize_4bit): close, not equal.
     assert mem.losses == pytest.approx(ooc.losses, rel=2e-3)
     assert mem.final_eval_loss == pytest.approx(ooc.final_eval_loss, rel=2e-3)
-    lora = finetune(_cfg(tiny_run_inputs, tmp_path / "lora", **{**kw, "method": "lora"}), sink=_Collect())
+    lora = finetune(_cfg(tiny_run_inputs, tmp_path / "lora", **{**kw, "method": "lora"}), sink=RecordingSink())
     assert lora.losses[0] != mem.losses[0]  # the base really is quantized (not plain LoRA)
     # both exports are plain models: the NF4 base dequantized, the adapters merged in full precision
     a = AutoModelForCausalLM.from_pretrained(mem.output_dir / "final")
@@ -225,11 +210,11 @@ def test_qlora_in_memory_and_offloaded(tiny_run_inputs, tmp_path):
 def test_offloaded_resume_is_bit_identical(tiny_run_inputs, tmp_path, dtype, compute_device):
     """Also for mixed precision (bf16 compute, fp32 masters and state streamed with the units)."""
     kw = dict(offload="nvme", max_steps=5, eval_every=0, dtype=dtype, device=compute_device.type)
-    full = finetune(_cfg(tiny_run_inputs, tmp_path / "full", **kw), sink=_Collect())
+    full = finetune(_cfg(tiny_run_inputs, tmp_path / "full", **kw), sink=RecordingSink())
     with pytest.raises(KeyboardInterrupt):
-        finetune(_cfg(tiny_run_inputs, tmp_path / "cut", save_every=2, **kw), sink=_Collect(interrupt_at=3))
+        finetune(_cfg(tiny_run_inputs, tmp_path / "cut", save_every=2, **kw), sink=RecordingSink(interrupt_at=3))
     resumed = finetune(load_config(overrides={"resume": str(tmp_path / "cut"), "ui": "none"}),
-                       sink=_Collect())
+                       sink=RecordingSink())
     assert full.losses[-2:] == resumed.losses[-2:]
     a = load_file(str(full.output_dir / "checkpoints" / "step_000005" / "units" / "block.1.safetensors"))
     b = load_file(str(resumed.output_dir / "checkpoints" / "step_000005" / "units" / "block.1.safetensors"))
@@ -244,7 +229,7 @@ def test_export_command_and_its_errors(tiny_run_inputs, tmp_path, capsys):
     from outcore.tui.cli import main
 
     res = finetune(_cfg(tiny_run_inputs, tmp_path / "run", max_steps=2, eval_every=0, export=False),
-                   sink=_Collect())
+                   sink=RecordingSink())
     assert main(["export", str(res.output_dir), "--output", str(tmp_path / "hf")]) == 0
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").state_dict()
     trained = load_file(str(res.output_dir / "checkpoints" / "step_000002" / "model.safetensors"))
@@ -254,7 +239,7 @@ def test_export_command_and_its_errors(tiny_run_inputs, tmp_path, capsys):
     assert "holds no outcore run" in capsys.readouterr().err
 
 
-class _CorruptSwap(_Collect):
+class _CorruptSwap(RecordingSink):
     """Flips one byte in every 4 KiB page of the swap file after step ``at``: the next read of
     any extent finds its checksum wrong."""
 
@@ -289,12 +274,12 @@ def test_a_corrupt_swap_file_stops_the_run_naming_file_and_unit(tiny_run_inputs,
 def test_resume_falls_back_to_the_newest_valid_checkpoint_and_says_so(tiny_run_inputs, tmp_path, capsys):
     out = tmp_path / "run"
     finetune(_cfg(tiny_run_inputs, out, max_steps=4, save_every=2, eval_every=0, keep_checkpoints=3,
-                  export=False), sink=_Collect())
+                  export=False), sink=RecordingSink())
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_000002", "step_000004"]
     f = out / "checkpoints" / "step_000004" / "optimizer.pt"
     f.write_bytes(f.read_bytes()[:-10])  # truncated
     capsys.readouterr()
-    res = finetune(load_config(overrides={"resume": str(out), "max_steps": 5, "ui": "none"}), sink=_Collect())
+    res = finetune(load_config(overrides={"resume": str(out), "max_steps": 5, "ui": "none"}), sink=RecordingSink())
     assert res.steps_done == 5
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("outcore")]
     assert err == [f"outcore: warning: checkpoint file {str(f)!r} is corrupt or truncated (checksum mismatch); "

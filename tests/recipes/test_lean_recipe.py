@@ -11,25 +11,7 @@ from safetensors.torch import load_file
 from outcore.errors import ConfigError
 from outcore.training.config import load_config
 from outcore.recipes.full_finetune import finetune
-
-
-class _Sink:
-    """Records nothing; raises Ctrl-C after step ``interrupt_at``."""
-
-    def __init__(self, interrupt_at: int | None = None):
-        self.interrupt_at = interrupt_at
-
-    def emit(self, event):
-        if type(event).__name__ == "StepEvent" and event.step == self.interrupt_at:
-            raise KeyboardInterrupt
-
-    def close(self):
-        pass
-
-
-def _weights(final: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of an exported directory (one shard in memory, one per unit out of core)."""
-    return {k: t for f in sorted(final.glob("*.safetensors")) for k, t in load_file(str(f)).items()}
+from tests._helpers import RecordingSink, exported_weights
 
 
 def _cfg(inputs: Path, out: Path, **kw):
@@ -58,17 +40,17 @@ def test_conflicts_are_one_line_errors(overrides, match):
 @pytest.mark.slow(ci=True)  # four tiny runs (AdamW8bit's lean update: tests/offload/test_engine_lean.py)
 def test_lean_in_memory_equals_out_of_core_and_resumes(tiny_run_inputs, tmp_path, compute_device):
     on = compute_device.type  # both runs compute there (and the resumed one, by its config)
-    mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", offload="none", device=on), sink=_Sink())
-    ooc = finetune(_cfg(tiny_run_inputs, tmp_path / "ooc", offload="nvme", device=on), sink=_Sink())
+    mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", offload="none", device=on), sink=RecordingSink())
+    ooc = finetune(_cfg(tiny_run_inputs, tmp_path / "ooc", offload="nvme", device=on), sink=RecordingSink())
     assert mem.losses == ooc.losses
-    a, b = _weights(mem.final_dir), _weights(ooc.final_dir)
+    a, b = exported_weights(mem.final_dir), exported_weights(ooc.final_dir)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert all(t.dtype == torch.bfloat16 for t in a.values())
     units = load_file(str(ooc.output_dir / "checkpoints" / "step_000004" / "units" / "block.1.safetensors"))
     assert not any("master" in k for k in units) and any("sr_step" in k for k in units)
     with pytest.raises(KeyboardInterrupt):
         finetune(_cfg(tiny_run_inputs, tmp_path / "cut", offload="nvme", save_every=2, device=on),
-                 sink=_Sink(interrupt_at=3))
-    resumed = finetune(load_config(overrides={"resume": str(tmp_path / "cut"), "ui": "none"}), sink=_Sink())
-    c = _weights(resumed.final_dir)
+                 sink=RecordingSink(interrupt_at=3))
+    resumed = finetune(load_config(overrides={"resume": str(tmp_path / "cut"), "ui": "none"}), sink=RecordingSink())
+    c = exported_weights(resumed.final_dir)
     assert all(torch.equal(a[k], c[k]) for k in a)

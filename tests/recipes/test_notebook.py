@@ -1,11 +1,11 @@
 """The quickstart notebook runs end to end (a few steps of the real default)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-NOTEBOOK = Path(__file__).resolve().parents[2] / "recipes" / "notebooks" / "quickstart.ipynb"
+from tests._helpers import ROOT
+
+NOTEBOOK = ROOT / "recipes" / "notebooks" / "quickstart.ipynb"
 
 
 @pytest.mark.slow(ci=True)

@@ -11,20 +11,7 @@ from safetensors.torch import load_file
 from outcore.errors import ConfigError
 from outcore.training.config import load_config
 from outcore.recipes.zo_finetune import finetune
-
-
-class _Collect:
-    def __init__(self, interrupt_at=None):
-        self.events, self.interrupt_at = [], interrupt_at
-
-    def emit(self, event):
-        self.events.append(event)
-        if self.interrupt_at is not None and type(event).__name__ == "StepEvent" \
-                and event.step == self.interrupt_at:
-            raise KeyboardInterrupt
-
-    def close(self):
-        pass
+from tests._helpers import RecordingSink, exported_weights
 
 
 def _cfg(inputs: Path, out: Path, **kw):
@@ -35,17 +22,14 @@ def _cfg(inputs: Path, out: Path, **kw):
     return load_config(overrides={**base, **kw})
 
 
-def _final(run) -> dict[str, torch.Tensor]:
-    return load_file(str(Path(run.final_dir) / "model.safetensors"))
-
-
 def test_in_memory_and_nvme_runs_give_identical_exports(tiny_run_inputs, tmp_path, compute_device):
-    sink = _Collect()
+    sink = RecordingSink()
     mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", offload="none", device=compute_device.type), sink)
-    disk = finetune(_cfg(tiny_run_inputs, tmp_path / "disk", offload="nvme", device=compute_device.type), _Collect())
+    disk = finetune(_cfg(tiny_run_inputs, tmp_path / "disk", offload="nvme", device=compute_device.type),
+                    RecordingSink())
     assert mem.steps_done == disk.steps_done == 5
     assert mem.losses == disk.losses and mem.final_eval_loss == disk.final_eval_loss
-    a, b = _final(mem), _final(disk)
+    a, b = exported_weights(mem.final_dir), exported_weights(disk.final_dir)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     out = Path(mem.output_dir)
     assert (out / "config.yaml").is_file()
@@ -65,19 +49,19 @@ def test_in_memory_and_nvme_runs_give_identical_exports(tiny_run_inputs, tmp_pat
 def test_resume_after_interrupt_matches_uninterrupted(tiny_run_inputs, tmp_path):
     kw = dict(optim="sparse-mezo", optim_args={"eps": 1e-2, "sparsity": 0.5, "mask_every": 2,
                                                 "momentum": 0.5})
-    full = finetune(_cfg(tiny_run_inputs, tmp_path / "full", **kw), _Collect())
+    full = finetune(_cfg(tiny_run_inputs, tmp_path / "full", **kw), RecordingSink())
     with pytest.raises(KeyboardInterrupt):
-        finetune(_cfg(tiny_run_inputs, tmp_path / "cut", **kw), _Collect(interrupt_at=3))
-    resumed = finetune(_cfg(tiny_run_inputs, tmp_path / "cut", resume=str(tmp_path / "cut"), **kw), _Collect())
+        finetune(_cfg(tiny_run_inputs, tmp_path / "cut", **kw), RecordingSink(interrupt_at=3))
+    resumed = finetune(_cfg(tiny_run_inputs, tmp_path / "cut", resume=str(tmp_path / "cut"), **kw), RecordingSink())
     assert resumed.steps_done == 5
-    a, b = _final(full), _final(resumed)
+    a, b = exported_weights(full.final_dir), exported_weights(resumed.final_dir)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.slow(ci=True)
 def test_zo_on_lora_adapters_only(tiny_run_inputs, tmp_path):
     run = finetune(_cfg(tiny_run_inputs, tmp_path / "lora", optim_args={"lora": True, "eps": 1e-2},
-                        lora_targets=["q_proj", "v_proj"]), _Collect())
+                        lora_targets=["q_proj", "v_proj"]), RecordingSink())
     header = json.loads((Path(run.output_dir) / "zo_log.jsonl").read_text().splitlines()[0])["header"]
     assert header["params"] and all("lora_" in p["name"] for p in header["params"])
     assert (Path(run.final_dir) / "model.safetensors").is_file()
@@ -91,7 +75,7 @@ def test_zo_on_lora_adapters_only(tiny_run_inputs, tmp_path):
 ])
 def test_bad_zo_options(tiny_run_inputs, tmp_path, kw, match):
     with pytest.raises(ConfigError, match=match):
-        finetune(_cfg(tiny_run_inputs, tmp_path / "bad", **kw), _Collect())
+        finetune(_cfg(tiny_run_inputs, tmp_path / "bad", **kw), RecordingSink())
 
 
 @pytest.mark.slow(ci=True)
@@ -99,16 +83,16 @@ def test_a_damaged_log_line_resumes_from_the_steps_before_it(tiny_run_inputs, tm
     """A ZO run's checkpoint is its log: a flipped byte in a step line is detected (each line
     carries its checksum), the steps before it are the newest valid checkpoint, and the
     resumed run equals the uninterrupted one."""
-    full = finetune(_cfg(tiny_run_inputs, tmp_path / "full"), _Collect())
+    full = finetune(_cfg(tiny_run_inputs, tmp_path / "full"), RecordingSink())
     with pytest.raises(KeyboardInterrupt):
-        finetune(_cfg(tiny_run_inputs, tmp_path / "cut"), _Collect(interrupt_at=3))
+        finetune(_cfg(tiny_run_inputs, tmp_path / "cut"), RecordingSink(interrupt_at=3))
     log = tmp_path / "cut" / "zo_log.jsonl"
     lines = log.read_text().splitlines(keepends=True)
     assert len(lines) == 4  # the header and steps 1..3
     lines[3] = lines[3].replace('"seeds": [', '"seeds": [1', 1)  # a flipped digit, still JSON
     log.write_text("".join(lines))
-    resumed = finetune(_cfg(tiny_run_inputs, tmp_path / "cut", resume=str(tmp_path / "cut")), _Collect())
+    resumed = finetune(_cfg(tiny_run_inputs, tmp_path / "cut", resume=str(tmp_path / "cut")), RecordingSink())
     err = capsys.readouterr().err
     assert "line 4 is damaged (checksum mismatch)" in err and "resuming from step 2 instead" in err
-    a, b = _final(full), _final(resumed)
+    a, b = exported_weights(full.final_dir), exported_weights(resumed.final_dir)
     assert resumed.steps_done == 5 and all(torch.equal(a[k], b[k]) for k in a)

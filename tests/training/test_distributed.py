@@ -26,6 +26,7 @@ from safetensors.torch import load_file
 from outcore.training import checkpoint as ckpt
 from outcore.training.config import load_config
 from outcore.recipes.full_finetune import finetune
+from tests._helpers import exported_weights
 
 # A killed rank's peer must be out within this: gloo fails at once on a closed socket; the rest
 # is the survivor finishing its backward up to the all-reduce, its exit, and torchrun's. Measured
@@ -80,13 +81,6 @@ def _one_rank(args: dict):
     return finetune(load_config(overrides=args))
 
 
-def _weights(run: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for shard in sorted((run / "final").glob("*.safetensors")):  # out of core: one shard per unit
-        out.update(load_file(str(shard)))
-    return out
-
-
 def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     diff = max(float((a[k] - b[k]).abs().max()) for k in a)
@@ -101,7 +95,7 @@ def test_two_ranks_equal_one_rank_accumulating_and_resume_on_one(tiny_run_inputs
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("outcore: output in") == 1  # rank 0 alone says it
     _one_rank(_args(tiny_run_inputs, one, compute_device, grad_accum=2))
-    _assert_same(_weights(two), _weights(one))
+    _assert_same(exported_weights(two / "final"), exported_weights(one / "final"))
 
     # rank 0 writes metrics.jsonl with every rank's row; rank 1 its own file
     rows = [json.loads(x) for x in (two / "metrics.jsonl").read_text().splitlines()]
@@ -113,13 +107,14 @@ def test_two_ranks_equal_one_rank_accumulating_and_resume_on_one(tiny_run_inputs
     # outcore export of the 2-rank run == the 1-rank run's
     from outcore.recipes.export import export_run
 
-    _assert_same(load_file(str(export_run(two, tmp_path / "x2") / "model.safetensors")), _weights(one))
+    _assert_same(load_file(str(export_run(two, tmp_path / "x2") / "model.safetensors")),
+                 exported_weights(one / "final"))
 
     # 2 → 1: step 2's DCP checkpoint, resumed by one rank with grad_accum 2 (the same 2 micro-batches a step)
     shutil.rmtree(two / "checkpoints" / "step_000004")
     shutil.rmtree(two / "final")
     _one_rank(_args(tiny_run_inputs, two, compute_device, grad_accum=2, resume=str(two)))
-    _assert_same(_weights(two), _weights(one))
+    _assert_same(exported_weights(two / "final"), exported_weights(one / "final"))
 
 
 @pytest.mark.slow(ci=True)
@@ -133,18 +128,17 @@ def test_out_of_core_two_ranks_shard_the_state_equal_one_rank_and_resume_on_one(
     res = _torchrun(_args(tiny_run_inputs, two, **kw))
     assert res.returncode == 0, res.stderr[-3000:]
     _one_rank(_args(tiny_run_inputs, one, grad_accum=2, **kw))
-    _assert_same(_weights(two), _weights(one))
+    _assert_same(exported_weights(two / "final"), exported_weights(one / "final"))
     assert any((two / "checkpoints" / "step_000002" / "units_dcp").iterdir())
     from outcore.recipes.export import export_run  # outcore export of the sharded checkpoint == 1 rank's
 
     exported = export_run(two, tmp_path / "x2")
-    _assert_same({k: v for f in sorted(exported.glob("*.safetensors")) for k, v in load_file(str(f)).items()},
-                 _weights(one))
+    _assert_same(exported_weights(exported), exported_weights(one / "final"))
 
     shutil.rmtree(two / "checkpoints" / "step_000004")
     shutil.rmtree(two / "final")
     _one_rank(_args(tiny_run_inputs, two, grad_accum=2, resume=str(two), **kw))
-    _assert_same(_weights(two), _weights(one))
+    _assert_same(exported_weights(two / "final"), exported_weights(one / "final"))
 
 
 @pytest.mark.slow
@@ -157,7 +151,7 @@ def test_two_ranks_equal_one_rank_for_adamw8bit_and_lora(tiny_run_inputs, tmp_pa
     res = _torchrun(_args(tiny_run_inputs, two, **kw))
     assert res.returncode == 0, res.stderr[-3000:]
     _one_rank(_args(tiny_run_inputs, one, grad_accum=2, **kw))
-    _assert_same(_weights(two), _weights(one))
+    _assert_same(exported_weights(two / "final"), exported_weights(one / "final"))
 
 
 @pytest.mark.parametrize("offload", [pytest.param("none", marks=pytest.mark.slow),
@@ -173,7 +167,7 @@ def test_a_one_rank_checkpoint_resumes_on_two_ranks(tiny_run_inputs, tmp_path, o
     shutil.rmtree(one / "final")
     res = _torchrun(_args(tiny_run_inputs, one, grad_accum=1, resume=str(one), **kw))  # 1 × 2 ranks
     assert res.returncode == 0, res.stderr[-3000:]
-    _assert_same(_weights(one), _weights(ref))
+    _assert_same(exported_weights(one / "final"), exported_weights(ref / "final"))
 
 
 @pytest.mark.slow(ci=True)
@@ -213,7 +207,7 @@ def test_torchrun_restarts_continue_the_launch_s_own_run(tiny_run_inputs, tmp_pa
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"outcore: torchrun restart 1 of 1: {continued} in {run}" in res.stderr, res.stderr[-3000:]
     _one_rank(_args(tiny_run_inputs, one, grad_accum=2))
-    _assert_same(_weights(run), _weights(one))
+    _assert_same(exported_weights(run / "final"), exported_weights(one / "final"))
 
 
 @pytest.mark.slow
@@ -228,7 +222,7 @@ def test_zo_under_torchrun_writes_the_one_rank_log(tiny_run_inputs, tmp_path, co
 
     zo_finetune(load_config(overrides=_args(tiny_run_inputs, one, **kw)))
     assert (two / "zo_log.jsonl").read_bytes() == (one / "zo_log.jsonl").read_bytes()
-    _assert_same(_weights(two), _weights(one))
+    _assert_same(exported_weights(two / "final"), exported_weights(one / "final"))
 
 
 @pytest.mark.slow

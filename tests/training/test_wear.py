@@ -131,9 +131,9 @@ def test_out_of_core_run_reports_the_stores_writes(tiny_run_inputs, tmp_path):
     from outcore.recipes.full_finetune import finetune
     from outcore.tui.metrics import MetricsWriter, read_metrics
 
-    sink, metrics = _Collect(), MetricsWriter()
+    sink, metrics = RecordingSink(), MetricsWriter()
 
-    class _Both(_Collect):
+    class _Both(RecordingSink):
         def emit(self, event):
             sink.emit(event)
             metrics.emit(event)
@@ -171,7 +171,7 @@ def test_out_of_core_run_reports_the_stores_writes(tiny_run_inputs, tmp_path):
 def test_zo_run_streaming_from_nvme_counts_its_writes(tiny_run_inputs, tmp_path):
     from outcore.recipes.zo_finetune import finetune as finetune_zo
 
-    sink = _Collect()
+    sink = RecordingSink()
     finetune_zo(_cfg(tiny_run_inputs, tmp_path / "zo", method="zo", optim="mezo", max_steps=3), sink=sink)
     steps = [e for e in sink.events if isinstance(e, StepEvent)]
     assert len(steps) == 3

@@ -10,8 +10,7 @@ import pexpect
 import pytest
 
 from outcore.tui.cli import main
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests._helpers import ROOT
 
 
 def test_generate_json_gives_each_completion(tiny_chat_model, tmp_path, capsys):

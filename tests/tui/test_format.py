@@ -43,6 +43,18 @@ def test_perplexity_saturates():
     assert perplexity(1e6) == math.inf and perplexity(math.nan) == math.inf
 
 
+def test_perplexity_is_exp_until_a_float_overflows():
+    """One perplexity for the views, the recipes' EvalEvents and ``outcore eval``: ``exp(loss)``
+    with no cap inside the float's range (a cap would report a made-up number above it)."""
+    from outcore import events
+
+    assert perplexity is events.perplexity
+    assert perplexity(60.0) == math.exp(60.0)  # not exp(50)
+    assert perplexity(709.0) == math.exp(709.0)  # not inf: the double holds it
+    assert perplexity(710.0) == math.inf  # past the double's range
+    assert perplexity(math.inf) == math.inf
+
+
 def test_sparkline_scales_min_to_max_and_keeps_newest():
     line = sparkline([0, 1, 2, 3, 4, 5, 6, 7])
     assert line == "▁▂▃▄▅▆▇█"

@@ -8,24 +8,17 @@ that name which does what DeepSpeed's import does.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import torch
 
-TESTS = Path(__file__).resolve().parents[1]
+from tests._helpers import ROOT, load_module
 
-
-def _module(path: Path):
-    spec = importlib.util.spec_from_file_location(f"_jsonout_{path.stem}", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+TESTS = ROOT / "tests"
 
 
 def test_everything_but_the_document_goes_to_stderr():
@@ -78,8 +71,8 @@ def test_a_library_printing_when_imported_leaves_the_json_alone(tmp_path):
     (site / "deepspeed-0.0.0.dist-info" / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: deepspeed\nVersion: 0.0.0\n")
 
-    models = _module(TESTS / "models" / "conftest.py")
-    tiny = _module(TESTS / "models" / "test_gguf_tiny.py")
+    models = load_module(TESTS / "models" / "conftest.py")
+    tiny = load_module(TESTS / "models" / "test_gguf_tiny.py")
     gguf = tmp_path / "tiny.gguf"
     with torch.no_grad():
         tiny.write_tiny_gguf(gguf, models.make_family_model("llama", tie=True), models.make_tokenizer())

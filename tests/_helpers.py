@@ -1,0 +1,77 @@
+"""Plain helpers the tests of several folders share (fixtures live in ``tests/conftest.py``).
+
+Import them as ``from tests._helpers import ...`` from any test folder: pytest
+(``--import-mode=importlib``, rootdir = the repository root) registers ``tests`` as a package,
+so the import does not depend on where the importing file sits.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+#: the repository root, which is the package ``outcore`` (scripts/, pyproject.toml, tests/ ...)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_module(path, name: str | None = None):
+    """The Python file at ``path`` executed as a new module named ``name`` (default: the file's
+    stem), not entered in ``sys.modules``: for files outside any package (``scripts/``) or
+    another folder's helpers."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def causal_lm_loss(model, ids):
+    """The causal LM's mean next-token loss on ``ids`` (labels = the inputs), as the engine's
+    ``train_step(loss_fn, ...)`` calls it: ``loss_fn(model, batch)``."""
+    return model(input_ids=ids, labels=ids).loss
+
+
+def reference_step(model, opt, micro, clip):
+    """One in-memory training step, the reference the out-of-core engine must equal bit for bit.
+
+    On the model's device (the batches are moved there, as the engine moves them): each
+    micro-batch's loss divided by their number and backpropagated, the gradients clipped to
+    ``clip`` by their global norm (0: not clipped), one optimizer step. Returns the summed
+    (scaled) losses, detached — what ``train_step`` returns.
+    """
+    import torch
+
+    device, total = next(model.parameters()).device, None
+    for ids in micro:
+        loss = causal_lm_loss(model, ids.to(device)) / len(micro)
+        loss.backward()
+        total = loss.detach() if total is None else total + loss.detach()
+    if clip:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total
+
+
+class RecordingSink:
+    """An event sink that keeps every event (``events``) and notes ``close`` (``closed``); with
+    ``interrupt_at`` it raises Ctrl-C (KeyboardInterrupt) after that step's StepEvent."""
+
+    def __init__(self, interrupt_at: int | None = None):
+        self.events, self.interrupt_at, self.closed = [], interrupt_at, False
+
+    def emit(self, event):
+        self.events.append(event)
+        if self.interrupt_at is not None and type(event).__name__ == "StepEvent" \
+                and event.step == self.interrupt_at:
+            raise KeyboardInterrupt
+
+    def close(self):
+        self.closed = True
+
+
+def exported_weights(folder) -> dict:
+    """Every tensor of the ``*.safetensors`` files in ``folder`` (an exported model: one file
+    in memory, one shard per unit out of core), by name."""
+    from safetensors.torch import load_file
+
+    return {k: t for f in sorted(Path(folder).glob("*.safetensors")) for k, t in load_file(str(f)).items()}
