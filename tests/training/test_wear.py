@@ -14,17 +14,7 @@ from outcore.offload.handle import Tier
 from outcore.offload.traffic import TierTraffic
 from outcore.training.config import load_config
 from outcore.training.wear import WearMeter, life_used_pct
-
-
-class _Collect:
-    def __init__(self):
-        self.events = []
-
-    def emit(self, event):
-        self.events.append(event)
-
-    def close(self):
-        pass
+from tests._helpers import RecordingSink
 
 
 def _cfg(inputs: Path, out: Path, **kw):
