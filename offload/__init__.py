@@ -33,8 +33,8 @@ _EXPORTS = {
     "HardwareProbe": ".probe", "probe_hardware": ".probe", "TieredStore": ".store",
     "SwapDir": ".swapdir", "find_leftover_swap_dirs": ".swapdir",
     "MemoryPlan": ".plan", "UnitPlacement": ".plan", "make_plan": ".plan", "plan_for_config": ".plan",
-    "Budgets": ".plan_budget", "budgets_from_probe": ".plan_budget", "parse_bytes": ".plan_budget",
-    "format_bytes": ".plan_budget", "OutOfCoreEngine": ".engine",
+    "Budgets": ".plan_budget", "budgets_from_probe": ".plan_budget", "parse_bytes": "..bytesize",
+    "format_bytes": "..bytesize", "OutOfCoreEngine": ".engine",
     "offload_model": ".training", "ZOBlockTrainer": ".zo_engine",
 }
 __all__ = sorted(_EXPORTS)

@@ -31,20 +31,20 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from ..activations.policy import ACTIVATION_POLICIES, AUTO, ActivationPolicy
+from ..bytesize import format_bytes
 from ..dtypes import EXACT, torch_dtype
 from ..errors import BudgetError, ConfigError
 from ..optim import ZO_OPTIMIZERS, optimizer_names
 from .handle import Tier
 from .modes import CPU, NONE, NVME, OFFLOAD_MODES
 from .modes import AUTO as AUTO_OFFLOAD
-from .plan_budget import (RUNTIME_OVERHEAD_BYTES, Budgets, budgets_from_probe, format_bytes, parse_bytes)
+from .plan_budget import RUNTIME_OVERHEAD_BYTES, Budgets, budgets_from_probe
 from .plan_choice import Candidate, choose, describe
 from .plan_compute import measure_compute_rates
 from .plan_layout import Layout, StepTime, Workload, account, prefetch_depth, step_time
 from .plan_sizes import ModelSpec, method_traits, model_spec, unit_bytes
 
-__all__ = ["MemoryPlan", "UnitPlacement", "make_plan", "plan_for_config", "parse_bytes", "format_bytes",
-           "Budgets", "budgets_from_probe"]
+__all__ = ["MemoryPlan", "UnitPlacement", "make_plan", "plan_for_config", "Budgets", "budgets_from_probe"]
 
 MAX_MICRO_BATCH = 1 << 16  # search bound for the largest micro-batch that fits
 #: what activation policy ``auto`` tries, in order: keep when it fits, else recompute

@@ -1,23 +1,17 @@
 """Budgets and speeds the memory plan is made for: parsed from flags or taken from the probe.
 
-``parse_bytes("2GiB")`` is the one parser of byte sizes (``--device-mem``,
-``--host-mem``); :class:`Budgets` holds what each tier may use and how fast the
-links between tiers are; :func:`budgets_from_probe` fills it from
-``outcore.offload.probe.HardwareProbe`` with explicit budgets taking precedence.
+:class:`Budgets` holds what each tier may use and how fast the links between tiers are;
+:func:`budgets_from_probe` fills it from ``outcore.offload.probe.HardwareProbe`` with
+explicit budgets (byte sizes read by :func:`outcore.bytesize.parse_bytes`) taking precedence.
 """
 from __future__ import annotations
 
 import functools
-import re
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from ..errors import ConfigError
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+from ..bytesize import parse_bytes
 
 #: Resident size of the Python process itself (interpreter, torch, transformers, the
 #: model's Python objects), outside every tier budget. Peak RSS ~ tiers + this.
@@ -32,49 +26,6 @@ FALLBACK_COPY_GBPS = {"cpu": 5.0, "cuda": 12.0}
 # several kernels per tensor): a small share of the step either way
 FALLBACK_DEVICE_MEM_GBPS = 300.0
 FALLBACK_CHECKSUM_GBPS = 5.0  # xxh3 of the swap extents, one thread
-
-
-def parse_bytes(value: str | int | float, what: str = "size") -> int:
-    """Parse a byte size: ``"2GiB"``, ``"512MB"``, ``"1.5G"``, ``"4096"`` or a number.
-
-    Decimal suffixes (k, M, G, T, with or without ``B``) are powers of 1000; binary
-    ones (KiB, MiB, GiB, TiB) powers of 1024. Case is ignored.
-
-    Args:
-        value: the size.
-        what: the option name for the error message (e.g. ``"--host-mem"``).
-
-    Returns:
-        The size in bytes.
-
-    Raises:
-        ConfigError: the value is not a non-negative size.
-    """
-    if isinstance(value, bool):
-        raise ConfigError(f"{what}={value!r} is not a byte size; write e.g. 2GiB, 512MB or 1.5G")
-    if isinstance(value, (int, float)):
-        number, unit = float(value), ""
-    else:
-        m = _BYTES_RE.match(str(value))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ConfigError(f"{what}={value!r} is not a byte size; write e.g. 2GiB, 512MB or 1.5G")
-        number, unit = float(m.group(1)), m.group(2).lower()
-    size = number * _UNITS[unit]  # a huge number times its unit may overflow to inf
-    if not number >= 0 or size == float("inf"):
-        raise ConfigError(f"{what}={value!r} must be a non-negative byte size, e.g. 2GiB")
-    return int(size)
-
-
-def format_bytes(n: int | float | None) -> str:
-    """``1536 << 20`` -> ``"1.50 GiB"`` (binary units; ``"-"`` for None)."""
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"  # pragma: no cover
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
 from ..activations.policy import OFFLOAD
-from .plan_budget import format_bytes
+from ..bytesize import format_bytes
 from .plan_layout import Layout, StepTime, Workload, account, activation_bytes
 
 #: a candidate this much slower than the fastest still competes on the bytes it writes

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ..bytesize import format_bytes
 from .modes import NONE
-from .plan_budget import RUNTIME_OVERHEAD_BYTES, format_bytes
+from .plan_budget import RUNTIME_OVERHEAD_BYTES
 from .plan_choice import NEAR_FASTEST
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -348,7 +348,7 @@ class StreamedModel:
 
         from ..models import plain_name
         from ..offload.inference import StreamedInference
-        from ..offload.plan import parse_bytes
+        from ..bytesize import parse_bytes
 
         model.config.use_cache = False  # no generation: a KV cache only costs memory
         device = resolve_device(cfg.device)

@@ -78,7 +78,7 @@ def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: An
     from ..models import plain_name
     from ..offload.handle import Tier
     from ..offload.modes import CPU, NVME
-    from ..offload.plan import parse_bytes
+    from ..bytesize import parse_bytes
     from ..offload.training import offload_model
 
     home = {Tier.DEVICE: Tier.HOST, Tier.HOST: Tier.HOST, Tier.NVME: Tier.NVME}

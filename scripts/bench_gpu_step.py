@@ -106,7 +106,8 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
     from outcore.kernels import CausalLMHeadLoss
     from outcore.models._lazy import materialize_buffers
     from outcore.offload.device import resolve_device
-    from outcore.offload.plan import parse_bytes, plan_for_config
+    from outcore.bytesize import parse_bytes
+    from outcore.offload.plan import plan_for_config
     from outcore.offload.plan_budget import budgets_from_probe
     from outcore.offload.probe import probe_hardware
     from outcore.recipes.config import load_config

@@ -8,10 +8,11 @@ import math
 import pytest
 import torch
 
+from outcore.bytesize import format_bytes, parse_bytes
 from outcore.errors import BudgetError, ConfigError
 from outcore.offload.handle import Tier
-from outcore.offload.plan import Budgets, make_plan, parse_bytes, plan_for_config
-from outcore.offload.plan_budget import budgets_from_probe, format_bytes
+from outcore.offload.plan import Budgets, make_plan, plan_for_config
+from outcore.offload.plan_budget import budgets_from_probe
 from outcore.offload.plan_sizes import model_spec
 from outcore.optim import OutcoreOptimizer
 
