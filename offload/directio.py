@@ -1,10 +1,10 @@
-"""Direct file I/O: aligned host buffers, ``O_DIRECT`` files, a bounded I/O thread pool.
+"""Direct file I/O: ``O_DIRECT`` files, a bounded I/O thread pool.
 
 The lowest layer of the NVMe tier (docs/architecture.md §2). Everything above it
 (extents, checksums, the swap directory) lives in ``nvme.py`` / ``swapdir.py``.
 
-- ``aligned_empty(n)`` returns a uint8 tensor backed by an anonymous ``mmap``:
-  page (4 KiB) aligned, as ``O_DIRECT`` requires of the user buffer.
+- Its buffers are ``outcore.offload.device.aligned_empty``'s: page (4 KiB) aligned,
+  as ``O_DIRECT`` requires of the user buffer.
 - ``open_direct(path)`` opens with ``O_DIRECT`` and falls back to buffered I/O
   on file systems that refuse it (tmpfs, some overlay/FUSE mounts); the caller
   learns which one it got and reports it.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import functools
-import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,37 +25,10 @@ from typing import Callable
 
 import torch
 
-ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffer addresses (4 KiB covers every NVMe LBA size in use)
+from .device import ALIGN, align_up, aligned_empty
+
 DEFAULT_CHUNK_BYTES = 8 << 20  # one syscall moves at most this much (8 MiB x 8 in flight measured best here)
 DEFAULT_QUEUE_DEPTH = 8  # syscalls in flight at once (= I/O threads)
-
-
-def align_up(n: int, align: int = ALIGN) -> int:
-    """Round ``n`` up to a multiple of ``align``."""
-    return (n + align - 1) // align * align
-
-
-def aligned_empty(nbytes: int, populate: bool = True) -> torch.Tensor:
-    """A page-aligned uint8 host buffer (not pinned) of ``align_up(nbytes)`` bytes.
-
-    Args:
-        nbytes: requested size; rounded up to a multiple of 4 KiB.
-        populate: touch every page now, so the memory is physically resident
-            (the budget it stands for is real, and the first I/O does not
-            page-fault).
-
-    Returns:
-        A 1-D ``torch.uint8`` tensor ``[align_up(nbytes)]`` whose storage is an
-        anonymous ``mmap`` (freed when the last view is gone).
-    """
-    if nbytes <= 0:
-        raise ValueError(f"aligned_empty: nbytes={nbytes} must be > 0")
-    size = align_up(nbytes)
-    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    t = torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive through the buffer protocol
-    if populate:
-        t.zero_()
-    return t
 
 
 def discard_pages(buf: torch.Tensor) -> int:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import psutil
 
-from .directio import IOPool, aligned_empty, open_direct, supports_o_direct
+from .device import aligned_empty
+from .directio import IOPool, open_direct, supports_o_direct
 from .swapdir import find_leftover_swap_dirs
 
 LOW_FREE_BYTES = 20 << 30  # warn below this much free space in the swap dir

@@ -15,8 +15,8 @@ import torch
 
 from ..errors import BudgetError
 from .arena import Arena
-from .device import Device
-from .directio import IOPool, align_up, aligned_empty
+from .device import Device, align_up, aligned_empty
+from .directio import IOPool
 from .handle import Tier
 from .nvme import NvmeBackend
 from .swapdir import SwapDir

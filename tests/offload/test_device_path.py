@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from outcore.offload.device import Device, is_accelerator
-from outcore.offload.directio import align_up
+from outcore.offload.device import align_up
 from outcore.offload.handle import Tier
 from outcore.offload.store import TieredStore
 from outcore.offload.training import offload_model

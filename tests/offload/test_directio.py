@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from outcore.offload.arena import Arena, FreeList
-from outcore.offload.device import Device, list_devices, measure_copy_gbps
-from outcore.offload.directio import ALIGN, IOPool, aligned_empty, is_aligned, open_direct, supports_o_direct
+from outcore.offload.device import ALIGN, Device, aligned_empty, list_devices, measure_copy_gbps
+from outcore.offload.directio import IOPool, is_aligned, open_direct, supports_o_direct
 from outcore.offload.nvme import checksum
 
 

@@ -17,7 +17,7 @@ import torch
 
 from outcore.errors import EXIT_DISK_FULL, DiskFullError, IntegrityError, SwapDirError
 from outcore.offload import directio, nvme as nvme_mod, swapdir as swapdir_mod
-from outcore.offload.directio import aligned_empty
+from outcore.offload.device import aligned_empty
 from outcore.offload.handle import Residency, Tier
 from outcore.offload.nvme import DATA_FILE, NvmeBackend
 from outcore.offload.store import TieredStore
@@ -192,7 +192,7 @@ def test_buffered_fallback_without_o_direct(tmp_path, monkeypatch):
 
 _CHILD = textwrap.dedent("""
     import sys, torch
-    from outcore.offload.directio import aligned_empty
+    from outcore.offload.device import aligned_empty
     from outcore.offload.nvme import NvmeBackend
     from outcore.offload.swapdir import SwapDir
     sd = SwapDir(sys.argv[1], keep=True)
