@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from .collectives import flat_collectives
 from .ranks import Ranks
 from .tied_embedding import dense_range
 from .unit_sizes import PIECE_ALIGN
@@ -138,24 +139,10 @@ def shard_units(units: list[Unit], optimizer: Any, ranks: Ranks | None, resident
     return ranks.world
 
 
-def _flat_collectives() -> tuple[Any, Any]:
-    """``(reduce_scatter, all_gather)`` of ``torch.distributed`` over one flat tensor per rank.
-
-    The same two collectives go by two names: torch 2.11 has only ``reduce_scatter_tensor`` /
-    ``all_gather_into_tensor``; torch 2.13 adds ``reduce_scatter_single`` / ``all_gather_single``
-    and deprecates the old names with a FutureWarning (a line on every rank's stderr). So the
-    newer name where it exists (a lookup of the function itself, not of a version number).
-    """
-    import torch.distributed as dist
-
-    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor,
-            getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)
-
-
 def reduce_grads(unit: Unit, grads: dict[int, torch.Tensor]) -> torch.Tensor:
     """Sum ``unit``'s gradients (slot -> gradient) over the ranks; return this rank's range of
     the sum, [length] (zero where the shard space pads). One ``reduce_scatter`` per chunk."""
-    reduce_scatter, _ = _flat_collectives()
+    reduce_scatter, _ = flat_collectives()
     shard = unit.shard
     first = next(iter(grads.values()))
     dtype, device = first.dtype, first.device  # (NCCL reduces on the GPU, gloo on the CPU)
@@ -174,7 +161,7 @@ def reduce_grads(unit: Unit, grads: dict[int, torch.Tensor]) -> torch.Tensor:
 def gather_weights(unit: Unit) -> None:
     """Gather every rank's updated range into ``unit.bound``, the whole weights, on every rank
     (one ``all_gather`` per chunk)."""
-    _, all_gather = _flat_collectives()
+    _, all_gather = flat_collectives()
     shard, flat = unit.shard, unit.bound
 
     def weights(k: int) -> torch.Tensor:
@@ -190,13 +177,3 @@ def gather_weights(unit: Unit) -> None:
         for r in range(shard.world):
             for k, lo, hi, at in shard.overlaps(r * shard.length + j0, r * shard.length + j1):
                 weights(k)[lo:hi].copy_(every[r * c + at:r * c + at + hi - lo])
-
-
-def global_norm(local: torch.Tensor) -> torch.Tensor:
-    """The 2-norm of every rank's gradients from this rank's (``local``, fp32): the square root
-    of the squares summed over the ranks."""
-    import torch.distributed as dist
-
-    squared = (local.float() * local.float()).reshape(1)
-    dist.all_reduce(squared)
-    return squared.sqrt().reshape(())

@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from ..optim._base import PIECE_OFFSETS
+from .collectives import global_norm
 from .scratch import WidenedGrads
-from .sharding import gather_weights, global_norm, reduce_grads
+from .sharding import gather_weights, reduce_grads
 from .tied_embedding import dense_range
 from .unit_memory import StoreUnitMemory
 from .units import GRADS, WEIGHTS, Part, Unit
