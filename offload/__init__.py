@@ -28,10 +28,10 @@ from .._exports import lazy_exports
 
 # Lazy exports (PEP 562): ``import outcore.offload`` stays free of torch until a name is used.
 _EXPORTS = {
-    "Device": ".device", "IOPool": ".directio", "Residency": ".handle", "TensorHandle": ".handle",
-    "Tier": ".handle", "Extent": ".nvme", "NvmeBackend": ".nvme",
-    "HardwareProbe": ".probe", "probe_hardware": ".probe", "TieredStore": ".store",
-    "SwapDir": ".swapdir", "find_leftover_swap_dirs": ".swapdir",
+    "Device": ".device", "IOPool": ".store", "Residency": ".store", "TensorHandle": ".store",
+    "Tier": ".store", "Extent": ".store", "NvmeBackend": ".store",
+    "HardwareProbe": ".store", "probe_hardware": ".store", "TieredStore": ".store",
+    "SwapDir": ".store", "find_leftover_swap_dirs": ".store",
     "MemoryPlan": ".plan", "UnitPlacement": ".plan", "make_plan": ".plan", "plan_for_config": ".plan",
     "Budgets": ".plan_budget", "budgets_from_probe": ".plan_budget", "parse_bytes": "..bytesize",
     "format_bytes": "..bytesize", "OutOfCoreEngine": ".engine",

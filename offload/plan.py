@@ -35,7 +35,7 @@ from ..bytesize import format_bytes
 from ..dtypes import EXACT, torch_dtype
 from ..errors import BudgetError, ConfigError
 from ..optim import ZO_OPTIMIZERS, optimizer_names
-from .handle import Tier
+from .store.handle import Tier
 from .modes import CPU, NONE, NVME, OFFLOAD_MODES
 from .modes import AUTO as AUTO_OFFLOAD
 from .plan_budget import RUNTIME_OVERHEAD_BYTES, Budgets, budgets_from_probe
@@ -291,7 +291,7 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
     _check_inputs(method, optim, dtype, seq_len, batch_size, activations, offload, grad_accum)
     if budgets is None:
         if probe is None:
-            raise ConfigError("make_plan needs budgets= or probe= (outcore.offload.probe.probe_hardware())")
+            raise ConfigError("make_plan needs budgets= or probe= (outcore.offload.store.probe.probe_hardware())")
         budgets = budgets_from_probe(probe)
     spec: ModelSpec = model_spec(model)
     ub = tuple(unit_bytes(spec, method=method, optim=optim, dtype=dtype, precision=precision,
@@ -395,7 +395,7 @@ def plan_for_config(cfg: Any, model_or_hf_config: Any, probe: Any = None,
     """
     if budgets is None:
         if probe is None:
-            raise ConfigError("plan_for_config needs a probe (outcore.offload.probe.probe_hardware()) or budgets")
+            raise ConfigError("plan_for_config needs a probe (outcore.offload.store.probe.probe_hardware()) or budgets")
         budgets = budgets_from_probe(probe, device_mem=cfg.device_mem, host_mem=cfg.host_mem)
     return make_plan(model_or_hf_config, method=cfg.method, optim=cfg.optim, dtype=cfg.dtype, precision=cfg.precision,
                      seq_len=cfg.seq_len, batch_size=cfg.batch_size, activations=cfg.activations,

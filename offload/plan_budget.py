@@ -1,7 +1,7 @@
 """Budgets and speeds the memory plan is made for: parsed from flags or taken from the probe.
 
 :class:`Budgets` holds what each tier may use and how fast the links between tiers are;
-:func:`budgets_from_probe` fills it from ``outcore.offload.probe.HardwareProbe`` with
+:func:`budgets_from_probe` fills it from ``outcore.offload.store.probe.HardwareProbe`` with
 explicit budgets (byte sizes read by :func:`outcore.bytesize.parse_bytes`) taking precedence.
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ def budgets_from_probe(probe: Any, device_mem: str | int | None = None, host_mem
     and HOST each default to that whole RAM share (their sum is checked against it).
 
     Args:
-        probe: ``outcore.offload.probe.HardwareProbe`` (its measured speeds are used
+        probe: ``outcore.offload.store.probe.HardwareProbe`` (its measured speeds are used
             when present, fallbacks otherwise).
         device_mem, host_mem, nvme_mem: explicit budgets (``"2GiB"`` or bytes); None = default.
         flops: the compute estimate in FLOP/s (None: measured on first use).

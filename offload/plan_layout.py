@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from ..activations.policy import OFFLOAD, ActivationPolicy, compressed_ratio
 from ..dtypes import DTYPE_BYTES
-from .handle import Tier
+from .store.handle import Tier
 from .modes import CPU, NONE, NVME
 from .plan_budget import Budgets
 from .plan_compute import ComputeRates
@@ -24,7 +24,7 @@ from .unit_sizes import step_window, window_bytes
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
 KEEP, RECOMPUTE = ActivationPolicy.KEEP.value, ActivationPolicy.RECOMPUTE.value
-ALIGN = 4096  # the store aligns every arena block and NVMe extent to 4 KiB (offload/directio.py)
+ALIGN = 4096  # the store aligns every arena block and NVMe extent to 4 KiB (offload/store/directio.py)
 PARAM_ALIGN = 64  # each parameter's offset in a unit's flat buffer is 64-byte aligned (offload/units.py)
 
 

@@ -19,11 +19,11 @@ import torch
 from ..errors import ConfigError
 from .device import Device
 from .engine import OutOfCoreEngine
-from .handle import Tier
+from .store.handle import Tier
 from .modes import NVME, STREAMED_MODES
 from .ranks import Ranks
 from .sharding import shard_units
-from .store import TieredStore
+from .store.store import TieredStore
 from .unit_memory import StoreUnitMemory
 from .unit_sizes import working_set
 from .units import causal_lm_units

@@ -28,8 +28,8 @@ import torch
 
 from .._faults import fault_point
 from ..errors import BudgetError
-from .handle import Tier
-from .store import TieredStore
+from .store.handle import Tier
+from .store.store import TieredStore
 from .unit_layout import InitWeights, store_unit
 from .unit_sizes import _unit_dtype
 from .units import GRADS, WEIGHTS, Part, Unit

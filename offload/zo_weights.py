@@ -2,7 +2,7 @@
 
 * :class:`HostWeights` — in memory: a parameter's clean weights are its own tensor.
 * :class:`StoreWeights` — streamed from NVMe through the same
-  :class:`~outcore.offload.store.TieredStore` and
+  :class:`~outcore.offload.store.store.TieredStore` and
   :class:`~outcore.offload.unit_memory.StoreUnitMemory` first-order training
   uses: one checksummed handle per unit, budgeted, counted in
   ``store.tier_stats()``. The model's parameters are emptied; the process holds
@@ -23,8 +23,8 @@ from typing import Callable
 
 import torch
 
-from .handle import Tier
-from .store import TieredStore
+from .store.handle import Tier
+from .store.store import TieredStore
 from .unit_memory import WEIGHTS, StoreUnitMemory
 from .device import Device
 from .unit_sizes import weights_arena_bytes, window_bytes

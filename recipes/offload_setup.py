@@ -46,7 +46,7 @@ def check_offload_supported(cfg: FinetuneConfig) -> None:
 def make_plan(cfg: FinetuneConfig, model: torch.nn.Module):
     """The MemoryPlan of this run (budgets from --device-mem / --host-mem and this machine)."""
     from ..offload.plan import plan_for_config
-    from ..offload.probe import probe_hardware
+    from ..offload.store.probe import probe_hardware
 
     probe = probe_hardware(swap_dir_of(cfg, Path(cfg.output)).parent, measure=False)
     return plan_for_config(cfg, model, probe=probe, world=dist.from_env().world)
@@ -76,7 +76,7 @@ def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: An
     (``offload/sharding.py``); LoRA's resident adapters are not (``distributed.data_parallel``).
     """
     from ..models import plain_name
-    from ..offload.handle import Tier
+    from ..offload.store.handle import Tier
     from ..offload.modes import CPU, NVME
     from ..bytesize import parse_bytes
     from ..offload.training import offload_model

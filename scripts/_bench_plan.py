@@ -15,7 +15,7 @@ def measured_budgets(swap_dir: str):
     """The budgets ``outcore plan`` would use here: probed, with the disk and copies measured
     (the matmul rate is measured by the plan, in its compute dtype)."""
     from outcore.offload.plan import budgets_from_probe
-    from outcore.offload.probe import probe_hardware
+    from outcore.offload.store.probe import probe_hardware
 
     return budgets_from_probe(probe_hardware(swap_dir, measure=True, seconds=2.0))
 

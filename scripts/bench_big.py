@@ -124,7 +124,7 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
     from outcore.recipes._common import with_lora
     from outcore.offload.plan import plan_for_config
     from outcore.offload.plan_budget import budgets_from_probe
-    from outcore.offload.probe import probe_hardware
+    from outcore.offload.store.probe import probe_hardware
     from outcore.recipes.offload_setup import build_optimizer, offload_from_plan
 
     cfg = _config(args, swap)

@@ -109,7 +109,7 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
     from outcore.bytesize import parse_bytes
     from outcore.offload.plan import plan_for_config
     from outcore.offload.plan_budget import budgets_from_probe
-    from outcore.offload.probe import probe_hardware
+    from outcore.offload.store.probe import probe_hardware
     from outcore.recipes.config import load_config
     from outcore.recipes.offload_setup import build_optimizer, offload_from_plan
 
@@ -166,7 +166,7 @@ def _train(run: dict, args: argparse.Namespace) -> dict:
     import torch
 
     from outcore.offload.device import synchronize_device
-    from outcore.offload.handle import Tier
+    from outcore.offload.store.handle import Tier
 
     model, head, engine, device = run["model"], run["head"], run["engine"], run["device"]
     traffic = engine.store.traffic

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             (BudgetError naming the tier, its budget and the need).
     """
     from ..offload.plan import plan_for_config
-    from ..offload.probe import probe_hardware
+    from ..offload.store.probe import probe_hardware
     from ..offload.ranks import from_env
     from ..recipes.distributed import plan_note
 

@@ -19,7 +19,7 @@ _CHILD = textwrap.dedent('''
     import psutil, torch
     from transformers import LlamaConfig, LlamaForCausalLM
     from outcore.models._lazy import materialize_buffers
-    from outcore.offload.handle import Tier
+    from outcore.offload.store.handle import Tier
     from outcore.offload.training import offload_model
     from outcore.optim import AdamW
 

@@ -15,8 +15,8 @@ import torch
 
 from outcore.offload.device import Device, is_accelerator
 from outcore.offload.device import align_up
-from outcore.offload.handle import Tier
-from outcore.offload.store import TieredStore
+from outcore.offload.store.handle import Tier
+from outcore.offload.store.store import TieredStore
 from outcore.offload.training import offload_model
 from outcore.offload.units import WEIGHTS
 from outcore.optim import AdamW

@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from outcore.offload.handle import Tier
+from outcore.offload.store.handle import Tier
 from outcore.offload.training import offload_model
 from outcore.offload.units import Part
 from outcore.recipes.export import export_offloaded, unit_weights

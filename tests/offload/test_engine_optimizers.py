@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from outcore.offload.handle import Tier
+from outcore.offload.store.handle import Tier
 from outcore.offload.training import offload_model
 from outcore.optim import build_optimizer
 from outcore.recipes.export import unit_weights

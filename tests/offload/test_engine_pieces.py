@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from outcore.offload.device import is_accelerator, supports_sparse
-from outcore.offload.handle import Tier
+from outcore.offload.store.handle import Tier
 from outcore.offload.training import offload_model
 from outcore.offload import unit_sizes
 from outcore.offload.unit_sizes import PIECE_ALIGN, state_pieces, step_window, weights_arena_bytes, window_bytes

@@ -10,7 +10,7 @@ import torch
 
 from outcore.bytesize import format_bytes, parse_bytes
 from outcore.errors import BudgetError, ConfigError
-from outcore.offload.handle import Tier
+from outcore.offload.store.handle import Tier
 from outcore.offload.plan import Budgets, make_plan, plan_for_config
 from outcore.offload.plan_budget import budgets_from_probe
 from outcore.offload.plan_sizes import model_spec
@@ -356,7 +356,7 @@ def test_slow_disk_exposes_io(tiny):
 
 
 def test_plan_for_config_uses_config_and_probe_budgets(tiny):
-    from outcore.offload.probe import HardwareProbe
+    from outcore.offload.store.probe import HardwareProbe
     from outcore.recipes.config import FinetuneConfig
 
     probe = HardwareProbe(cpu_threads=2, ram_total_bytes=32 * GiB, ram_available_bytes=30 * GiB, devices=[],

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from outcore.offload.handle import Tier
+from outcore.offload.store.handle import Tier
 from outcore.offload.plan import Budgets
 from outcore.offload.plan_layout import Layout, Workload, step_time
 from outcore.offload.plan_sizes import method_traits, model_spec, unit_bytes

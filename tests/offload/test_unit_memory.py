@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from outcore.offload._futures import then
-from outcore.offload.handle import Residency, Tier
-from outcore.offload.store import TieredStore
+from outcore.offload.store._futures import then
+from outcore.offload.store.handle import Residency, Tier
+from outcore.offload.store.store import TieredStore
 from outcore.offload.unit_memory import StoreUnitMemory
 from outcore.offload.units import WEIGHTS, ParamSlot, Part, Unit
 

@@ -7,9 +7,9 @@ import sys
 
 import psutil
 
-from outcore.offload import probe as probe_mod
-from outcore.offload.probe import HardwareProbe, fs_type, probe_hardware
-from outcore.offload.swapdir import LOCK_NAME, SwapDir
+from outcore.offload.store import probe as probe_mod
+from outcore.offload.store.probe import HardwareProbe, fs_type, probe_hardware
+from outcore.offload.store.swapdir import LOCK_NAME, SwapDir
 
 
 def test_probe_without_measuring(tmp_path):
@@ -39,7 +39,7 @@ def test_probe_measures_with_the_engine(tmp_path):
 def test_probe_lists_leftover_swap_dirs_but_not_live_ones(tmp_path):
     dead = tmp_path / "run-dead"
     # A real process takes the swap dir and dies without cleaning up.
-    code = (f"import os; from outcore.offload.swapdir import SwapDir; "
+    code = (f"import os; from outcore.offload.store.swapdir import SwapDir; "
             f"SwapDir({str(dead)!r}); os._exit(0)")
     subprocess.run([sys.executable, "-c", code], check=True)
     assert (dead / LOCK_NAME).exists()

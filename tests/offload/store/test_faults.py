@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from outcore.errors import EXIT_DISK_FULL, DiskFullError, IntegrityError, SwapDirError
-from outcore.offload import directio, nvme as nvme_mod, swapdir as swapdir_mod
+from outcore.offload.store import directio, nvme as nvme_mod, swapdir as swapdir_mod
 from outcore.offload.device import aligned_empty
-from outcore.offload.handle import Residency, Tier
-from outcore.offload.nvme import DATA_FILE, NvmeBackend
-from outcore.offload.store import TieredStore
-from outcore.offload.swapdir import LOCK_NAME, SwapDir, find_leftover_swap_dirs
+from outcore.offload.store.handle import Residency, Tier
+from outcore.offload.store.nvme import DATA_FILE, NvmeBackend
+from outcore.offload.store.store import TieredStore
+from outcore.offload.store.swapdir import LOCK_NAME, SwapDir, find_leftover_swap_dirs
 
 MiB = 1 << 20
 
@@ -57,7 +57,7 @@ def _as_nobody(target) -> subprocess.CompletedProcess:
     code = textwrap.dedent(f"""
         import os, sys
         from outcore.errors import SwapDirError
-        from outcore.offload.swapdir import SwapDir
+        from outcore.offload.store.swapdir import SwapDir
         os.setgid(65534); os.setuid(65534)  # drop root after imports: root may write anywhere
         try:
             SwapDir({str(target)!r})
@@ -101,7 +101,7 @@ def test_second_process_on_same_swap_dir_is_refused(tmp_path):
     p = tmp_path / "swap"
     code = textwrap.dedent(f"""
         import sys, time
-        from outcore.offload.swapdir import SwapDir
+        from outcore.offload.store.swapdir import SwapDir
         sd = SwapDir({str(p)!r}); print("locked", flush=True); time.sleep(60)
     """)
     other = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -193,8 +193,8 @@ def test_buffered_fallback_without_o_direct(tmp_path, monkeypatch):
 _CHILD = textwrap.dedent("""
     import sys, torch
     from outcore.offload.device import aligned_empty
-    from outcore.offload.nvme import NvmeBackend
-    from outcore.offload.swapdir import SwapDir
+    from outcore.offload.store.nvme import NvmeBackend
+    from outcore.offload.store.swapdir import SwapDir
     sd = SwapDir(sys.argv[1], keep=True)
     nv = NvmeBackend(sd, capacity=64 << 20)
     ext = nv.alloc("w", 32 << 20)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from .device import aligned_empty
+from ..device import aligned_empty
 from .directio import IOPool, open_direct, supports_o_direct
 from .swapdir import find_leftover_swap_dirs
 
@@ -209,7 +209,7 @@ def probe_hardware(swap_dir: str | Path | None = None, measure: bool = True,
     Returns:
         A :class:`HardwareProbe`.
     """
-    from . import device as dev
+    from .. import device as dev
 
     target = Path(swap_dir or os.environ.get("OUTCORE_SWAP_DIR") or os.getcwd()).expanduser().absolute()
     where = _existing_ancestor(target)

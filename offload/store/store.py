@@ -36,9 +36,9 @@ from typing import Any
 
 import torch
 
-from ..events import TierStats
+from ...events import TierStats
 from ._futures import completed, then
-from .device import Device
+from ..device import Device
 from .directio import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH
 from .handle import Residency, TensorHandle, Tier
 from .nvme import NvmeBackend

@@ -1,4 +1,4 @@
-"""Traffic accounting of a :class:`~outcore.offload.store.TieredStore`: bytes per tier link.
+"""Traffic accounting of a :class:`~outcore.offload.store.store.TieredStore`: bytes per tier link.
 
 Every completed transfer adds its (4 KiB-padded) size to the source tier's
 ``read`` and the destination tier's ``written`` counters. :meth:`TierTraffic.stats`
@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..events import TierStats
+from ...events import TierStats
 from .handle import Tier
 
 

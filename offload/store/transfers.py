@@ -15,7 +15,7 @@ from concurrent.futures import Future
 import torch
 
 from ._futures import completed
-from .device import Device, align_up
+from ..device import Device, align_up
 from .handle import Residency, TensorHandle, Tier
 from .tiers import TierSpace
 from .traffic import TierTraffic

@@ -1,7 +1,7 @@
 """Arena: free pages can be handed back to the OS without touching allocated blocks."""
 from __future__ import annotations
 
-from outcore.offload.arena import Arena
+from outcore.offload.store.arena import Arena
 
 
 def test_discard_free_returns_free_pages_and_keeps_blocks():

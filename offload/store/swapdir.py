@@ -24,8 +24,8 @@ import shutil
 import stat
 from pathlib import Path
 
-from ..bytesize import format_bytes
-from ..errors import DiskFullError, SwapDirError
+from ...bytesize import format_bytes
+from ...errors import DiskFullError, SwapDirError
 
 LOCK_NAME = ".outcore-swap.lock"  # marks a directory as an outcore swap dir
 

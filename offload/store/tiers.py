@@ -1,6 +1,6 @@
 """The bytes of every tier behind one budgeted allocator (docs/architecture.md §2).
 
-:class:`TierSpace` owns the physical memory of a :class:`~outcore.offload.store.TieredStore`:
+:class:`TierSpace` owns the physical memory of a :class:`~outcore.offload.store.store.TieredStore`:
 the DEVICE and HOST :class:`Arena` s and the NVMe :class:`NvmeBackend` (its swap
 file in a locked :class:`SwapDir`). It hands out *slots* — an arena ``Block`` or an
 NVMe ``Extent`` — and never more than a tier's budget: a request that does not fit
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from ..errors import BudgetError
+from ...errors import BudgetError
 from .arena import Arena
-from .device import Device, align_up, aligned_empty
+from ..device import Device, align_up, aligned_empty
 from .directio import IOPool
 from .handle import Tier
 from .nvme import NvmeBackend
