@@ -21,7 +21,7 @@ from .device import Device
 from .engine import OutOfCoreEngine
 from .store.handle import Tier
 from .modes import NVME, STREAMED_MODES
-from .ranks import Ranks
+from .distributed.ranks import Ranks
 from .sharding import shard_units
 from .store.store import TieredStore
 from .unit_memory import StoreUnitMemory

@@ -16,7 +16,7 @@ Two ways to split the work (:class:`~outcore.offload.zo_engine.ZOBlockTrainer`'s
   are averaged across ranks (data parallel ZO).
 
 Launch with ``torchrun --nproc-per-node N your_script.py`` (gloo on CPU, nccl on
-GPU), join the group with :func:`outcore.offload.ranks.join` and build the trainer
+GPU), join the group with :func:`outcore.offload.distributed.ranks.join` and build the trainer
 with :func:`distributed_trainer`.
 """
 from __future__ import annotations
@@ -90,7 +90,7 @@ def distributed_trainer(model: torch.nn.Module, hyper: Any, seed: int = 0, split
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        raise ConfigError("torch.distributed is not initialized; call outcore.offload.ranks.join() under torchrun first")
+        raise ConfigError("torch.distributed is not initialized; call outcore.offload.distributed.ranks.join() under torchrun first")
     rank, world = dist.get_rank(), dist.get_world_size()
     return ZOBlockTrainer(model, hyper, seed=seed, rank=rank, world=world,
                           exchange=make_exchange(split), split=split, **kwargs)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, OutcoreError
-from ..offload.ranks import Ranks
+from ..offload.distributed.ranks import Ranks
 from . import checkpoint as ckpt
 from .distributed import broadcast_from_main
 

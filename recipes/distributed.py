@@ -41,7 +41,7 @@ import torch
 from .._faults import fault_point
 from ..errors import CheckpointError, OutcoreError, RankLostError
 from ..offload.device import distributed_backend
-from ..offload.ranks import Ranks, from_env, join, leave
+from ..offload.distributed.ranks import Ranks, from_env, join, leave
 
 SINGLE = Ranks()  # one process: what every recipe is when not launched distributed
 
@@ -53,7 +53,7 @@ def join_run(cfg: Any) -> tuple[Ranks, bool]:
         cfg: the run's ``FinetuneConfig`` (``dist_timeout_s``).
 
     Returns:
-        ``(ranks, joined)``: this process's :class:`~outcore.offload.ranks.Ranks`, and whether
+        ``(ranks, joined)``: this process's :class:`~outcore.offload.distributed.ranks.Ranks`, and whether
         this call joined the group (then the run leaves it at its end: :func:`leaving_group`).
 
     Raises:

@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 
 from ..events import TierStats
-from ..offload.ranks import Ranks
+from ..offload.distributed.ranks import Ranks
 from ..offload.update import step_in_memory
 from .distributed import SINGLE, accumulate
 

@@ -9,7 +9,7 @@ import torch
 
 from ..dtypes import EXACT
 from ..errors import ConfigError
-from ..offload.ranks import Ranks
+from ..offload.distributed.ranks import Ranks
 from . import distributed as dist
 from .config import FinetuneConfig
 

@@ -50,7 +50,7 @@ def _rank(args: argparse.Namespace) -> dict:
 
     from outcore.models import plain_name
     from outcore.models._lazy import materialize_buffers
-    from outcore.offload import ranks as ranks_mod
+    from outcore.offload.distributed import ranks as ranks_mod
     from outcore.offload.store.handle import Tier
     from outcore.offload.training import offload_model
     from outcore.offload.units import WEIGHTS

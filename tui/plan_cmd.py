@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     """
     from ..offload.plan import plan_for_config
     from ..offload.store.probe import probe_hardware
-    from ..offload.ranks import from_env
+    from ..offload.distributed.ranks import from_env
     from ..recipes.distributed import plan_note
 
     if args.ranks < 0:

@@ -75,7 +75,7 @@ COMMON = textwrap.dedent('''
 WORKER = COMMON + textwrap.dedent('''
     import datetime, sys
     import torch.distributed as dist
-    from outcore.offload.ranks import Ranks
+    from outcore.offload.distributed.ranks import Ranks
     from outcore.offload.training import offload_model
     from outcore.offload.units import WEIGHTS
     from outcore.optim import build_optimizer
@@ -173,7 +173,7 @@ def test_two_ranks_equal_one_rank_accumulating(ranks_out, tmp_path, name, clip, 
 
 
 def test_shard_ranges_cut_pieces_and_cover_every_element(tiny_llama_factory):
-    from outcore.offload.ranks import Ranks
+    from outcore.offload.distributed.ranks import Ranks
     from outcore.offload.sharding import Shard
     from outcore.offload.unit_sizes import PIECE_ALIGN
     from outcore.offload.units import causal_lm_units
@@ -192,7 +192,7 @@ def test_shard_ranges_cut_pieces_and_cover_every_element(tiny_llama_factory):
 
 def test_an_optimizer_that_mixes_elements_is_refused(tiny_llama_factory, tmp_path):
     from outcore.errors import ConfigError
-    from outcore.offload.ranks import Ranks
+    from outcore.offload.distributed.ranks import Ranks
 
     m = tiny_llama_factory(layers=1)
     opt = build_optimizer("galore", list(m.parameters()), lr=LR, rank=4)
@@ -214,7 +214,7 @@ def test_the_plan_sizes_one_ranks_share_of_the_state(tiny_llama_factory):
 CKPT_WORKER = COMMON + textwrap.dedent('''
     import datetime, sys
     import torch.distributed as dist
-    from outcore.offload.ranks import Ranks
+    from outcore.offload.distributed.ranks import Ranks
     from outcore.offload.sharded_checkpoint import load_sharded, save_sharded
     from outcore.offload.training import offload_model
     from outcore.optim import build_optimizer

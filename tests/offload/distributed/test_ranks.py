@@ -1,8 +1,8 @@
-"""offload/ranks.py: the ranks the launcher describes in the environment."""
+"""offload/distributed/ranks.py: the ranks the launcher describes in the environment."""
 import pytest
 
 from outcore.errors import ConfigError
-from outcore.offload.ranks import Ranks, elastic_attempt, from_env, join
+from outcore.offload.distributed.ranks import Ranks, elastic_attempt, from_env, join
 
 
 def test_no_launcher_is_one_rank(monkeypatch):
