@@ -20,12 +20,12 @@ from .plan_budget import Budgets
 from .plan_compute import ComputeRates
 from .plan_sizes import (MethodTraits, ModelSpec, UnitBytes, block_activation_bytes, checkpoint_bytes,
                          forward_flops_per_token, head_activation_bytes)
-from .unit_sizes import step_window, window_bytes
+from .engine.unit_sizes import step_window, window_bytes
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
 KEEP, RECOMPUTE = ActivationPolicy.KEEP.value, ActivationPolicy.RECOMPUTE.value
 ALIGN = 4096  # the store aligns every arena block and NVMe extent to 4 KiB (offload/store/directio.py)
-PARAM_ALIGN = 64  # each parameter's offset in a unit's flat buffer is 64-byte aligned (offload/units.py)
+PARAM_ALIGN = 64  # each parameter's offset in a unit's flat buffer is 64-byte aligned (offload/engine/units.py)
 
 
 def _slack(u: UnitBytes, allocations: int = 1) -> int:

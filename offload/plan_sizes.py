@@ -3,7 +3,7 @@
 Everything here is arithmetic on shapes. A model is described by a
 :class:`ModelSpec` — its units of transfer (``embed, block.0 … block.L-1,
 head``, cut exactly as the out-of-core engine cuts them, by
-:func:`outcore.offload.units.causal_lm_units`) and the dimensions that size
+:func:`outcore.offload.engine.units.causal_lm_units`) and the dimensions that size
 activations. A spec is built from a live model or from its Hugging Face config
 alone: the config is instantiated on the ``meta`` device, so a 70B plan
 allocates no weights and takes well under a second.
@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from ..dtypes import DTYPE_BYTES, EXACT
 from ..errors import ConfigError, ModelError
-from .unit_sizes import piece_size, ram_kinds
+from .engine.unit_sizes import piece_size, ram_kinds
 
 NF4_BLOCK = 64  # QLoRA NF4: 4-bit codes, one fp32 absmax per 64 weights (no double quantization)
 
@@ -136,7 +136,7 @@ def model_spec_from_model(model: Any) -> ModelSpec:
     Raises:
         ModelError: the model's layout is not one outcore can split into units.
     """
-    from .units import causal_lm_units
+    from .engine.units import causal_lm_units
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     units = []
@@ -302,7 +302,7 @@ def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str, precisio
         precision: ``exact``, or ``bf16-lean`` (``dtypes.PRECISIONS``): no fp32 master.
         optim_args, lora_r, lora_targets: as in ``FinetuneConfig``.
         world: data-parallel ranks of a full fine-tune: each stores 1/world of every unit's
-            state (``offload/sharding.py``); the sizes are one rank's.
+            state (``offload/engine/sharding.py``); the sizes are one rank's.
 
     Returns:
         One :class:`UnitBytes` per unit, in forward order.

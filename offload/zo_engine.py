@@ -35,7 +35,7 @@ import torch
 from ..errors import ConfigError
 from ..kernels.zo_perturb import noise_backend, resolve_backend
 from .device import to_device
-from .units import ParamSlot
+from .engine.units import ParamSlot
 from .zo_model import CausalLMBlocks, trainable_parameters
 from .zo_weights import HostWeights, StoreWeights
 

@@ -1,7 +1,7 @@
 """A causal LM as the blocks the ZO schedule visits once per step, and their block-wise forward.
 
 :class:`CausalLMBlocks` cuts a Hugging Face decoder-only LM with
-:func:`outcore.offload.units.causal_lm_units` — the same units first-order
+:func:`outcore.offload.engine.units.causal_lm_units` — the same units first-order
 training streams, ``[embed, layer 0, ..., layer L-1, head]`` (head = final norm +
 LM head + loss) — and runs one block at a time on a hidden state, so the ZO
 schedule (:mod:`outcore.offload.zo_engine`) can hold one block's weights and
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
-from .units import ParamSlot, Unit, causal_lm_units
+from .engine.units import ParamSlot, Unit, causal_lm_units
 
 
 @dataclass

@@ -3,7 +3,7 @@
 * :class:`HostWeights` — in memory: a parameter's clean weights are its own tensor.
 * :class:`StoreWeights` — streamed from NVMe through the same
   :class:`~outcore.offload.store.store.TieredStore` and
-  :class:`~outcore.offload.unit_memory.StoreUnitMemory` first-order training
+  :class:`~outcore.offload.engine.unit_memory.StoreUnitMemory` first-order training
   uses: one checksummed handle per unit, budgeted, counted in
   ``store.tier_stats()``. The model's parameters are emptied; the process holds
   only the few units the DEVICE window has room for, so a model larger than RAM trains.
@@ -25,10 +25,10 @@ import torch
 
 from .store.handle import Tier
 from .store.store import TieredStore
-from .unit_memory import WEIGHTS, StoreUnitMemory
+from .engine.unit_memory import WEIGHTS, StoreUnitMemory
 from .device import Device
-from .unit_sizes import weights_arena_bytes, window_bytes
-from .units import ParamSlot, place_rest
+from .engine.unit_sizes import weights_arena_bytes, window_bytes
+from .engine.units import ParamSlot, place_rest
 from .zo_model import CausalLMBlocks
 
 

@@ -13,7 +13,7 @@ each joins the process group here (:func:`join_run`, ``offload.ranks.join`` with
 * **LoRA / QLoRA out of core** — each rank streams the frozen base read-only from its own swap
   directory (:func:`rank_swap_dir`) and the adapters' gradients are summed the same way
   (:class:`DataParallelAdapters`); a full fine-tune out of core shards its optimizer state
-  across the ranks inside the engine (``offload/sharding.py``: reduce-scatter, update, all-gather);
+  across the ranks inside the engine (``offload/engine/sharding.py``: reduce-scatter, update, all-gather);
 * **what is written once** — rank 0 holds the output directory's lock, writes ``config.yaml``,
   ``final/`` and commits checkpoints (:func:`prepare_run_dir`; ``checkpoint_dcp.py``); every
   rank writes its own metrics file (``tui.sinks.make_sink(rank=)``), rank 0's with every rank's

@@ -347,7 +347,7 @@ class StreamedModel:
         from pathlib import Path
 
         from ..models import plain_name
-        from ..offload.inference import StreamedInference
+        from ..offload.engine.inference import StreamedInference
         from ..bytesize import parse_bytes
 
         model.config.use_cache = False  # no generation: a KV cache only costs memory

@@ -14,7 +14,7 @@ import torch
 
 from ..events import TierStats
 from ..offload.distributed.ranks import Ranks
-from ..offload.update import step_in_memory
+from ..offload.engine.update import step_in_memory
 from .distributed import SINGLE, accumulate
 
 

@@ -73,13 +73,13 @@ def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: An
     ``fill(name, out)`` reads a weight of a meta-device model (see ``load_model_lazily``);
     ``device`` is where it computes (default: ``cfg.device``).
     With several ``ranks`` a full fine-tune's optimizer state is sharded across them
-    (``offload/sharding.py``); LoRA's resident adapters are not (``distributed.data_parallel``).
+    (``offload/engine/sharding.py``); LoRA's resident adapters are not (``distributed.data_parallel``).
     """
     from ..models import plain_name
     from ..offload.store.handle import Tier
     from ..offload.modes import CPU, NVME
     from ..bytesize import parse_bytes
-    from ..offload.training import offload_model
+    from ..offload.engine.assemble import offload_model
 
     home = {Tier.DEVICE: Tier.HOST, Tier.HOST: Tier.HOST, Tier.NVME: Tier.NVME}
     homes = [(home[u.weights], home[u.state or u.weights]) for u in plan.units]

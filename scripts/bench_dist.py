@@ -52,8 +52,8 @@ def _rank(args: argparse.Namespace) -> dict:
     from outcore.models._lazy import materialize_buffers
     from outcore.offload.distributed import ranks as ranks_mod
     from outcore.offload.store.handle import Tier
-    from outcore.offload.training import offload_model
-    from outcore.offload.units import WEIGHTS
+    from outcore.offload.engine.assemble import offload_model
+    from outcore.offload.engine.units import WEIGHTS
     from outcore.optim import build_optimizer
 
     ranks = ranks_mod.join(timeout_s=600)

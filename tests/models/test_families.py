@@ -237,7 +237,7 @@ def test_router_aux_loss_reaches_the_loss_out_of_core(family, tmp_path):
     """The routers' load-balancing loss is part of the streamed loss, exactly as in memory."""
     from transformers import AutoModelForCausalLM
 
-    from outcore.offload.training import offload_model
+    from outcore.offload.engine.assemble import offload_model
     from outcore.optim import AdamW
 
     config = family_config(family)

@@ -11,7 +11,7 @@ from outcore.offload.store.handle import Tier
 from outcore.offload.plan import Budgets
 from outcore.offload.plan_layout import Layout, Workload, step_time
 from outcore.offload.plan_sizes import method_traits, model_spec, unit_bytes
-from outcore.offload.training import offload_model
+from outcore.offload.engine.assemble import offload_model
 from outcore.optim import AdamW
 
 GiB = 1 << 30

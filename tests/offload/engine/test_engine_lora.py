@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from outcore.offload.store.handle import Tier
-from outcore.offload.training import offload_model
-from outcore.offload.units import Part
+from outcore.offload.engine.assemble import offload_model
+from outcore.offload.engine.units import Part
 from outcore.recipes.export import export_offloaded, unit_weights
 
 LR = 1e-3
@@ -89,9 +89,9 @@ def test_lora_export_merges_adapters(tiny_llama_factory, tmp_path, compute_devic
 
 
 def test_mixing_streamed_and_resident_trainables_is_refused(tiny_llama_factory, tmp_path):
-    from outcore.offload.units import causal_lm_units
+    from outcore.offload.engine.units import causal_lm_units
 
-    from outcore.offload.engine import OutOfCoreEngine
+    from outcore.offload.engine.engine import OutOfCoreEngine
 
     model = tiny_llama_factory(seed=0, layers=2)
     units = causal_lm_units(model)
@@ -104,7 +104,7 @@ def test_qlora_streams_nf4_and_equals_the_dequantized_reference(tiny_llama_facto
                                                                  monkeypatch):
     """QLoRA out of core: the blocks' frozen matrices stream as NF4 (bitsandbytes' codes) and are
     dequantized on fetch; training equals in-memory LoRA on the NF4-rounded base, bit for bit."""
-    from outcore.offload.nf4 import nf4_round_trip
+    from outcore.offload.engine.nf4 import nf4_round_trip
 
     if compute_device.type == "sim":
         # bitsandbytes has no kernels for the simulated accelerator: its default backend runs

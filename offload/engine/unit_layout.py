@@ -12,9 +12,9 @@ from typing import Any, Callable
 
 import torch
 
-from .store.handle import Tier
+from ..store.handle import Tier
 from .nf4 import NF4Layout
-from .store.store import TieredStore
+from ..store.store import TieredStore
 from .unit_sizes import MASTER_DTYPE, _unit_dtype, needs_master, ram_kinds, state_pieces
 from .units import WEIGHTS, ParamSlot, Part, StateSlot, Unit, _pad
 
@@ -72,7 +72,7 @@ def store_unit(store: TieredStore, unit: Unit, optimizer: Any, homes: tuple[Tier
             unit.handles[part] = store.register(f"{unit.name}:{part}", home=home, shape=(hi - lo,), dtype=dtype,
                                                 data=_initial_state(unit, kind, lo, hi, dtype, inits))
     # The initial state goes before the weights: freed the other way round, glibc's heap
-    # stayed fragmented and RSS grew ~8 MB per block (tests/offload/test_bounded_rss.py).
+    # stayed fragmented and RSS grew ~8 MB per block (tests/offload/engine/test_bounded_rss.py).
     del masters, inits
     for slot in unit.slots:  # the store holds the unit now: free the model's own copy
         slot.param.data = torch.empty(0, dtype=slot.param.dtype)

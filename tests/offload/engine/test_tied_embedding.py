@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from outcore.offload.device import supports_sparse
-from outcore.offload.tied_embedding import dense_range, row_gradient_embedding
+from outcore.offload.engine.tied_embedding import dense_range, row_gradient_embedding
 
 
 def _sparse_on(device: torch.device) -> None:
@@ -89,7 +89,7 @@ def test_building_the_rows_warns_nothing():
     warned once per process despite ``check_invariants=False``: one more line on a run's
     stderr). A fresh process, since torch warns once per process; warnings are errors there."""
     code = ("import warnings, torch; from torch import nn; warnings.simplefilter('error'); "
-            "from outcore.offload.tied_embedding import row_gradient_embedding; "
+            "from outcore.offload.engine.tied_embedding import row_gradient_embedding; "
             "e = nn.Embedding(50, 8); got = []; row_gradient_embedding(e, got.append); "
             "e(torch.tensor([[1, 2, 2]])).sum().backward(); "
             "assert len(got) == 1 and got[0].is_sparse and got[0]._nnz() == 2; print('ok')")

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from outcore.offload.sharded_checkpoint import load_sharded, save_sharded
-from outcore.offload.training import offload_model
-from outcore.offload.units import WEIGHTS
+from outcore.offload.engine.sharded_checkpoint import load_sharded, save_sharded
+from outcore.offload.engine.assemble import offload_model
+from outcore.offload.engine.units import WEIGHTS
 from outcore.optim import build_optimizer
 from outcore.recipes.export import unit_weights
 
@@ -76,12 +76,12 @@ WORKER = COMMON + textwrap.dedent('''
     import datetime, sys
     import torch.distributed as dist
     from outcore.offload.distributed.ranks import Ranks
-    from outcore.offload.training import offload_model
-    from outcore.offload.units import WEIGHTS
+    from outcore.offload.engine.assemble import offload_model
+    from outcore.offload.engine.units import WEIGHTS
     from outcore.optim import build_optimizer
     from outcore.recipes.export import unit_weights
 
-    import outcore.offload.sharding as sharding
+    import outcore.offload.engine.sharding as sharding
     sharding.CHUNK = 3 * 4096  # several collectives per unit, a chunk ending inside a tensor
 
     rank, init, out, cases = int(sys.argv[1]), sys.argv[2], sys.argv[3], eval(sys.argv[4])
@@ -174,9 +174,9 @@ def test_two_ranks_equal_one_rank_accumulating(ranks_out, tmp_path, name, clip, 
 
 def test_shard_ranges_cut_pieces_and_cover_every_element(tiny_llama_factory):
     from outcore.offload.distributed.ranks import Ranks
-    from outcore.offload.sharding import Shard
-    from outcore.offload.unit_sizes import PIECE_ALIGN
-    from outcore.offload.units import causal_lm_units
+    from outcore.offload.engine.sharding import Shard
+    from outcore.offload.engine.unit_sizes import PIECE_ALIGN
+    from outcore.offload.engine.units import causal_lm_units
 
     m = tiny_llama_factory(layers=1)
     for unit in causal_lm_units(m):
@@ -215,8 +215,8 @@ CKPT_WORKER = COMMON + textwrap.dedent('''
     import datetime, sys
     import torch.distributed as dist
     from outcore.offload.distributed.ranks import Ranks
-    from outcore.offload.sharded_checkpoint import load_sharded, save_sharded
-    from outcore.offload.training import offload_model
+    from outcore.offload.engine.sharded_checkpoint import load_sharded, save_sharded
+    from outcore.offload.engine.assemble import offload_model
     from outcore.optim import build_optimizer
     from outcore.recipes.export import unit_weights
 

@@ -1,9 +1,9 @@
-"""offload/scratch.py: widened gradients equal ``g.to(float32)``, aligned, in one reused buffer."""
+"""offload/engine/scratch.py: widened gradients equal ``g.to(float32)``, aligned, in one reused buffer."""
 from __future__ import annotations
 
 import torch
 
-from outcore.offload.scratch import ALIGN_ELEMENTS, WidenedGrads
+from outcore.offload.engine.scratch import ALIGN_ELEMENTS, WidenedGrads
 
 
 def test_widened_gradients_equal_a_fresh_cast_and_reuse_one_buffer():

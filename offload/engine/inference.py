@@ -20,9 +20,9 @@ from typing import Any, Callable
 
 import torch
 
-from ..events import TierStats
+from ...events import TierStats
 from .engine import OutOfCoreEngine
-from .training import offload_model
+from .assemble import offload_model
 
 
 class StreamedInference:

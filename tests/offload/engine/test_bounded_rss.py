@@ -20,7 +20,7 @@ _CHILD = textwrap.dedent('''
     from transformers import LlamaConfig, LlamaForCausalLM
     from outcore.models._lazy import materialize_buffers
     from outcore.offload.store.handle import Tier
-    from outcore.offload.training import offload_model
+    from outcore.offload.engine.assemble import offload_model
     from outcore.optim import AdamW
 
     torch.set_num_threads(2)

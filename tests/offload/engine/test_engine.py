@@ -9,7 +9,7 @@ import torch
 from outcore.errors import BudgetError
 from outcore.offload.device import is_accelerator
 from outcore.offload.store.handle import Tier
-from outcore.offload.training import offload_model
+from outcore.offload.engine.assemble import offload_model
 from outcore.optim import AdamW
 from outcore.recipes.checkpoint import load_units, save_units
 from outcore.recipes.export import export_offloaded, unit_weights

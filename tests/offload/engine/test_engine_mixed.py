@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from outcore.offload.store.handle import Tier
-from outcore.offload.training import offload_model
-from outcore.offload.units import Part
+from outcore.offload.engine.assemble import offload_model
+from outcore.offload.engine.units import Part
 from outcore.optim import AdamW
 from outcore.recipes.export import unit_weights
 

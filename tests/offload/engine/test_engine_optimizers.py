@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from outcore.offload.store.handle import Tier
-from outcore.offload.training import offload_model
+from outcore.offload.engine.assemble import offload_model
 from outcore.optim import build_optimizer
 from outcore.recipes.export import unit_weights
 

@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ..errors import ModelError
+from ...errors import ModelError
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from .store.handle import TensorHandle, Tier
+    from ..store.handle import TensorHandle, Tier
     from .nf4 import NF4Layout
     from .sharding import Shard
 
@@ -192,7 +192,7 @@ def causal_lm_units(model: nn.Module, resident_trainable: bool = False,
     Raises:
         ModelError: the model has no recognizable embed / blocks / head.
     """
-    from ..models import model_parts
+    from ...models import model_parts
 
     parts = model_parts(model)
     groups: list[tuple[str, list[nn.Module]]] = [("embed", [parts.embed])]

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ..optim._base import PIECE_OFFSETS
-from .distributed.collectives import global_norm
+from ...optim._base import PIECE_OFFSETS
+from ..distributed.collectives import global_norm
 from .scratch import WidenedGrads
 from .sharding import gather_weights, reduce_grads
 from .tied_embedding import dense_range

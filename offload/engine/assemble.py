@@ -16,14 +16,14 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..errors import ConfigError
-from .device import Device
+from ...errors import ConfigError
+from ..device import Device
 from .engine import OutOfCoreEngine
-from .store.handle import Tier
-from .modes import NVME, STREAMED_MODES
-from .distributed.ranks import Ranks
+from ..store.handle import Tier
+from ..modes import NVME, STREAMED_MODES
+from ..distributed.ranks import Ranks
 from .sharding import shard_units
-from .store.store import TieredStore
+from ..store.store import TieredStore
 from .unit_memory import StoreUnitMemory
 from .unit_sizes import working_set
 from .units import causal_lm_units
