@@ -35,7 +35,7 @@ _EXPORTS = {
     "MemoryPlan": ".plan", "UnitPlacement": ".plan", "make_plan": ".plan", "plan_for_config": ".plan",
     "Budgets": ".plan_budget", "budgets_from_probe": ".plan_budget", "parse_bytes": "..bytesize",
     "format_bytes": "..bytesize", "OutOfCoreEngine": ".engine",
-    "offload_model": ".engine", "ZOBlockTrainer": ".zo_engine",
+    "offload_model": ".engine", "ZOBlockTrainer": ".zo",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -18,7 +18,7 @@ each joins the process group here (:func:`join_run`, ``offload.ranks.join`` with
   ``final/`` and commits checkpoints (:func:`prepare_run_dir`; ``checkpoint_dcp.py``); every
   rank writes its own metrics file (``tui.sinks.make_sink(rank=)``), rank 0's with every rank's
   stats (:func:`with_ranks`);
-* **ZO** — the ``samples`` split of ``offload/zo_distributed.py`` (:func:`zo_split`);
+* **ZO** — the ``samples`` split of ``offload/zo/distributed.py`` (:func:`zo_split`);
 * **a rank that dies** — every collective here waits at most ``dist_timeout_s``; gloo/NCCL fail
   at once when a peer's socket closes, and :func:`peer_guard` turns that into one
   :class:`~outcore.errors.RankLostError` line (exit 5) naming the run to ``--resume``.
@@ -395,7 +395,7 @@ def rank_swap_dir(swap: Path, ranks: Ranks) -> Path:
 def zo_split(ranks: Ranks, output: str | Path | None = None) -> dict[str, Any]:
     """``ZOBlockTrainer``'s distributed arguments: sample i runs on rank i mod world.
 
-    The ``samples`` split (``offload/zo_distributed.py``): every rank on the same batch, the
+    The ``samples`` split (``offload/zo/distributed.py``): every rank on the same batch, the
     (seed, loss) pairs exchanged — bit-identical to one process with the same ``n_samples``,
     so the log rank 0 writes is the one-rank log, and ``--resume`` / ``outcore export`` replay it
     at any world size. (``data`` would average losses over different batches: a log that
@@ -403,7 +403,7 @@ def zo_split(ranks: Ranks, output: str | Path | None = None) -> dict[str, Any]:
     """
     if not ranks.distributed:
         return {}
-    from ..offload.zo_distributed import make_exchange
+    from ..offload.zo.distributed import make_exchange
 
     exchange = make_exchange("samples")
 

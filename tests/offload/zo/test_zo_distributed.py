@@ -6,14 +6,14 @@ import textwrap
 import pytest
 import torch
 
-from outcore.offload.zo_engine import ZOBlockTrainer
+from outcore.offload.zo.engine import ZOBlockTrainer
 from outcore.optim.zo_core import ZOHyper
 
 WORKER = textwrap.dedent('''
     import sys, torch, torch.distributed as dist
     from transformers import LlamaConfig, LlamaForCausalLM
     from outcore.optim.zo_core import ZOHyper
-    from outcore.offload.zo_distributed import distributed_trainer
+    from outcore.offload.zo.distributed import distributed_trainer
 
     rank, world, init, out, split = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
     torch.set_num_threads(1)

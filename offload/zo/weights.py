@@ -8,7 +8,7 @@
   ``store.tier_stats()``. The model's parameters are emptied; the process holds
   only the few units the DEVICE window has room for, so a model larger than RAM trains.
 
-Protocol (what :class:`~outcore.offload.zo_engine.ZOBlockTrainer` calls)::
+Protocol (what :class:`~outcore.offload.zo.engine.ZOBlockTrainer` calls)::
 
     tensors = weights.acquire(b)    # clean tensors of block b, in blocks.blocks[b] order
     weights.prefetch(b2)            # hint: block b2 is needed soon
@@ -23,13 +23,13 @@ from typing import Callable
 
 import torch
 
-from .store.handle import Tier
-from .store.store import TieredStore
-from .engine.unit_memory import WEIGHTS, StoreUnitMemory
-from .device import Device
-from .engine.unit_sizes import weights_arena_bytes, window_bytes
-from .engine.units import ParamSlot, place_rest
-from .zo_model import CausalLMBlocks
+from ..store.handle import Tier
+from ..store.store import TieredStore
+from ..engine.unit_memory import WEIGHTS, StoreUnitMemory
+from ..device import Device
+from ..engine.unit_sizes import weights_arena_bytes, window_bytes
+from ..engine.units import ParamSlot, place_rest
+from .model import CausalLMBlocks
 
 
 class HostWeights:

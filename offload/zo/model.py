@@ -4,7 +4,7 @@
 :func:`outcore.offload.engine.units.causal_lm_units` — the same units first-order
 training streams, ``[embed, layer 0, ..., layer L-1, head]`` (head = final norm +
 LM head + loss) — and runs one block at a time on a hidden state, so the ZO
-schedule (:mod:`outcore.offload.zo_engine`) can hold one block's weights and
+schedule (:mod:`outcore.offload.zo.engine`) can hold one block's weights and
 carry several hidden states (one per perturbation sign and sample) through it.
 
 Each block lists every parameter it computes with as a :class:`ZOParam`: where
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
-from .engine.units import ParamSlot, Unit, causal_lm_units
+from ...errors import ConfigError
+from ..engine.units import ParamSlot, Unit, causal_lm_units
 
 
 @dataclass
@@ -74,7 +74,7 @@ class CausalLMBlocks:
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        from ..models import model_parts
+        from ...models import model_parts
 
         self.model, self.parts = model, model_parts(model)
         self.units: list[Unit] = causal_lm_units(model)

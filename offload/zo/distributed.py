@@ -6,7 +6,7 @@ rank applies the identical update and the replicas stay bit-identical without
 ever sending a weight or a gradient. Per step the wire carries ``n`` seeds and
 ``2n`` losses — bytes, not gigabytes.
 
-Two ways to split the work (:class:`~outcore.offload.zo_engine.ZOBlockTrainer`'s
+Two ways to split the work (:class:`~outcore.offload.zo.engine.ZOBlockTrainer`'s
 ``split``):
 
 * ``"samples"`` — sample ``i`` runs on rank ``i % world``, all ranks on the same
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from ..errors import ConfigError
-from .zo_engine import Exchange, ZOBlockTrainer
+from ...errors import ConfigError
+from .engine import Exchange, ZOBlockTrainer
 
 
 def make_exchange(split: str = "samples", group: Any = None) -> Exchange:
@@ -90,7 +90,8 @@ def distributed_trainer(model: torch.nn.Module, hyper: Any, seed: int = 0, split
     import torch.distributed as dist
 
     if not dist.is_initialized():
-        raise ConfigError("torch.distributed is not initialized; call outcore.offload.distributed.ranks.join() under torchrun first")
+        raise ConfigError("torch.distributed is not initialized; "
+                          "call outcore.offload.distributed.ranks.join() under torchrun first")
     rank, world = dist.get_rank(), dist.get_world_size()
     return ZOBlockTrainer(model, hyper, seed=seed, rank=rank, world=world,
                           exchange=make_exchange(split), split=split, **kwargs)

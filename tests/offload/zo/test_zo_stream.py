@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from outcore.errors import ConfigError, SwapDirError
-from outcore.offload.zo_engine import ZOBlockTrainer
-from outcore.offload.zo_model import CausalLMBlocks
+from outcore.offload.zo.engine import ZOBlockTrainer
+from outcore.offload.zo.model import CausalLMBlocks
 from outcore.optim.zo_core import ZOHyper
 from outcore.optim.zo_replay import ZOLog, replay
 

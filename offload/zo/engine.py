@@ -4,7 +4,7 @@ Each step visits every block once, in order. At block ``b``:
 
 1. ``clean = weights.acquire(b)`` — the block's authoritative weights (the model's
    own tensors, or read from NVMe through the store's unit memory ahead of time,
-   while earlier blocks computed; see :mod:`outcore.offload.zo_weights`);
+   while earlier blocks computed; see :mod:`outcore.offload.zo.weights`);
 2. the *previous* step's update is applied to ``clean`` in place (lazy update:
    its projected gradients were only known after the previous step's last
    block), then ``weights.release`` writes the block back asynchronously;
@@ -22,7 +22,7 @@ comes from the rule the hyper-parameters give (``hyper.rule(n)``, see
 :class:`outcore.optim.zo_core.ZORule`). With the same seeds, in memory, from NVMe
 and :func:`outcore.optim.zo_replay.replay` (schedule ``"exact"``) give
 bit-identical weights. Distributed ZO plugs in through ``exchange``
-(:mod:`outcore.offload.zo_distributed`).
+(:mod:`outcore.offload.zo.distributed`).
 """
 from __future__ import annotations
 
@@ -32,16 +32,16 @@ from typing import Any, Callable
 
 import torch
 
-from ..errors import ConfigError
-from ..kernels.zo_perturb import noise_backend, resolve_backend
-from .device import to_device
-from .engine.units import ParamSlot
-from .zo_model import CausalLMBlocks, trainable_parameters
-from .zo_weights import HostWeights, StoreWeights
+from ...errors import ConfigError
+from ...kernels.zo_perturb import noise_backend, resolve_backend
+from ..device import to_device
+from ..engine.units import ParamSlot
+from .model import CausalLMBlocks, trainable_parameters
+from .weights import HostWeights, StoreWeights
 
 SCHEDULE_EXACT = "exact"
 
-# exchange(step, seeds, plus, minus, mine) -> (plus, minus) for all samples; see zo_distributed
+# exchange(step, seeds, plus, minus, mine) -> (plus, minus) for all samples; see distributed.py
 Exchange = Callable[[int, list[int], list[float], list[float], list[int]], tuple[list[float], list[float]]]
 
 
@@ -90,7 +90,7 @@ class ZOBlockTrainer:
         if world < 1 or not 0 <= rank < world:
             raise ConfigError(f"rank={rank}, world={world}: need world >= 1 and 0 <= rank < world")
         if world > 1 and exchange is None:
-            raise ConfigError(f"world={world} needs an exchange function (see outcore.offload.zo_distributed)")
+            raise ConfigError(f"world={world} needs an exchange function (see outcore.offload.zo.distributed)")
         if split not in ("samples", "data"):
             raise ConfigError(f"split={split!r} must be 'samples' or 'data'")
         self.split, self.seed = split, int(seed)
