@@ -32,9 +32,7 @@ _EXPORTS = {
     "Tier": ".store", "Extent": ".store", "NvmeBackend": ".store",
     "HardwareProbe": ".store", "probe_hardware": ".store", "TieredStore": ".store",
     "SwapDir": ".store", "find_leftover_swap_dirs": ".store",
-    "MemoryPlan": ".plan", "UnitPlacement": ".plan", "make_plan": ".plan", "plan_for_config": ".plan",
-    "Budgets": ".plan_budget", "budgets_from_probe": ".plan_budget", "parse_bytes": "..bytesize",
-    "format_bytes": "..bytesize", "OutOfCoreEngine": ".engine",
+    "parse_bytes": "..bytesize", "format_bytes": "..bytesize", "OutOfCoreEngine": ".engine",
     "offload_model": ".engine", "ZOBlockTrainer": ".zo",
 }
 __all__ = sorted(_EXPORTS)

@@ -45,7 +45,7 @@ def check_offload_supported(cfg: FinetuneConfig) -> None:
 
 def make_plan(cfg: FinetuneConfig, model: torch.nn.Module):
     """The MemoryPlan of this run (budgets from --device-mem / --host-mem and this machine)."""
-    from ..offload.plan import plan_for_config
+    from ..planner.plan import plan_for_config
     from ..offload.store.probe import probe_hardware
 
     probe = probe_hardware(swap_dir_of(cfg, Path(cfg.output)).parent, measure=False)

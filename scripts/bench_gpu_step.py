@@ -107,8 +107,8 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
     from outcore.models._lazy import materialize_buffers
     from outcore.offload.device import resolve_device
     from outcore.bytesize import parse_bytes
-    from outcore.offload.plan import plan_for_config
-    from outcore.offload.plan_budget import budgets_from_probe
+    from outcore.planner.plan import plan_for_config
+    from outcore.planner.budget import budgets_from_probe
     from outcore.offload.store.probe import probe_hardware
     from outcore.recipes.config import load_config
     from outcore.recipes.offload_setup import build_optimizer, offload_from_plan
@@ -227,7 +227,7 @@ def _digest(engine) -> str:
 def _floor(out: dict, run: dict, args: argparse.Namespace) -> dict:
     """The step's physical floor: the slowest of compute at the measured matmul rate and each
     link's bytes (as counted this step) at its measured rate."""
-    from outcore.offload.plan_budget import measure_matmul_flops
+    from outcore.planner.budget import measure_matmul_flops
 
     rates = out["measured_rates"]
     flops = 0.0 if args.no_measure else measure_matmul_flops(run["device"].type if run["device"].type != "sim"

@@ -204,7 +204,7 @@ def _unit_dtype(unit: Unit) -> torch.dtype:
 def window_bytes(sizes: list[int], count: int) -> int:
     """The largest of ``sizes`` plus ``count`` of the second largest (an embedding is far larger
     than a block, and only one of it is ever in flight): how the engine sizes its HOST arena
-    (``training.offload_model``) and the plan its staging (``plan_layout``)."""
+    (``assemble.offload_model``) and the plan its staging (``planner.layout``)."""
     top = sorted(sizes, reverse=True) + [0, 0]
     return top[0] + count * top[1]
 

@@ -336,7 +336,7 @@ def test_an_moe_block_is_planned_with_all_its_experts():
     config, on the meta device): ~6.7x a Mistral-7B block, which differs only in its MLP."""
     from transformers import MistralConfig, MixtralConfig
 
-    from outcore.offload.plan_sizes import model_spec_from_config
+    from outcore.planner.sizes import model_spec_from_config
 
     shape = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
                  num_attention_heads=32, num_key_value_heads=8)
@@ -349,7 +349,7 @@ def test_an_moe_block_is_planned_with_all_its_experts():
     assert moe_block.numel == attention + 8 * 3 * h * f + 8 * h  # experts + router
     assert 6.5 < moe_block.numel / dense_block.numel < 6.8
     # ... and its compute with the 2 experts of 8 a token goes through (fused 3-D expert weights)
-    from outcore.offload.plan_sizes import unit_bytes
+    from outcore.planner.sizes import unit_bytes
 
     matmul = [next(u.matmul_params for u in unit_bytes(s, method="full", optim="adamw", dtype="float32")
                   if u.kind == "block") for s in (moe, dense)]

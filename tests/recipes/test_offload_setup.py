@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from outcore.models import load_model
-from outcore.offload.plan import plan_for_config
-from outcore.offload.plan_budget import Budgets
+from outcore.planner.plan import plan_for_config
+from outcore.planner.budget import Budgets
 from outcore.optim import build_optimizer, with_precision
 from outcore.recipes.config import load_config
 from outcore.recipes.offload_setup import offload_from_plan

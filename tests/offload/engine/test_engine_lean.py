@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from outcore.offload.plan_sizes import model_spec, unit_bytes
+from outcore.planner.sizes import model_spec, unit_bytes
 from outcore.offload.engine.assemble import offload_model
 from outcore.optim import AdamW, AdamW8bit, LeanOptimizer
 from outcore.recipes.checkpoint import load_units, save_units

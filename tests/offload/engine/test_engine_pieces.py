@@ -270,7 +270,7 @@ def test_pieced_moe_block_is_bit_identical(tmp_path, clip, spill, compute_device
 @pytest.mark.parametrize("which", ["moe", "untied"])
 def test_the_plan_pieces_what_the_engine_pieces(tiny_llama_factory, tmp_path, which):
     """The planner marks the same units as streaming their state in pieces as the engine does."""
-    from outcore.offload.plan_sizes import model_spec, unit_bytes
+    from outcore.planner.sizes import model_spec, unit_bytes
 
     model = _moe_model() if which == "moe" else _model(tiny_llama_factory, tie=False)
     planned = [u.state_piece > 0 for u in unit_bytes(model_spec(model), method="full", optim="adamw",

@@ -201,7 +201,7 @@ def test_an_optimizer_that_mixes_elements_is_refused(tiny_llama_factory, tmp_pat
 
 
 def test_the_plan_sizes_one_ranks_share_of_the_state(tiny_llama_factory):
-    from outcore.offload.plan_sizes import model_spec, unit_bytes
+    from outcore.planner.sizes import model_spec, unit_bytes
 
     spec = model_spec(tiny_llama_factory(layers=2))
     one = unit_bytes(spec, method="full", optim="adamw", dtype="float32")

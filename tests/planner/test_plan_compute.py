@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from outcore.offload.plan import Budgets, make_plan
-from outcore.offload.plan_compute import MAX_MEASURED_PARAMS, _narrowed, measure_compute_rates
-from outcore.offload.plan_sizes import forward_flops_per_token, model_spec, unit_bytes
+from outcore.planner.plan import Budgets, make_plan
+from outcore.planner.compute import MAX_MEASURED_PARAMS, _narrowed, measure_compute_rates
+from outcore.planner.sizes import forward_flops_per_token, model_spec, unit_bytes
 
 GiB = 1 << 30
 BIG = Budgets(device_bytes=64 * GiB, host_bytes=64 * GiB, nvme_bytes=1 << 40, ram_bytes=64 * GiB,
@@ -60,6 +60,6 @@ def test_a_plan_without_a_rate_times_this_machine_and_says_so():
 def test_a_given_rate_is_used_as_is_and_nothing_is_timed(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("timed although a rate was given")
-    monkeypatch.setattr("outcore.offload.plan.measure_compute_rates", refuse)
+    monkeypatch.setattr("outcore.planner.plan.measure_compute_rates", refuse)
     plan = make_plan(_config(), offload="none", seq_len=32, batch_size=2, budgets=dataclasses.replace(BIG, flops=1e10))
     assert not any("compute timed here" in n for n in plan.notes)

@@ -1,4 +1,4 @@
-"""Plain-text rendering of a :class:`~outcore.offload.plan.MemoryPlan` (``outcore plan``).
+"""Plain-text rendering of a :class:`~outcore.planner.plan.MemoryPlan` (``outcore plan``).
 
 Pure string formatting over the plan's numbers (and the configurations the planner
 weighed, the chosen one starred): no torch, no rich (the CLI may
@@ -10,9 +10,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..bytesize import format_bytes
-from .modes import NONE
-from .plan_budget import RUNTIME_OVERHEAD_BYTES
-from .plan_choice import NEAR_FASTEST
+from ..offload.modes import NONE
+from .budget import RUNTIME_OVERHEAD_BYTES
+from .choice import NEAR_FASTEST
 
 if TYPE_CHECKING:  # pragma: no cover
     from .plan import MemoryPlan, UnitPlacement
@@ -118,7 +118,7 @@ def render_table(plan: "MemoryPlan") -> str:
 
 
 def _candidate_rows(plan: "MemoryPlan") -> list[str]:
-    """The configurations the planner weighed, the chosen one starred (plan_choice.py's rule)."""
+    """The configurations the planner weighed, the chosen one starred (choice.py's rule)."""
     if not plan.candidates:
         return []
     lines = ["", f"configurations considered (the fastest that fits; within {NEAR_FASTEST:.0%} of it, "

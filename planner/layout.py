@@ -1,4 +1,4 @@
-"""Placements, byte accounting and the step-time model behind :mod:`outcore.offload.plan`.
+"""Placements, byte accounting and the step-time model behind :mod:`outcore.planner.plan`.
 
 A :class:`Layout` says, per unit of transfer, where its weights, gradients and
 optimizer state live; :func:`account` adds up what each tier then holds
@@ -14,13 +14,13 @@ from dataclasses import dataclass, field, replace
 
 from ..activations.policy import OFFLOAD, ActivationPolicy, compressed_ratio
 from ..dtypes import DTYPE_BYTES
-from .store.handle import Tier
-from .modes import CPU, NONE, NVME
-from .plan_budget import Budgets
-from .plan_compute import ComputeRates
-from .plan_sizes import (MethodTraits, ModelSpec, UnitBytes, block_activation_bytes, checkpoint_bytes,
+from ..offload.store.handle import Tier
+from ..offload.modes import CPU, NONE, NVME
+from .budget import Budgets
+from .compute import ComputeRates
+from .sizes import (MethodTraits, ModelSpec, UnitBytes, block_activation_bytes, checkpoint_bytes,
                          forward_flops_per_token, head_activation_bytes)
-from .engine.unit_sizes import step_window, window_bytes
+from ..offload.engine.unit_sizes import step_window, window_bytes
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
 KEEP, RECOMPUTE = ActivationPolicy.KEEP.value, ActivationPolicy.RECOMPUTE.value
@@ -45,7 +45,7 @@ class Workload:
     grads_kept: bool  # clipping / accumulation: gradients are stored until every unit has one
     budgets: Budgets
     activations_compress: str = "none"  # how offloaded activations are stored (activations.policy)
-    rates: ComputeRates | None = None  # measured per unit kind (plan_compute.py); None: budgets.flops
+    rates: ComputeRates | None = None  # measured per unit kind (compute.py); None: budgets.flops
 
     @property
     def has_backward(self) -> bool:

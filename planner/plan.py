@@ -22,7 +22,7 @@ Policy (docs/architecture.md §6): keep everything as high (fast) as the budgets
 Activation policy ``auto`` weighs ``keep`` and ``recompute``. Every configuration
 considered (offload layout x activation policy) is listed on the plan
 (``MemoryPlan.candidates``: fits, estimated step time, bytes written to the SSD per
-step) and ``plan_choice.choose`` takes one: among those that fit, the fastest, or
+step) and ``choice.choose`` takes one: among those that fit, the fastest, or
 among those within 10% of it the one that writes least.
 """
 from __future__ import annotations
@@ -35,14 +35,14 @@ from ..bytesize import format_bytes
 from ..dtypes import EXACT, torch_dtype
 from ..errors import BudgetError, ConfigError
 from ..optim import ZO_OPTIMIZERS, optimizer_names
-from .store.handle import Tier
-from .modes import CPU, NONE, NVME, OFFLOAD_MODES
-from .modes import AUTO as AUTO_OFFLOAD
-from .plan_budget import RUNTIME_OVERHEAD_BYTES, Budgets, budgets_from_probe
-from .plan_choice import Candidate, choose, describe
-from .plan_compute import measure_compute_rates
-from .plan_layout import Layout, StepTime, Workload, account, prefetch_depth, step_time
-from .plan_sizes import ModelSpec, method_traits, model_spec, unit_bytes
+from ..offload.store.handle import Tier
+from ..offload.modes import CPU, NONE, NVME, OFFLOAD_MODES
+from ..offload.modes import AUTO as AUTO_OFFLOAD
+from .budget import RUNTIME_OVERHEAD_BYTES, Budgets, budgets_from_probe
+from .choice import Candidate, choose, describe
+from .compute import measure_compute_rates
+from .layout import Layout, StepTime, Workload, account, prefetch_depth, step_time
+from .sizes import ModelSpec, method_traits, model_spec, unit_bytes
 
 __all__ = ["MemoryPlan", "UnitPlacement", "make_plan", "plan_for_config", "Budgets", "budgets_from_probe"]
 
@@ -94,7 +94,7 @@ class MemoryPlan:
     budgets: Budgets
     time: StepTime
     notes: list[str] = field(default_factory=list)
-    candidates: list[Candidate] = field(default_factory=list)  # every configuration considered (plan_choice)
+    candidates: list[Candidate] = field(default_factory=list)  # every configuration considered (choice.py)
     chosen: int | None = None  # which of the candidates this plan is
 
     # -- derived ---------------------------------------------------------------------
@@ -148,7 +148,7 @@ class MemoryPlan:
 
     def table(self) -> str:
         """A plain-text report a person can read before the run starts (no torch needed)."""
-        from .plan_render import render_table
+        from .render import render_table
 
         return render_table(self)
 

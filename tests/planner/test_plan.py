@@ -11,9 +11,9 @@ import torch
 from outcore.bytesize import format_bytes, parse_bytes
 from outcore.errors import BudgetError, ConfigError
 from outcore.offload.store.handle import Tier
-from outcore.offload.plan import Budgets, make_plan, plan_for_config
-from outcore.offload.plan_budget import budgets_from_probe
-from outcore.offload.plan_sizes import model_spec
+from outcore.planner.plan import Budgets, make_plan, plan_for_config
+from outcore.planner.budget import budgets_from_probe
+from outcore.planner.sizes import model_spec
 from outcore.optim import OutcoreOptimizer
 
 GiB = 1 << 30
@@ -138,7 +138,7 @@ def test_qlora_stores_block_matrices_as_nf4(tiny):
 
 
 def test_activation_estimate_matches_what_autograd_saves(tiny):
-    from outcore.offload.plan_sizes import block_activation_bytes, head_activation_bytes
+    from outcore.planner.sizes import block_activation_bytes, head_activation_bytes
 
     b, s = 2, 48
     ids = torch.randint(0, 256, (b, s))
@@ -411,7 +411,7 @@ def test_all_nvme_layout_is_named_nvme_when_grads_are_transient(tiny):
 
 @pytest.mark.gpu
 def test_matmul_flops_measured_on_cuda():
-    from outcore.offload.plan_budget import measure_matmul_flops
+    from outcore.planner.budget import measure_matmul_flops
 
     assert measure_matmul_flops("cuda") > measure_matmul_flops("cpu")
 
@@ -484,7 +484,7 @@ def test_planned_state_matches_what_each_optimizer_allocates(tiny):
 
 
 def test_the_planner_knows_every_method_of_the_config():
-    from outcore.offload.plan_sizes import METHOD_TRAITS
+    from outcore.planner.sizes import METHOD_TRAITS
     from outcore.recipes.config import METHODS
 
     assert tuple(METHOD_TRAITS) == METHODS

@@ -154,7 +154,7 @@ def measure_matmul_flops(device_kind: str = "cpu", n: int = 1024, seconds: float
     """
     import torch
 
-    from .device import synchronize_device
+    from ..offload.device import synchronize_device
 
     from ..dtypes import torch_dtype
 

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 
 from ..dtypes import DTYPE_BYTES, EXACT
 from ..errors import ConfigError, ModelError
-from .engine.unit_sizes import piece_size, ram_kinds
+from ..offload.engine.unit_sizes import piece_size, ram_kinds
 
 NF4_BLOCK = 64  # QLoRA NF4: 4-bit codes, one fp32 absmax per 64 weights (no double quantization)
 
@@ -136,7 +136,7 @@ def model_spec_from_model(model: Any) -> ModelSpec:
     Raises:
         ModelError: the model's layout is not one outcore can split into units.
     """
-    from .engine.units import causal_lm_units
+    from ..offload.engine.units import causal_lm_units
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     units = []

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .device import synchronize_device
-from .plan_sizes import ModelSpec
+from ..offload.device import synchronize_device
+from .sizes import ModelSpec
 
 #: tokens one measurement runs: enough for steady GEMM shapes
 MAX_TOKENS = 512

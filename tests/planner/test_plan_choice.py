@@ -1,4 +1,4 @@
-"""The auto choice (offload/plan_choice.py): the fastest that fits, or within 10% of it the one
+"""The auto choice (planner/choice.py): the fastest that fits, or within 10% of it the one
 writing least to the SSD; and the candidates the plan lists."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from outcore.offload.plan import Budgets, make_plan
-from outcore.offload.plan_choice import NEAR_FASTEST, Candidate, choose
+from outcore.planner.plan import Budgets, make_plan
+from outcore.planner.choice import NEAR_FASTEST, Candidate, choose
 
 GiB = 1 << 30
 BIG = Budgets(device_bytes=64 * GiB, host_bytes=64 * GiB, nvme_bytes=1 << 40, ram_bytes=64 * GiB,

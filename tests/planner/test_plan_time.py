@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from outcore.offload.store.handle import Tier
-from outcore.offload.plan import Budgets
-from outcore.offload.plan_layout import Layout, Workload, step_time
-from outcore.offload.plan_sizes import method_traits, model_spec, unit_bytes
+from outcore.planner.plan import Budgets
+from outcore.planner.layout import Layout, Workload, step_time
+from outcore.planner.sizes import method_traits, model_spec, unit_bytes
 from outcore.offload.engine.assemble import offload_model
 from outcore.optim import AdamW
 
@@ -122,7 +122,7 @@ def test_mixed_precision_update_counts_the_widening_and_the_rounding(tiny_llama_
 def test_the_checksum_rate_comes_from_the_probe():
     from types import SimpleNamespace
 
-    from outcore.offload.plan_budget import FALLBACK_CHECKSUM_GBPS, budgets_from_probe
+    from outcore.planner.budget import FALLBACK_CHECKSUM_GBPS, budgets_from_probe
 
     probe = SimpleNamespace(ram_available_bytes=8 * GiB, swap_free_bytes=GiB, disk_read_gbps=2.0,
                             disk_write_gbps=1.0, h2d_gbps=5.0, d2h_gbps=5.0, checksum_gbps=3.5)

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 from ..activations.policy import OFFLOAD
 from ..bytesize import format_bytes
-from .plan_layout import Layout, StepTime, Workload, account, activation_bytes
+from .layout import Layout, StepTime, Workload, account, activation_bytes
 
 #: a candidate this much slower than the fastest still competes on the bytes it writes
 NEAR_FASTEST = 0.10
@@ -30,7 +30,7 @@ class Candidate:
     offload: str  # the layout's name: none | cpu | nvme | mixed
     activations: str  # keep | recompute | offload
     fits: bool
-    step_s: float  # the estimated step time (plan_layout.step_time)
+    step_s: float  # the estimated step time (layout.step_time)
     written_bytes: int  # bytes written to the SSD per step (estimated)
     over: str | None = None  # what does not fit: "HOST 3.1 GiB > budget 2.0 GiB"
 
