@@ -157,7 +157,7 @@ class OutOfCoreMixin:
         """Build the engine over ``self.model`` (once) and return the optimizer the Trainer steps."""
         if self.engine is not None:
             return self.optimizer
-        from ..offload.engine.assemble import offload_model
+        from ..offload.engine import offload_model
 
         if self.adapters:
             # the Trainer's own optimizer over the adapters (its weight-decay groups), and its own

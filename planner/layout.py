@@ -14,13 +14,13 @@ from dataclasses import dataclass, field, replace
 
 from ..activations.policy import OFFLOAD, ActivationPolicy, compressed_ratio
 from ..dtypes import DTYPE_BYTES
-from ..offload.store.handle import Tier
+from ..offload.engine.unit_sizes import step_window, window_bytes
 from ..offload.modes import CPU, NONE, NVME
+from ..offload.store import Tier
 from .budget import Budgets
 from .compute import ComputeRates
 from .sizes import (MethodTraits, ModelSpec, UnitBytes, block_activation_bytes, checkpoint_bytes,
-                         forward_flops_per_token, head_activation_bytes)
-from ..offload.engine.unit_sizes import step_window, window_bytes
+                    forward_flops_per_token, head_activation_bytes)
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
 KEEP, RECOMPUTE = ActivationPolicy.KEEP.value, ActivationPolicy.RECOMPUTE.value

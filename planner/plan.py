@@ -34,10 +34,10 @@ from ..activations.policy import ACTIVATION_POLICIES, AUTO, ActivationPolicy
 from ..bytesize import format_bytes
 from ..dtypes import EXACT, torch_dtype
 from ..errors import BudgetError, ConfigError
-from ..optim import ZO_OPTIMIZERS, optimizer_names
-from ..offload.store.handle import Tier
 from ..offload.modes import CPU, NONE, NVME, OFFLOAD_MODES
 from ..offload.modes import AUTO as AUTO_OFFLOAD
+from ..offload.store import Tier
+from ..optim import ZO_OPTIMIZERS, optimizer_names
 from .budget import RUNTIME_OVERHEAD_BYTES, Budgets, budgets_from_probe
 from .choice import Candidate, choose, describe
 from .compute import measure_compute_rates

@@ -136,7 +136,7 @@ def model_spec_from_model(model: Any) -> ModelSpec:
     Raises:
         ModelError: the model's layout is not one outcore can split into units.
     """
-    from ..offload.engine.units import causal_lm_units
+    from ..offload.engine import causal_lm_units
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     units = []

@@ -51,7 +51,7 @@ from ..bytesize import format_bytes
 from ..errors import CheckpointError, DiskFullError
 from ..offload.device import rng_state as device_rng_state
 from ..offload.device import set_rng_state as set_device_rng_state
-from ..offload.engine.units import WEIGHTS
+from ..offload.engine import WEIGHTS
 
 _DIR = "checkpoints"
 _LATEST = "latest"

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, OutcoreError
-from ..offload.distributed.ranks import Ranks
+from ..offload.distributed import Ranks
 from . import checkpoint as ckpt
 from .distributed import broadcast_from_main
 
@@ -91,7 +91,7 @@ def save_distributed(output_dir: str | Path, step: int, model: torch.nn.Module,
         def write(tmp: Path) -> None:
             dcp.save(state, checkpoint_id=tmp / DCP_DIR)
     else:
-        from ..offload.engine.sharded_checkpoint import save_sharded
+        from ..offload.engine import save_sharded
 
         nbytes = ckpt.units_bytes(engine)
 
@@ -215,7 +215,7 @@ def restore_units(engine: Any, ckpt_dir: str | Path) -> None:
     """
     sharded = Path(ckpt_dir) / SHARDED_UNITS_DIR
     if sharded.is_dir():
-        from ..offload.engine.sharded_checkpoint import load_sharded
+        from ..offload.engine import load_sharded
 
         load_sharded(engine, sharded)
     else:

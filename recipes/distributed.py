@@ -41,7 +41,7 @@ import torch
 from .._faults import fault_point
 from ..errors import CheckpointError, OutcoreError, RankLostError
 from ..offload.device import distributed_backend
-from ..offload.distributed.ranks import Ranks, from_env, join, leave
+from ..offload.distributed import Ranks, from_env, join, leave
 
 SINGLE = Ranks()  # one process: what every recipe is when not launched distributed
 
@@ -403,7 +403,7 @@ def zo_split(ranks: Ranks, output: str | Path | None = None) -> dict[str, Any]:
     """
     if not ranks.distributed:
         return {}
-    from ..offload.zo.distributed import make_exchange
+    from ..offload.zo import make_exchange
 
     exchange = make_exchange("samples")
 

@@ -327,7 +327,7 @@ def _load(spec: str, offload: str, dtype: torch.dtype, swap_dir: str | Path | No
             return Generator(*load_model(spec, dtype=dtype), temporary=temporary, device=device)
         offload = "nvme"
     from ..models import default_cache_dir
-    from ..offload.engine.inference import StreamedInference
+    from ..offload.engine import StreamedInference
 
     if swap_dir is None:
         (default_cache_dir() / "swap").mkdir(parents=True, exist_ok=True)

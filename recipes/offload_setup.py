@@ -9,7 +9,7 @@ import torch
 
 from ..dtypes import EXACT
 from ..errors import ConfigError
-from ..offload.distributed.ranks import Ranks
+from ..offload.distributed import Ranks
 from . import distributed as dist
 from .config import FinetuneConfig
 
@@ -45,8 +45,8 @@ def check_offload_supported(cfg: FinetuneConfig) -> None:
 
 def make_plan(cfg: FinetuneConfig, model: torch.nn.Module):
     """The MemoryPlan of this run (budgets from --device-mem / --host-mem and this machine)."""
-    from ..planner.plan import plan_for_config
-    from ..offload.store.probe import probe_hardware
+    from ..offload.store import probe_hardware
+    from ..planner import plan_for_config
 
     probe = probe_hardware(swap_dir_of(cfg, Path(cfg.output)).parent, measure=False)
     return plan_for_config(cfg, model, probe=probe, world=dist.from_env().world)
@@ -75,11 +75,11 @@ def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: An
     With several ``ranks`` a full fine-tune's optimizer state is sharded across them
     (``offload/engine/sharding.py``); LoRA's resident adapters are not (``distributed.data_parallel``).
     """
-    from ..models import plain_name
-    from ..offload.store.handle import Tier
-    from ..offload.modes import CPU, NVME
     from ..bytesize import parse_bytes
-    from ..offload.engine.assemble import offload_model
+    from ..models import plain_name
+    from ..offload.engine import offload_model
+    from ..offload.modes import CPU, NVME
+    from ..offload.store import Tier
 
     home = {Tier.DEVICE: Tier.HOST, Tier.HOST: Tier.HOST, Tier.NVME: Tier.NVME}
     homes = [(home[u.weights], home[u.state or u.weights]) for u in plan.units]

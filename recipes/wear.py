@@ -25,7 +25,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..events import RunFinished, StepEvent
-from ..offload.store.handle import Tier
+from ..offload.store import Tier
 from .checkpoint import checkpoints
 
 TB = 10**12  # TBW ratings are in decimal terabytes

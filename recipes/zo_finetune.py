@@ -109,7 +109,7 @@ class ZORecipe:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         from ..data import BatchLoader, build_datasets, check_seq_len
-        from ..offload.zo.engine import ZOBlockTrainer
+        from ..offload.zo import ZOBlockTrainer
         from ..optim.zo_replay import ZOLog, ZOLogWriter, replay_into_
 
         cfg = self.cfg

@@ -122,9 +122,8 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
     from outcore.kernels import CausalLMHeadLoss
     from outcore.models._lazy import materialize_buffers
     from outcore.recipes._common import with_lora
-    from outcore.planner.plan import plan_for_config
-    from outcore.planner.budget import budgets_from_probe
-    from outcore.offload.store.probe import probe_hardware
+    from outcore.planner import budgets_from_probe, plan_for_config
+    from outcore.offload.store import probe_hardware
     from outcore.recipes.offload_setup import build_optimizer, offload_from_plan
 
     cfg = _config(args, swap)

@@ -103,13 +103,12 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from outcore.activations import apply_activation_policy
+    from outcore.bytesize import parse_bytes
     from outcore.kernels import CausalLMHeadLoss
     from outcore.models._lazy import materialize_buffers
     from outcore.offload.device import resolve_device
-    from outcore.bytesize import parse_bytes
-    from outcore.planner.plan import plan_for_config
-    from outcore.planner.budget import budgets_from_probe
-    from outcore.offload.store.probe import probe_hardware
+    from outcore.offload.store import probe_hardware
+    from outcore.planner import budgets_from_probe, plan_for_config
     from outcore.recipes.config import load_config
     from outcore.recipes.offload_setup import build_optimizer, offload_from_plan
 
@@ -166,7 +165,7 @@ def _train(run: dict, args: argparse.Namespace) -> dict:
     import torch
 
     from outcore.offload.device import synchronize_device
-    from outcore.offload.store.handle import Tier
+    from outcore.offload.store import Tier
 
     model, head, engine, device = run["model"], run["head"], run["engine"], run["device"]
     traffic = engine.store.traffic

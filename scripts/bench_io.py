@@ -33,9 +33,8 @@ import torch
 import xxhash
 
 from outcore.offload.device import aligned_empty
+from outcore.offload.store import NvmeBackend, SwapDir
 from outcore.offload.store.directio import IOPool, open_direct
-from outcore.offload.store.nvme import NvmeBackend
-from outcore.offload.store.swapdir import SwapDir
 from outcore.tui.jsonout import emit_json, json_stdout
 
 MiB = 1 << 20

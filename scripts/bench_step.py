@@ -199,7 +199,7 @@ def _fits_in_ram(mode: str, args, config) -> str | None:
     import psutil
 
     from outcore.bytesize import format_bytes
-    from outcore.planner.plan import Budgets, make_plan
+    from outcore.planner import Budgets, make_plan
 
     plan = make_plan(config, offload="none", seq_len=args.seq, batch_size=args.batch,
                      budgets=Budgets.unlimited(flops=1e11))

@@ -46,7 +46,7 @@ def probe(swap_dir: str | None, measure: bool) -> dict[str, Any]:
     Raises:
         OutcoreError: e.g. SwapDirError for a swap directory that is missing or not writable.
     """
-    from ..offload.store.probe import probe_hardware  # may import torch: only when doctor runs
+    from ..offload.store import probe_hardware  # may import torch: only when doctor runs
 
     return probe_hardware(swap_dir, measure=measure).to_dict()
 

@@ -80,9 +80,9 @@ def run(args: argparse.Namespace) -> int:
         OutcoreError: a bad config, an unreadable model, or a plan that cannot fit
             (BudgetError naming the tier, its budget and the need).
     """
-    from ..planner.plan import plan_for_config
-    from ..offload.store.probe import probe_hardware
-    from ..offload.distributed.ranks import from_env
+    from ..offload.distributed import from_env
+    from ..offload.store import probe_hardware
+    from ..planner import plan_for_config
     from ..recipes.distributed import plan_note
 
     if args.ranks < 0:

@@ -18,12 +18,11 @@ import torch
 
 from ...errors import ConfigError
 from ..device import Device
-from .engine import OutOfCoreEngine
-from ..store.handle import Tier
+from ..distributed import Ranks
 from ..modes import NVME, STREAMED_MODES
-from ..distributed.ranks import Ranks
+from ..store import Tier, TieredStore
+from .engine import OutOfCoreEngine
 from .sharding import shard_units
-from ..store.store import TieredStore
 from .unit_memory import StoreUnitMemory
 from .unit_sizes import working_set
 from .units import causal_lm_units

@@ -32,8 +32,7 @@ from torch import nn
 
 from ...events import TierStats
 from ..device import supports_sparse, to_device
-from ..store.handle import Tier
-from ..store.store import TieredStore
+from ..store import Tier, TieredStore
 from .tied_embedding import row_gradient_embedding
 from .unit_memory import StoreUnitMemory
 from .units import GRADS, WEIGHTS, Unit, causal_lm_units, place_rest

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..distributed.ranks import Ranks
+from ..distributed import Ranks
 from .sharding import Shard
 from .unit_sizes import MASTER_DTYPE, PIECE_ALIGN
 from .units import WEIGHTS, Unit

@@ -37,8 +37,7 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError
-from ..distributed.collectives import flat_collectives
-from ..distributed.ranks import Ranks
+from ..distributed import Ranks, flat_collectives
 from .tied_embedding import dense_range
 from .unit_sizes import PIECE_ALIGN
 from .units import Unit

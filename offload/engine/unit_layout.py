@@ -12,9 +12,8 @@ from typing import Any, Callable
 
 import torch
 
-from ..store.handle import Tier
+from ..store import Tier, TieredStore
 from .nf4 import NF4Layout
-from ..store.store import TieredStore
 from .unit_sizes import MASTER_DTYPE, _unit_dtype, needs_master, ram_kinds, state_pieces
 from .units import WEIGHTS, ParamSlot, Part, StateSlot, Unit, _pad
 

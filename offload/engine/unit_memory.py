@@ -28,8 +28,7 @@ import torch
 
 from ..._faults import fault_point
 from ...errors import BudgetError
-from ..store.handle import Tier
-from ..store.store import TieredStore
+from ..store import Tier, TieredStore
 from .unit_layout import InitWeights, store_unit
 from .unit_sizes import _unit_dtype
 from .units import GRADS, WEIGHTS, Part, Unit

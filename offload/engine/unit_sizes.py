@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..device import align_up
-from ..store.handle import Tier
+from ..store import Tier
 from .nf4 import NF4Layout
 from .units import GRADS, Unit, _pad
 

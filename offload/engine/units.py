@@ -32,7 +32,7 @@ from ...errors import ModelError
 if TYPE_CHECKING:
     from concurrent.futures import Future
 
-    from ..store.handle import TensorHandle, Tier
+    from ..store import TensorHandle, Tier
     from .nf4 import NF4Layout
     from .sharding import Shard
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ...optim._base import PIECE_OFFSETS
-from ..distributed.collectives import global_norm
+from ..distributed import global_norm
 from .scratch import WidenedGrads
 from .sharding import gather_weights, reduce_grads
 from .tied_embedding import dense_range

@@ -35,7 +35,7 @@ import torch
 from ...errors import ConfigError
 from ...kernels.zo_perturb import noise_backend, resolve_backend
 from ..device import to_device
-from ..engine.units import ParamSlot
+from ..engine import ParamSlot
 from .model import CausalLMBlocks, trainable_parameters
 from .weights import HostWeights, StoreWeights
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError
-from ..engine.units import ParamSlot, Unit, causal_lm_units
+from ..engine import ParamSlot, Unit, causal_lm_units
 
 
 @dataclass

@@ -23,12 +23,10 @@ from typing import Callable
 
 import torch
 
-from ..store.handle import Tier
-from ..store.store import TieredStore
-from ..engine.unit_memory import WEIGHTS, StoreUnitMemory
 from ..device import Device
+from ..engine import WEIGHTS, ParamSlot, StoreUnitMemory, place_rest
 from ..engine.unit_sizes import weights_arena_bytes, window_bytes
-from ..engine.units import ParamSlot, place_rest
+from ..store import Tier, TieredStore
 from .model import CausalLMBlocks
 
 

@@ -206,7 +206,7 @@ def test_zo_block_forward_is_the_model_loss(family):
     model's own loss function. An MoE model is trained without its routers' auxiliary loss."""
     from transformers import AutoModelForCausalLM
 
-    from outcore.offload.zo.model import CausalLMBlocks
+    from outcore.offload.zo import CausalLMBlocks
 
     config = family_config(family)
     config.output_router_logits = False
@@ -224,7 +224,7 @@ def test_zo_refuses_a_router_loss_it_would_not_add():
     from transformers import AutoModelForCausalLM
 
     from outcore.errors import ConfigError
-    from outcore.offload.zo.model import CausalLMBlocks
+    from outcore.offload.zo import CausalLMBlocks
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(family_config("mixtral"))
@@ -237,7 +237,7 @@ def test_router_aux_loss_reaches_the_loss_out_of_core(family, tmp_path):
     """The routers' load-balancing loss is part of the streamed loss, exactly as in memory."""
     from transformers import AutoModelForCausalLM
 
-    from outcore.offload.engine.assemble import offload_model
+    from outcore.offload.engine import offload_model
     from outcore.optim import AdamW
 
     config = family_config(family)

@@ -15,10 +15,8 @@ import torch
 
 from outcore.offload.device import Device, is_accelerator
 from outcore.offload.device import align_up
-from outcore.offload.store.handle import Tier
-from outcore.offload.store.store import TieredStore
-from outcore.offload.engine.assemble import offload_model
-from outcore.offload.engine.units import WEIGHTS
+from outcore.offload.engine import WEIGHTS, offload_model
+from outcore.offload.store import Tier, TieredStore
 from outcore.optim import AdamW
 
 

@@ -10,11 +10,10 @@ import torch
 
 from outcore.bytesize import format_bytes, parse_bytes
 from outcore.errors import BudgetError, ConfigError
-from outcore.offload.store.handle import Tier
-from outcore.planner.plan import Budgets, make_plan, plan_for_config
-from outcore.planner.budget import budgets_from_probe
-from outcore.planner.sizes import model_spec
+from outcore.offload.store import Tier
 from outcore.optim import OutcoreOptimizer
+from outcore.planner import Budgets, budgets_from_probe, make_plan, plan_for_config
+from outcore.planner.sizes import model_spec
 
 GiB = 1 << 30
 BIG = Budgets(device_bytes=64 * GiB, host_bytes=64 * GiB, nvme_bytes=1 << 40, ram_bytes=64 * GiB,
@@ -356,7 +355,7 @@ def test_slow_disk_exposes_io(tiny):
 
 
 def test_plan_for_config_uses_config_and_probe_budgets(tiny):
-    from outcore.offload.store.probe import HardwareProbe
+    from outcore.offload.store import HardwareProbe
     from outcore.recipes.config import FinetuneConfig
 
     probe = HardwareProbe(cpu_threads=2, ram_total_bytes=32 * GiB, ram_available_bytes=30 * GiB, devices=[],

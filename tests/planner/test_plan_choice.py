@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from outcore.planner.plan import Budgets, make_plan
+from outcore.planner import Budgets, make_plan
 from outcore.planner.choice import NEAR_FASTEST, Candidate, choose
 
 GiB = 1 << 30

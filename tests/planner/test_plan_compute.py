@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from outcore.planner.plan import Budgets, make_plan
+from outcore.planner import Budgets, make_plan
 from outcore.planner.compute import MAX_MEASURED_PARAMS, _narrowed, measure_compute_rates
 from outcore.planner.sizes import forward_flops_per_token, model_spec, unit_bytes
 

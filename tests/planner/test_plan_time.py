@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from outcore.offload.store.handle import Tier
-from outcore.planner.plan import Budgets
+from outcore.offload.engine import offload_model
+from outcore.offload.store import Tier
+from outcore.optim import AdamW
+from outcore.planner import Budgets
 from outcore.planner.layout import Layout, Workload, step_time
 from outcore.planner.sizes import method_traits, model_spec, unit_bytes
-from outcore.offload.engine.assemble import offload_model
-from outcore.optim import AdamW
 
 GiB = 1 << 30
 #: round made-up speeds: 2 GB/s read, 1 GB/s write, 10 GB/s copies and RAM, 1e10 FLOP/s

@@ -11,7 +11,7 @@ import pytest
 
 from outcore.errors import CheckpointError, ConfigError
 from outcore.events import RankStats, RunStarted, StepEvent, TierStats
-from outcore.offload.distributed.ranks import Ranks
+from outcore.offload.distributed import Ranks
 from outcore.recipes import distributed as dist
 from outcore.recipes.config import load_config
 

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from outcore.models import load_model
-from outcore.planner.plan import plan_for_config
-from outcore.planner.budget import Budgets
 from outcore.optim import build_optimizer, with_precision
+from outcore.planner import Budgets, plan_for_config
 from outcore.recipes.config import load_config
 from outcore.recipes.offload_setup import offload_from_plan
 

@@ -10,8 +10,7 @@ import pytest
 
 from outcore.errors import ConfigError
 from outcore.events import RunFinished, StepEvent, TierStats
-from outcore.offload.store.handle import Tier
-from outcore.offload.store.traffic import TierTraffic
+from outcore.offload.store import Tier, TierTraffic
 from outcore.recipes.config import load_config
 from outcore.recipes.wear import WearMeter, life_used_pct
 

@@ -2,7 +2,7 @@
 import pytest
 
 from outcore.errors import ConfigError
-from outcore.offload.distributed.ranks import Ranks, elastic_attempt, from_env, join
+from outcore.offload.distributed import Ranks, elastic_attempt, from_env, join
 
 
 def test_no_launcher_is_one_rank(monkeypatch):

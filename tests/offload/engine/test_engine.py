@@ -8,8 +8,8 @@ import torch
 
 from outcore.errors import BudgetError
 from outcore.offload.device import is_accelerator
-from outcore.offload.store.handle import Tier
-from outcore.offload.engine.assemble import offload_model
+from outcore.offload.engine import offload_model
+from outcore.offload.store import Tier
 from outcore.optim import AdamW
 from outcore.recipes.checkpoint import load_units, save_units
 from outcore.recipes.export import export_offloaded, unit_weights

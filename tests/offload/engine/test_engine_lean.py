@@ -8,9 +8,9 @@ import copy
 import pytest
 import torch
 
-from outcore.planner.sizes import model_spec, unit_bytes
-from outcore.offload.engine.assemble import offload_model
+from outcore.offload.engine import offload_model
 from outcore.optim import AdamW, AdamW8bit, LeanOptimizer
+from outcore.planner.sizes import model_spec, unit_bytes
 from outcore.recipes.checkpoint import load_units, save_units
 from outcore.recipes.export import unit_weights
 

@@ -6,9 +6,8 @@ import copy
 import pytest
 import torch
 
-from outcore.offload.store.handle import Tier
-from outcore.offload.engine.assemble import offload_model
-from outcore.offload.engine.units import Part
+from outcore.offload.engine import Part, offload_model
+from outcore.offload.store import Tier
 from outcore.recipes.export import export_offloaded, unit_weights
 
 LR = 1e-3
@@ -89,9 +88,9 @@ def test_lora_export_merges_adapters(tiny_llama_factory, tmp_path, compute_devic
 
 
 def test_mixing_streamed_and_resident_trainables_is_refused(tiny_llama_factory, tmp_path):
-    from outcore.offload.engine.units import causal_lm_units
+    from outcore.offload.engine import causal_lm_units
 
-    from outcore.offload.engine.engine import OutOfCoreEngine
+    from outcore.offload.engine import OutOfCoreEngine
 
     model = tiny_llama_factory(seed=0, layers=2)
     units = causal_lm_units(model)

@@ -6,9 +6,8 @@ import copy
 import pytest
 import torch
 
-from outcore.offload.store.handle import Tier
-from outcore.offload.engine.assemble import offload_model
-from outcore.offload.engine.units import Part
+from outcore.offload.engine import Part, offload_model
+from outcore.offload.store import Tier
 from outcore.optim import AdamW
 from outcore.recipes.export import unit_weights
 

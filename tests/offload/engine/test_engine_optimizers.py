@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from outcore.offload.store.handle import Tier
-from outcore.offload.engine.assemble import offload_model
+from outcore.offload.engine import offload_model
+from outcore.offload.store import Tier
 from outcore.optim import build_optimizer
 from outcore.recipes.export import unit_weights
 

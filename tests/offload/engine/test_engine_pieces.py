@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from outcore.offload.device import is_accelerator, supports_sparse
-from outcore.offload.store.handle import Tier
-from outcore.offload.engine.assemble import offload_model
-from outcore.offload.engine import unit_sizes
+from outcore.offload.store import Tier
+from outcore.offload.engine import offload_model, unit_sizes
 from outcore.offload.engine.unit_sizes import PIECE_ALIGN, state_pieces, step_window, weights_arena_bytes, window_bytes
 from outcore.optim import AdamW, GaLore
 from outcore.recipes.checkpoint import load_units, save_units
@@ -150,7 +149,7 @@ def test_checkpoint_of_pieced_state_resumes_whole_and_back(tiny_llama_factory, t
 
 def test_only_elementwise_optimizers_split(tiny_llama_factory):
     """A projection method's update mixes elements: its state is never split."""
-    from outcore.offload.engine.units import causal_lm_units
+    from outcore.offload.engine import causal_lm_units
 
     m = _model(tiny_llama_factory)
     units = causal_lm_units(m)

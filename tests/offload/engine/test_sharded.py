@@ -23,9 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from outcore.offload.engine.sharded_checkpoint import load_sharded, save_sharded
-from outcore.offload.engine.assemble import offload_model
-from outcore.offload.engine.units import WEIGHTS
+from outcore.offload.engine import WEIGHTS, load_sharded, offload_model, save_sharded
 from outcore.optim import build_optimizer
 from outcore.recipes.export import unit_weights
 
@@ -173,10 +171,10 @@ def test_two_ranks_equal_one_rank_accumulating(ranks_out, tmp_path, name, clip, 
 
 
 def test_shard_ranges_cut_pieces_and_cover_every_element(tiny_llama_factory):
-    from outcore.offload.distributed.ranks import Ranks
+    from outcore.offload.distributed import Ranks
+    from outcore.offload.engine import causal_lm_units
     from outcore.offload.engine.sharding import Shard
     from outcore.offload.engine.unit_sizes import PIECE_ALIGN
-    from outcore.offload.engine.units import causal_lm_units
 
     m = tiny_llama_factory(layers=1)
     for unit in causal_lm_units(m):
@@ -192,7 +190,7 @@ def test_shard_ranges_cut_pieces_and_cover_every_element(tiny_llama_factory):
 
 def test_an_optimizer_that_mixes_elements_is_refused(tiny_llama_factory, tmp_path):
     from outcore.errors import ConfigError
-    from outcore.offload.distributed.ranks import Ranks
+    from outcore.offload.distributed import Ranks
 
     m = tiny_llama_factory(layers=1)
     opt = build_optimizer("galore", list(m.parameters()), lr=LR, rank=4)

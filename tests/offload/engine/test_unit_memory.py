@@ -10,11 +10,9 @@ import pytest
 import torch
 from torch import nn
 
+from outcore.offload.engine import WEIGHTS, ParamSlot, Part, StoreUnitMemory, Unit
+from outcore.offload.store import Residency, Tier, TieredStore
 from outcore.offload.store._futures import then
-from outcore.offload.store.handle import Residency, Tier
-from outcore.offload.store.store import TieredStore
-from outcore.offload.engine.unit_memory import StoreUnitMemory
-from outcore.offload.engine.units import WEIGHTS, ParamSlot, Part, Unit
 
 N = 4096  # elements per unit: one 16 KiB extent
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from outcore.offload.store.arena import Arena, FreeList
 from outcore.offload.device import ALIGN, Device, aligned_empty, list_devices, measure_copy_gbps
+from outcore.offload.store.arena import Arena, FreeList
 from outcore.offload.store.directio import IOPool, is_aligned, open_direct, supports_o_direct
 from outcore.offload.store.nvme import checksum
 
@@ -176,8 +176,7 @@ def test_device_round_trip_through_pinned_host(tmp_path, compute_device):
     """NVMe -> DEVICE and back passes through pinned HOST memory; once a copy has landed its
     HOST staging copy is freed."""
     from outcore.offload.device import is_accelerator
-    from outcore.offload.store.handle import Tier
-    from outcore.offload.store.store import TieredStore
+    from outcore.offload.store import Tier, TieredStore
 
     if not is_accelerator(compute_device):
         pytest.skip("a CPU's DEVICE tier is RAM: its copies are not staged through the HOST tier")

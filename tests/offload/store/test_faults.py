@@ -16,12 +16,10 @@ import pytest
 import torch
 
 from outcore.errors import EXIT_DISK_FULL, DiskFullError, IntegrityError, SwapDirError
-from outcore.offload.store import directio, nvme as nvme_mod, swapdir as swapdir_mod
 from outcore.offload.device import aligned_empty
-from outcore.offload.store.handle import Residency, Tier
+from outcore.offload.store import directio, nvme as nvme_mod, swapdir as swapdir_mod
+from outcore.offload.store import LOCK_NAME, Residency, SwapDir, Tier, TieredStore, find_leftover_swap_dirs
 from outcore.offload.store.nvme import DATA_FILE, NvmeBackend
-from outcore.offload.store.store import TieredStore
-from outcore.offload.store.swapdir import LOCK_NAME, SwapDir, find_leftover_swap_dirs
 
 MiB = 1 << 20
 

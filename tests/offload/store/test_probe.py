@@ -8,8 +8,8 @@ import sys
 import psutil
 
 from outcore.offload.store import probe as probe_mod
+from outcore.offload.store import LOCK_NAME, SwapDir
 from outcore.offload.store.probe import HardwareProbe, fs_type, probe_hardware
-from outcore.offload.store.swapdir import LOCK_NAME, SwapDir
 
 
 def test_probe_without_measuring(tmp_path):

@@ -13,8 +13,7 @@ import torch
 
 from outcore.errors import BudgetError
 from outcore.offload.device import align_up
-from outcore.offload.store.handle import Residency, Tier
-from outcore.offload.store.store import TieredStore
+from outcore.offload.store import Residency, Tier, TieredStore
 
 MiB = 1 << 20
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8]
@@ -315,7 +314,7 @@ def test_evict_waits_for_a_transfer_reading_the_copy(store, monkeypatch):
 
 
 def test_traffic_counts_moves_and_windows():
-    from outcore.offload.store.traffic import TierTraffic
+    from outcore.offload.store import TierTraffic
     tr = TierTraffic()
     tr.moved(Tier.NVME, Tier.DEVICE, 8192)
     tr.wrote(Tier.NVME, 4096)
@@ -363,8 +362,8 @@ def test_budget_error_names_fragmentation(tmp_path):
 
 def test_large_blocks_come_from_the_top_so_small_ones_cannot_split_them():
     """Regression: a HOST window of 2 large moments + small block states failed first-fit."""
-    from outcore.offload.store.arena import Arena, FreeList
     from outcore.offload.device import ALIGN, aligned_empty
+    from outcore.offload.store.arena import Arena, FreeList
     arena = Arena(10 * ALIGN, aligned_empty, large_fraction=0.3)  # >= 3 pages is large
     small = [arena.alloc(ALIGN) for _ in range(3)]  # bottom: pages 0..2
     big1 = arena.alloc(4 * ALIGN)
@@ -385,8 +384,8 @@ def test_large_blocks_come_from_the_top_so_small_ones_cannot_split_them():
 
 
 def test_free_list_high_and_low_allocations_never_overlap():
-    from outcore.offload.store.arena import FreeList
     from outcore.offload.device import ALIGN
+    from outcore.offload.store.arena import FreeList
     rng = random.Random(7)
     fl, live = FreeList(64 * ALIGN), []
     for _ in range(400):

@@ -6,7 +6,7 @@ import textwrap
 import pytest
 import torch
 
-from outcore.offload.zo.engine import ZOBlockTrainer
+from outcore.offload.zo import ZOBlockTrainer
 from outcore.optim.zo_core import ZOHyper
 
 WORKER = textwrap.dedent('''

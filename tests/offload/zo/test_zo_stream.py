@@ -3,8 +3,7 @@ import pytest
 import torch
 
 from outcore.errors import ConfigError, SwapDirError
-from outcore.offload.zo.engine import ZOBlockTrainer
-from outcore.offload.zo.model import CausalLMBlocks
+from outcore.offload.zo import CausalLMBlocks, ZOBlockTrainer
 from outcore.optim.zo_core import ZOHyper
 from outcore.optim.zo_replay import ZOLog, replay
 
