@@ -8,9 +8,9 @@ authoritative copy lives in its *home* tier (NVME or HOST); working copies are
 fetched into faster tiers, computed on in place through a tensor *view*, marked
 dirty and written back asynchronously. Budgets are exact and never exceeded;
 NVMe I/O is O_DIRECT through a small thread pool, with a checksum per extent.
-Units of a model (``units.py``) keep their buffers in a :class:`StoreUnitMemory`
-(``unit_memory.py``) over the store; first-order training (``engine.py``) and
-zeroth-order block streaming (``zo_engine.py``) both stream through it::
+Units of a model (``engine/units.py``) keep their buffers in a :class:`StoreUnitMemory`
+(``engine/unit_memory.py``) over the store; first-order training (``engine/``) and
+zeroth-order block streaming (``zo/``) both stream through it::
 
     store = TieredStore(device_bytes=2 << 30, host_bytes=8 << 30, nvme_bytes=64 << 30,
                         swap_dir="outputs/run/swap")
@@ -23,6 +23,9 @@ zeroth-order block streaming (``zo_engine.py``) both stream through it::
     store.close()                                      # removes the swap dir
 
 ``probe_hardware()`` measures what the machine offers.
+
+Layers, low to high, each importing only those below it: the device layer (``device.py``,
+``modes.py``, the simulated accelerator), ``store/``, ``distributed/``, ``engine/``, ``zo/``.
 """
 from .._exports import lazy_exports
 

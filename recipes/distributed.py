@@ -2,7 +2,7 @@
 everything a recipe does differently when it is one of several processes.
 
 ``torchrun --nproc-per-node N -m outcore finetune ...`` starts N copies of the same command;
-each joins the process group here (:func:`join_run`, ``offload.ranks.join`` with the run's
+each joins the process group here (:func:`join_run`, ``offload.distributed.join`` with the run's
 ``dist_timeout_s``) and then:
 
 * **data** — step *s* takes ``grad_accum × world`` micro-batches from the one shuffled order
