@@ -13,8 +13,7 @@ import gc
 import pytest
 import torch
 
-from outcore.offload.device import Device, is_accelerator
-from outcore.offload.device import align_up
+from outcore.offload.device import Device, align_up, is_accelerator
 from outcore.offload.engine import WEIGHTS, offload_model
 from outcore.offload.store import Tier, TieredStore
 from outcore.optim import AdamW
