@@ -45,7 +45,7 @@ def finetune(config: FinetuneConfig | None = None, sink: EventSink | None = None
 
         # The sink writes nothing before the run's first event, and the recipe creates
         # (or checks, for a resume) the output directory before it sends one.
-        from .offload.ranks import from_env
+        from .offload.distributed import from_env
 
         # under torchrun rank 0 shows the run; the others write their metrics file only
         sink = make_sink(config.ui, config.output, report_to=config.report_to, rank=from_env().rank)

@@ -92,7 +92,7 @@ class BufferPool:
         fresh zero pages in."""
         if not self._can_discard:
             return
-        from ..offload.directio import discard_pages
+        from ..offload.store import discard_pages
 
         with self._lock:
             self._idle = True
@@ -117,7 +117,7 @@ class BufferPool:
         with self._lock:
             if len(self._free) < self.keep:
                 if self._idle:
-                    from ..offload.directio import discard_pages
+                    from ..offload.store import discard_pages
 
                     discard_pages(buf)
                 self._free.append(buf)

@@ -54,7 +54,7 @@ class ActivationPolicy(enum.Enum):
 
 
 #: ``auto``: measure the first training forward, then :func:`choose_policy` per block
-#: (out of core, the planner's rule instead: ``offload/plan_choice.py``).
+#: (out of core, the planner's rule instead: ``planner/choice.py``).
 AUTO = "auto"
 #: ``offload``: OFFLOAD_NVME for every block but the last ``keep_last`` (:func:`expand_policy`).
 OFFLOAD = "offload"

@@ -9,7 +9,7 @@ The Trainer keeps its loop, its data, its scheduler, its logging, its callbacks 
 checkpoint folders. What changes sits under four of its methods:
 
 * ``create_optimizer`` builds outcore's AdamW (or takes the ``outcore.optim`` optimizer passed
-  through ``optimizers=``) and hands the model to :func:`~outcore.offload.training.offload_model`:
+  through ``optimizers=``) and hands the model to :func:`~outcore.offload.engine.assemble.offload_model`:
   weights and optimizer state move to the tiers and stream through the engine's hooks. The
   Trainer gets an :class:`EngineOptimizer` whose ``param_groups`` its scheduler drives.
 * ``training_step`` runs the Trainer's own forward and backward inside the engine's micro-batch
@@ -157,7 +157,7 @@ class OutOfCoreMixin:
         """Build the engine over ``self.model`` (once) and return the optimizer the Trainer steps."""
         if self.engine is not None:
             return self.optimizer
-        from ..offload.training import offload_model
+        from ..offload.engine import offload_model
 
         if self.adapters:
             # the Trainer's own optimizer over the adapters (its weight-decay groups), and its own

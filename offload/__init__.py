@@ -8,9 +8,9 @@ authoritative copy lives in its *home* tier (NVME or HOST); working copies are
 fetched into faster tiers, computed on in place through a tensor *view*, marked
 dirty and written back asynchronously. Budgets are exact and never exceeded;
 NVMe I/O is O_DIRECT through a small thread pool, with a checksum per extent.
-Units of a model (``units.py``) keep their buffers in a :class:`StoreUnitMemory`
-(``unit_memory.py``) over the store; first-order training (``engine.py``) and
-zeroth-order block streaming (``zo_engine.py``) both stream through it::
+Units of a model (``engine/units.py``) keep their buffers in a :class:`StoreUnitMemory`
+(``engine/unit_memory.py``) over the store; first-order training (``engine/``) and
+zeroth-order block streaming (``zo/``) both stream through it::
 
     store = TieredStore(device_bytes=2 << 30, host_bytes=8 << 30, nvme_bytes=64 << 30,
                         swap_dir="outputs/run/swap")
@@ -23,19 +23,20 @@ zeroth-order block streaming (``zo_engine.py``) both stream through it::
     store.close()                                      # removes the swap dir
 
 ``probe_hardware()`` measures what the machine offers.
+
+Layers, low to high, each importing only those below it: the device layer (``device.py``,
+``modes.py``, the simulated accelerator), ``store/``, ``distributed/``, ``engine/``, ``zo/``.
 """
 from .._exports import lazy_exports
 
 # Lazy exports (PEP 562): ``import outcore.offload`` stays free of torch until a name is used.
 _EXPORTS = {
-    "Device": ".device", "IOPool": ".directio", "Residency": ".handle", "TensorHandle": ".handle",
-    "Tier": ".handle", "Extent": ".nvme", "NvmeBackend": ".nvme",
-    "HardwareProbe": ".probe", "probe_hardware": ".probe", "TieredStore": ".store",
-    "SwapDir": ".swapdir", "find_leftover_swap_dirs": ".swapdir",
-    "MemoryPlan": ".plan", "UnitPlacement": ".plan", "make_plan": ".plan", "plan_for_config": ".plan",
-    "Budgets": ".plan_budget", "budgets_from_probe": ".plan_budget", "parse_bytes": ".plan_budget",
-    "format_bytes": ".plan_budget", "OutOfCoreEngine": ".engine",
-    "offload_model": ".training", "ZOBlockTrainer": ".zo_engine",
+    "Device": ".device", "IOPool": ".store", "Residency": ".store", "TensorHandle": ".store",
+    "Tier": ".store", "Extent": ".store", "NvmeBackend": ".store",
+    "HardwareProbe": ".store", "probe_hardware": ".store", "TieredStore": ".store",
+    "SwapDir": ".store", "find_leftover_swap_dirs": ".store",
+    "parse_bytes": "..bytesize", "format_bytes": "..bytesize", "OutOfCoreEngine": ".engine",
+    "offload_model": ".engine", "ZOBlockTrainer": ".zo",
 }
 __all__ = sorted(_EXPORTS)
 

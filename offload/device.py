@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import mmap
 import threading
 import time
 import weakref
@@ -32,7 +33,6 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .directio import aligned_empty
 from .modes import DEVICE_CHOICES
 
 
@@ -275,6 +275,37 @@ def use_local_device(local_rank: int) -> None:
         raise RuntimeError(f"LOCAL_RANK={local_rank} but this machine has {count} GPU(s): "
                            f"launch at most {count} processes per node (torchrun --nproc-per-node {count})")
     torch.cuda.set_device(local_rank)
+
+
+ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffer addresses (4 KiB covers every NVMe LBA size in use)
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    """Round ``n`` up to a multiple of ``align``."""
+    return (n + align - 1) // align * align
+
+
+def aligned_empty(nbytes: int, populate: bool = True) -> torch.Tensor:
+    """A page-aligned uint8 host buffer (not pinned) of ``align_up(nbytes)`` bytes.
+
+    Args:
+        nbytes: requested size; rounded up to a multiple of 4 KiB.
+        populate: touch every page now, so the memory is physically resident
+            (the budget it stands for is real, and the first I/O does not
+            page-fault).
+
+    Returns:
+        A 1-D ``torch.uint8`` tensor ``[align_up(nbytes)]`` whose storage is an
+        anonymous ``mmap`` (freed when the last view is gone).
+    """
+    if nbytes <= 0:
+        raise ValueError(f"aligned_empty: nbytes={nbytes} must be > 0")
+    size = align_up(nbytes)
+    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    t = torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive through the buffer protocol
+    if populate:
+        t.zero_()
+    return t
 
 
 def _register_host(device: torch.device, t: torch.Tensor) -> Callable[[], None]:

@@ -1,5 +1,5 @@
 """Offload modes: where a run keeps the authoritative copy of its weights, gradients and
-optimizer state (``--offload``, ``FinetuneConfig.offload``, :func:`~outcore.offload.plan.make_plan`).
+optimizer state (``--offload``, ``FinetuneConfig.offload``, :func:`~outcore.planner.plan.make_plan`).
 
 The one list of their names; torch-free, so the config and the command line can name
 them without importing torch.
@@ -7,7 +7,7 @@ them without importing torch.
 from __future__ import annotations
 
 NONE = "none"  # everything on DEVICE (in memory); an error if it does not fit
-AUTO = "auto"  # of the layouts that fit, the fastest, or within 10% of it the one writing least (plan_choice.py)
+AUTO = "auto"  # of the layouts that fit, the fastest, or within 10% of it the one writing least (planner/choice.py)
 CPU = "cpu"  # streamed from HOST; DEVICE holds the prefetch window
 NVME = "nvme"  # streamed from NVMe; HOST and DEVICE hold windows
 

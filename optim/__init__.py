@@ -10,7 +10,7 @@ the planner take theirs from it (the planner sizes each one's state from its own
 ``state_spec``). To add an optimizer, subclass :class:`OutcoreOptimizer` and name it there.
 Every class is imported on first use, so naming an optimizer does not import torch.
 The block schedule that streams a zeroth-order run (MeZO / Sparse MeZO) from NVMe is
-:mod:`outcore.offload.zo_engine`; it gets the ZO math from ``ZOHyper.rule``.
+:mod:`outcore.offload.zo.engine`; it gets the ZO math from ``ZOHyper.rule``.
 """
 from __future__ import annotations
 

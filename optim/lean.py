@@ -9,7 +9,7 @@ that chunk's state, and rounds the result back *stochastically*
 (``kernels/stochastic_round.py``), so every update moves a weight by its exact value on
 average. With :class:`~outcore.optim.AdamW8bit` the bytes written per parameter per step are
 the bf16 weight (2) and the two 8-bit moments (2): their block absmax stays in RAM
-(``offload.unit_sizes.ram_kinds``).
+(``offload.engine.unit_sizes.ram_kinds``).
 
 The rounding's random bits are a hash of (run seed, parameter position, the tensor's update
 count, element index), never a generator stream: the position and count are two int64

@@ -15,7 +15,7 @@ activations kept, no optimizer state). z is regenerated from the seed by
 fp32 note: ``w + eps z - 2 eps z + eps z`` is not exactly ``w`` after rounding.
 The drift is deterministic, so :func:`outcore.optim.zo_replay.replay` re-applies
 the same three perturbations (log schedule ``"inplace"``) and reproduces the
-weights bit-for-bit. The block schedule in :mod:`outcore.offload.zo_engine`
+weights bit-for-bit. The block schedule in :mod:`outcore.offload.zo.engine`
 instead perturbs from a clean copy of one block and restores exactly
 (schedule ``"exact"``); that is the path the recipe, streaming and distributed
 ZO use.

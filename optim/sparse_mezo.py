@@ -8,7 +8,7 @@ and ``mask = |w| <= threshold`` is regenerated from the weights right before
 each use and dropped at once (see :mod:`outcore.optim.zo_core`). In the
 in-place optimizer path the masks of one sample live for that sample's three
 perturbations (one byte per parameter, transient); the block schedule in
-:mod:`outcore.offload.zo_engine` holds them for one block only.
+:mod:`outcore.offload.zo.engine` holds them for one block only.
 """
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ class ZOHyper:
 
     def rule(self, n_params: int) -> "ZORule":
         """The update rule these hyper-parameters define over ``n_params`` parameters: what
-        the block schedule (:mod:`outcore.offload.zo_engine`) applies, without importing it."""
+        the block schedule (:mod:`outcore.offload.zo.engine`) applies, without importing it."""
         return ZORule(self, n_params)
 
     @classmethod
@@ -208,7 +208,7 @@ def projected_grads(losses_plus: Sequence[float], losses_minus: Sequence[float],
 class ZORule:
     """The MeZO / Sparse MeZO math the ZO block schedule applies, one parameter at a time.
 
-    The schedule (:mod:`outcore.offload.zo_engine`) owns the order of visits and the
+    The schedule (:mod:`outcore.offload.zo.engine`) owns the order of visits and the
     memory; this object owns the run's ZO state (momentum window, thresholds) and
     the update, so the schedule needs no optimizer internals. Build it with
     :meth:`ZOHyper.rule`.

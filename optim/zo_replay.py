@@ -7,7 +7,7 @@ kilobytes per thousand steps) plus the base weights *is* the checkpoint;
 :func:`replay` turns it back into the trained weights, bit-for-bit, by calling
 the same update code (:mod:`outcore.optim.zo_core`) in the same order:
 
-* schedule ``"exact"`` (block schedule, :mod:`outcore.offload.zo_engine`):
+* schedule ``"exact"`` (block schedule, :mod:`outcore.offload.zo.engine`):
   perturbations never touch the clean weights, so replay applies only the updates;
 * schedule ``"inplace"`` (:class:`outcore.optim.mezo.MeZO`): replay also
   re-applies the ``+eps, -2 eps, +eps`` perturbations, whose fp32 rounding is

@@ -300,9 +300,9 @@ class StreamedModel:
         import tempfile
         from pathlib import Path
 
+        from ..bytesize import parse_bytes
         from ..models import plain_name
-        from ..offload.inference import StreamedInference
-        from ..offload.plan import parse_bytes
+        from ..offload.engine import StreamedInference
 
         model.config.use_cache = False  # no generation: a KV cache only costs memory
         device = resolve_device(cfg.device)

@@ -271,7 +271,7 @@ def _export_units(cfg: Any, last: Path, out: Path) -> Path:
     built on the meta device and each unit's weights go from the checkpoint to its shard, one
     unit at a time."""
     from ..models import load_model_lazily
-    from ..offload.units import WEIGHTS, causal_lm_units
+    from ..offload.engine import WEIGHTS, causal_lm_units
     from ..dtypes import torch_dtype
     from ..training.dcp import sharded_unit_weights
 

@@ -3,7 +3,7 @@
 :func:`load_generator` loads what ``outcore finetune --model`` takes (the embedded
 ``default``, a Hugging Face directory, a ``.gguf``, a hub id), or a run directory (its
 ``final/`` model, or its newest checkpoint exported to a temporary directory), either in
-memory or with its weights streamed through the tiers (``offload.inference``, the
+memory or with its weights streamed through the tiers (``offload.engine.inference``, the
 training engine's hooks and prefetch). A :class:`Generator` then runs
 ``model.generate`` — its KV cache, greedy (``temperature=0``) or sampled — on a batch of
 prompts (:meth:`Generator.generate`, ``outcore generate``) or on one conversation with
@@ -73,7 +73,7 @@ class Generator:
     Args:
         model: a causal LM (in memory, or its weights streamed by ``streamed``).
         tokenizer: its tokenizer.
-        streamed: the ``offload.inference.StreamedInference`` streaming its weights (None: in memory).
+        streamed: the ``offload.engine.inference.StreamedInference`` streaming its weights (None: in memory).
         temporary: a directory to remove on :meth:`close` (a run's checkpoint exported for this).
         device: where it computes (in memory the model is moved there; streamed, the engine's).
     """
@@ -327,7 +327,7 @@ def _load(spec: str, offload: str, dtype: torch.dtype, swap_dir: str | Path | No
             return Generator(*load_model(spec, dtype=dtype), temporary=temporary, device=device)
         offload = "nvme"
     from ..models import default_cache_dir
-    from ..offload.inference import StreamedInference
+    from ..offload.engine import StreamedInference
 
     if swap_dir is None:
         (default_cache_dir() / "swap").mkdir(parents=True, exist_ok=True)

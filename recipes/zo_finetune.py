@@ -1,7 +1,7 @@
 """Zeroth-order fine-tuning (MeZO / Sparse MeZO): forward passes only, optionally from disk.
 
 Read it top to bottom: ``setup`` loads the model and data and builds the ZO
-block trainer (:mod:`outcore.offload.zo_engine`; weights in RAM, or streamed
+block trainer (:mod:`outcore.offload.zo.engine`; weights in RAM, or streamed
 from NVMe through the tiered store in the swap directory when
 ``offload=nvme``), ``train`` runs the steps — each one visits every block
 once with two forward passes per perturbation sample — and ``cleanup``
@@ -89,7 +89,7 @@ class ZORecipe:
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         from ..data import BatchLoader, build_datasets, check_seq_len
-        from ..offload.zo_engine import ZOBlockTrainer
+        from ..offload.zo import ZOBlockTrainer
         from ..optim.zo_replay import ZOLog, ZOLogWriter, replay_into_
 
         cfg = self.cfg

@@ -142,7 +142,7 @@ class OutcoreTrainer:
         if budgets is None:
             self.plan = make_plan(cfg, self.model)
         else:  # the plan `outcore plan` prints after `outcore doctor` measured the machine
-            from outcore.offload.plan import plan_for_config
+            from outcore.planner import plan_for_config
 
             self.plan = plan_for_config(cfg, self.model, budgets=budgets)
         # The recipe's loss: the decoder's hidden states into the chunked LM-head loss.

@@ -14,8 +14,8 @@ from typing import Any
 def measured_budgets(swap_dir: str):
     """The budgets ``outcore plan`` would use here: probed, with the disk and copies measured
     (the matmul rate is measured by the plan, in its compute dtype)."""
-    from outcore.offload.plan import budgets_from_probe
-    from outcore.offload.probe import probe_hardware
+    from outcore.offload.store import probe_hardware
+    from outcore.planner import budgets_from_probe
 
     return budgets_from_probe(probe_hardware(swap_dir, measure=True, seconds=2.0))
 
@@ -27,7 +27,7 @@ def plan_estimate(config: Any, budgets: Any, *, offload: str, optim: str, dtype:
     Returns:
         The estimate's figures, or ``{"error": ...}`` when no layout fits (a result too).
     """
-    from outcore.offload.plan import make_plan
+    from outcore.planner import make_plan
 
     try:
         plan = make_plan(config, offload=offload, optim=optim, dtype=dtype, seq_len=seq, batch_size=batch,

@@ -153,12 +153,13 @@ def cmd_env(args) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------
 # The equivalence suite: out of core == in memory, bit for bit (docs/architecture.md), and ours ==
 # the references. On a GPU each runs on the device the lead's OUTCORE_TEST_DEVICE option picks.
-EQUIVALENCE = ("tests/offload/test_device_path.py", "tests/offload/test_engine.py", "tests/offload/test_engine_mixed.py",
-               "tests/offload/test_engine_optimizers.py", "tests/offload/test_engine_lean.py",
-               "tests/offload/test_engine_pieces.py", "tests/offload/test_engine_lora.py",
-               "tests/offload/test_tied_embedding.py", "tests/optim/test_reference_equivalence.py")
+EQUIVALENCE = ("tests/offload/test_device_path.py", "tests/offload/engine/test_engine.py",
+               "tests/offload/engine/test_engine_mixed.py",
+               "tests/offload/engine/test_engine_optimizers.py", "tests/offload/engine/test_engine_lean.py",
+               "tests/offload/engine/test_engine_pieces.py", "tests/offload/engine/test_engine_lora.py",
+               "tests/offload/engine/test_tied_embedding.py", "tests/optim/test_reference_equivalence.py")
 # a device-parametrized one, so the dry run's `-k sim` selects it
-EQUIVALENCE_DRY = ("tests/offload/test_engine.py::test_checkpoint_resume_and_export",)
+EQUIVALENCE_DRY = ("tests/offload/engine/test_engine.py::test_checkpoint_resume_and_export",)
 
 
 def gpu_test_files() -> list[str]:

@@ -121,9 +121,8 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
     from outcore.activations import apply_activation_policy
     from outcore.kernels import CausalLMHeadLoss
     from outcore.models._lazy import materialize_buffers
-    from outcore.offload.plan import plan_for_config
-    from outcore.offload.plan_budget import budgets_from_probe
-    from outcore.offload.probe import probe_hardware
+    from outcore.offload.store import probe_hardware
+    from outcore.planner import budgets_from_probe, plan_for_config
     from outcore.training.build import build_optimizer, offload_from_plan, with_lora
 
     cfg = _config(args, swap)

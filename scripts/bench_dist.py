@@ -50,10 +50,9 @@ def _rank(args: argparse.Namespace) -> dict:
 
     from outcore.models import plain_name
     from outcore.models._lazy import materialize_buffers
-    from outcore.offload import ranks as ranks_mod
-    from outcore.offload.handle import Tier
-    from outcore.offload.training import offload_model
-    from outcore.offload.units import WEIGHTS
+    from outcore.offload.distributed import ranks as ranks_mod
+    from outcore.offload.engine import WEIGHTS, offload_model
+    from outcore.offload.store import Tier
     from outcore.optim import build_optimizer
 
     ranks = ranks_mod.join(timeout_s=600)

@@ -103,14 +103,14 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from outcore.activations import apply_activation_policy
+    from outcore.bytesize import parse_bytes
     from outcore.kernels import CausalLMHeadLoss
     from outcore.models._lazy import materialize_buffers
     from outcore.offload.device import resolve_device
-    from outcore.offload.plan import parse_bytes, plan_for_config
-    from outcore.offload.plan_budget import budgets_from_probe
-    from outcore.offload.probe import probe_hardware
-    from outcore.training.config import load_config
+    from outcore.offload.store import probe_hardware
+    from outcore.planner import budgets_from_probe, parse_bytes, plan_for_config
     from outcore.training.build import build_optimizer, offload_from_plan
+    from outcore.training.config import load_config
 
     device = resolve_device(args.device)
     cap = parse_bytes(args.device_mem)
@@ -165,7 +165,7 @@ def _train(run: dict, args: argparse.Namespace) -> dict:
     import torch
 
     from outcore.offload.device import synchronize_device
-    from outcore.offload.handle import Tier
+    from outcore.offload.store import Tier
 
     model, head, engine, device = run["model"], run["head"], run["engine"], run["device"]
     traffic = engine.store.traffic
@@ -226,7 +226,7 @@ def _digest(engine) -> str:
 def _floor(out: dict, run: dict, args: argparse.Namespace) -> dict:
     """The step's physical floor: the slowest of compute at the measured matmul rate and each
     link's bytes (as counted this step) at its measured rate."""
-    from outcore.offload.plan_budget import measure_matmul_flops
+    from outcore.planner.budget import measure_matmul_flops
 
     rates = out["measured_rates"]
     flops = 0.0 if args.no_measure else measure_matmul_flops(run["device"].type if run["device"].type != "sim"

@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 import xxhash
 
-from outcore.offload.directio import IOPool, aligned_empty, open_direct
-from outcore.offload.nvme import NvmeBackend
-from outcore.offload.swapdir import SwapDir
+from outcore.offload.device import aligned_empty
+from outcore.offload.store import NvmeBackend, SwapDir
+from outcore.offload.store.directio import IOPool, open_direct
 from outcore.tui.jsonout import emit_json, json_stdout
 
 MiB = 1 << 20

@@ -45,7 +45,7 @@ def measure(args) -> dict:
     from outcore.data import BatchLoader, build_datasets
     from outcore.dtypes import EXACT
     from outcore.models import load_model
-    from outcore.offload.training import offload_model
+    from outcore.offload.engine import offload_model
     from outcore.optim import build_optimizer, with_precision
 
     dtype = torch.float32 if args.precision == EXACT and args.dtype == "float32" else torch.bfloat16

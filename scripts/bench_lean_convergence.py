@@ -15,7 +15,7 @@ clipping and hyper-parameters; the loop, loss and evaluation are
   chunk rounded back with ``.copy_``) — what stochastic rounding is there to fix.
 
 They run in memory: lean in memory and out of core give the same weights bit for bit
-(``tests/offload/test_engine_lean.py``), so streaming would only make the figure slower.
+(``tests/offload/engine/test_engine_lean.py``), so streaming would only make the figure slower.
 Side by side, one process and ``--threads`` (1) thread each, as the 8-bit bench does.
 Also reported per run: seconds per step, and for the lean mode the bytes its update writes
 per trainable parameter per step, from the optimizer's state and the weights' dtype (the

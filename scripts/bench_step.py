@@ -198,7 +198,8 @@ def _fits_in_ram(mode: str, args, config) -> str | None:
         return None
     import psutil
 
-    from outcore.offload.plan import Budgets, format_bytes, make_plan
+    from outcore.bytesize import format_bytes
+    from outcore.planner import Budgets, make_plan
 
     plan = make_plan(config, offload="none", seq_len=args.seq, batch_size=args.batch,
                      budgets=Budgets.unlimited(flops=1e11))

@@ -92,7 +92,7 @@ def run_mode(args: argparse.Namespace) -> dict:
     """One mode in this process; returns its measurements."""
     import torch
 
-    from outcore.offload.zo_engine import ZOBlockTrainer
+    from outcore.offload.zo import ZOBlockTrainer
     from outcore.optim.zo_core import ZOHyper
 
     torch.set_num_threads(os.cpu_count() or 1)

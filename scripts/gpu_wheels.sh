@@ -13,7 +13,7 @@
 #                  its cpu_adam and async_io ops JIT-build on the GPU machine (ninja, gcc, nvcc there)
 #   deepspeed's needs the image lacks: hjson, pydantic + pydantic-core (a cp312 binary),
 #                  annotated-types, typing-inspection, and typing-extensions (pydantic wants >= 4.14)
-#   bitsandbytes   0.50.2 (QLoRA: offload/nf4.py and its tests), 41 MiB: dropped, with a line
+#   bitsandbytes   0.50.2 (QLoRA: offload/engine/nf4.py and its tests), 41 MiB: dropped, with a line
 #                  saying so, when it would take the total over --limit-mib
 #   deb/           libaio's library and header for DeepSpeed's async_io op (ZeRO-Infinity), from
 #                  this machine's apt; gpu_proof.sh unpacks them under /tmp if the image has none

@@ -10,7 +10,7 @@ import torch
 
 from ..dtypes import EXACT
 from ..errors import ConfigError
-from ..offload.ranks import Ranks
+from ..offload.distributed import Ranks
 from . import distributed as dist
 from .config import FinetuneConfig
 
@@ -76,8 +76,8 @@ def check_offload_supported(cfg: FinetuneConfig) -> None:
 
 def make_plan(cfg: FinetuneConfig, model: torch.nn.Module):
     """The MemoryPlan of this run (budgets from --device-mem / --host-mem and this machine)."""
-    from ..offload.plan import plan_for_config
-    from ..offload.probe import probe_hardware
+    from ..offload.store import probe_hardware
+    from ..planner import plan_for_config
 
     probe = probe_hardware(swap_dir_of(cfg, Path(cfg.output)).parent, measure=False)
     return plan_for_config(cfg, model, probe=probe, world=dist.from_env().world)
@@ -104,13 +104,13 @@ def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: An
     ``fill(name, out)`` reads a weight of a meta-device model (see ``load_model_lazily``);
     ``device`` is where it computes (default: ``cfg.device``).
     With several ``ranks`` a full fine-tune's optimizer state is sharded across them
-    (``offload/sharding.py``); LoRA's resident adapters are not (``distributed.data_parallel``).
+    (``offload/engine/sharding.py``); LoRA's resident adapters are not (``distributed.data_parallel``).
     """
+    from ..bytesize import parse_bytes
     from ..models import plain_name
-    from ..offload.handle import Tier
+    from ..offload.engine import offload_model
     from ..offload.modes import CPU, NVME
-    from ..offload.plan import parse_bytes
-    from ..offload.training import offload_model
+    from ..offload.store import Tier
 
     home = {Tier.DEVICE: Tier.HOST, Tier.HOST: Tier.HOST, Tier.NVME: Tier.NVME}
     homes = [(home[u.weights], home[u.state or u.weights]) for u in plan.units]

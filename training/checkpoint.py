@@ -47,11 +47,11 @@ import xxhash
 from safetensors.torch import load_file, save_file
 
 from .._faults import fault_point
+from ..bytesize import format_bytes
 from ..errors import CheckpointError, DiskFullError
 from ..offload.device import rng_state as device_rng_state
 from ..offload.device import set_rng_state as set_device_rng_state
-from ..offload.plan_budget import format_bytes
-from ..offload.units import WEIGHTS
+from ..offload.engine import WEIGHTS
 
 _DIR = "checkpoints"
 _LATEST = "latest"

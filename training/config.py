@@ -149,7 +149,7 @@ class FinetuneConfig:
     def _validate_numbers(self) -> None:
         """The checks of the optimizer's, LoRA's and the memory budgets' numbers (bad values
         would otherwise surface as a traceback deep in torch, peft or the planner)."""
-        from ..offload.plan_budget import parse_bytes
+        from ..bytesize import parse_bytes
 
         if self.seed < 0:
             raise ConfigError(f"seed={self.seed!r} must be >= 0")

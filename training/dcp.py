@@ -20,9 +20,9 @@ checkpoint written by 2 ranks resumes on 1 and one written by 1 rank (the single
 format) on 2. ``checkpoint.load_checkpoint`` reads the model part too
 (``checkpoint.dcp_model_state``), so ``outcore export`` of a distributed run is the one-rank export.
 
-A full fine-tune out of core across ranks (its state sharded, ``offload/sharding.py``) writes
+A full fine-tune out of core across ranks (its state sharded, ``offload/engine/sharding.py``) writes
 ``step_X/units_dcp/<unit>`` instead, one DCP checkpoint per unit in a world-independent shard
-space (``offload/sharded_checkpoint.py``), through the same protocol; it resumes at any number of
+space (``offload/engine/sharded_checkpoint.py``), through the same protocol; it resumes at any number of
 ranks (:func:`restore_units`).
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, OutcoreError
-from ..offload.ranks import Ranks
+from ..offload.distributed import Ranks
 from . import checkpoint as ckpt
 from .checkpoint import DCP_DIR, DCP_MODEL, is_distributed, load_dcp_in_process
 from .distributed import broadcast_from_main
@@ -72,7 +72,7 @@ def save_distributed(output_dir: str | Path, step: int, model: torch.nn.Module,
         keep: complete checkpoints kept.
         ranks: this process's ranks.
         engine: an out-of-core engine sharded over the ranks: its weights and state are saved
-            unit by unit (``offload/sharded_checkpoint.py``) instead of ``model``/``optimizer``.
+            unit by unit (``offload/engine/sharded_checkpoint.py``) instead of ``model``/``optimizer``.
 
     Returns:
         The checkpoint directory.
@@ -92,7 +92,7 @@ def save_distributed(output_dir: str | Path, step: int, model: torch.nn.Module,
         def write(tmp: Path) -> None:
             dcp.save(state, checkpoint_id=tmp / DCP_DIR)
     else:
-        from ..offload.sharded_checkpoint import save_sharded
+        from ..offload.engine import save_sharded
 
         nbytes = ckpt.units_bytes(engine)
 
@@ -181,7 +181,7 @@ def restore_units(engine: Any, ckpt_dir: str | Path) -> None:
     """
     sharded = Path(ckpt_dir) / SHARDED_UNITS_DIR
     if sharded.is_dir():
-        from ..offload.sharded_checkpoint import load_sharded
+        from ..offload.engine import load_sharded
 
         load_sharded(engine, sharded)
     else:

@@ -2,7 +2,7 @@
 everything a recipe does differently when it is one of several processes.
 
 ``torchrun --nproc-per-node N -m outcore finetune ...`` starts N copies of the same command;
-each joins the process group here (:func:`join_run`, ``offload.ranks.join`` with the run's
+each joins the process group here (:func:`join_run`, ``offload.distributed.join`` with the run's
 ``dist_timeout_s``) and then:
 
 * **data** — step *s* takes ``grad_accum × world`` micro-batches from the one shuffled order
@@ -13,12 +13,12 @@ each joins the process group here (:func:`join_run`, ``offload.ranks.join`` with
 * **LoRA / QLoRA out of core** — each rank streams the frozen base read-only from its own swap
   directory (:func:`rank_swap_dir`) and the adapters' gradients are summed the same way
   (:class:`DataParallelAdapters`); a full fine-tune out of core shards its optimizer state
-  across the ranks inside the engine (``offload/sharding.py``: reduce-scatter, update, all-gather);
+  across the ranks inside the engine (``offload/engine/sharding.py``: reduce-scatter, update, all-gather);
 * **what is written once** — rank 0 holds the output directory's lock, writes ``config.yaml``,
   ``final/`` and commits checkpoints (:func:`prepare_run_dir`; ``dcp.py``); every
   rank writes its own metrics file (``tui.sinks.make_sink(rank=)``), rank 0's with every rank's
   stats (:func:`with_ranks`);
-* **ZO** — the ``samples`` split of ``offload/zo_distributed.py`` (:func:`zo_split`);
+* **ZO** — the ``samples`` split of ``offload/zo/distributed.py`` (:func:`zo_split`);
 * **a rank that dies** — every collective here waits at most ``dist_timeout_s``; gloo/NCCL fail
   at once when a peer's socket closes, and :func:`peer_guard` turns that into one
   :class:`~outcore.errors.RankLostError` line (exit 5) naming the run to ``--resume``.
@@ -41,7 +41,7 @@ import torch
 from .._faults import fault_point
 from ..errors import CheckpointError, OutcoreError, RankLostError
 from ..offload.device import distributed_backend
-from ..offload.ranks import Ranks, from_env, join, leave
+from ..offload.distributed import Ranks, from_env, join, leave
 from .elastic import continue_after_restart, mark_launch
 from .output_dir import prepare_output_dir
 
@@ -55,7 +55,7 @@ def join_run(cfg: Any) -> tuple[Ranks, bool]:
         cfg: the run's ``FinetuneConfig`` (``dist_timeout_s``).
 
     Returns:
-        ``(ranks, joined)``: this process's :class:`~outcore.offload.ranks.Ranks`, and whether
+        ``(ranks, joined)``: this process's :class:`~outcore.offload.distributed.ranks.Ranks`, and whether
         this call joined the group (then the run leaves it at its end: :func:`leaving_group`).
 
     Raises:
@@ -394,7 +394,7 @@ def rank_swap_dir(swap: Path, ranks: Ranks) -> Path:
 def zo_split(ranks: Ranks, output: str | Path | None = None) -> dict[str, Any]:
     """``ZOBlockTrainer``'s distributed arguments: sample i runs on rank i mod world.
 
-    The ``samples`` split (``offload/zo_distributed.py``): every rank on the same batch, the
+    The ``samples`` split (``offload/zo/distributed.py``): every rank on the same batch, the
     (seed, loss) pairs exchanged — bit-identical to one process with the same ``n_samples``,
     so the log rank 0 writes is the one-rank log, and ``--resume`` / ``outcore export`` replay it
     at any world size. (``data`` would average losses over different batches: a log that
@@ -402,7 +402,7 @@ def zo_split(ranks: Ranks, output: str | Path | None = None) -> dict[str, Any]:
     """
     if not ranks.distributed:
         return {}
-    from ..offload.zo_distributed import make_exchange
+    from ..offload.zo import make_exchange
 
     exchange = make_exchange("samples")
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from ..offload.ranks import elastic_attempt
+from ..offload.distributed import elastic_attempt
 from .checkpoint import latest_checkpoint
 
 LAUNCH_MARKER = ".outcore-launch"  # in the output directory: the launch that wrote it

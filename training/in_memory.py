@@ -13,8 +13,8 @@ from typing import Any, Callable
 import torch
 
 from ..events import TierStats
-from ..offload.ranks import Ranks
-from ..offload.update import step_in_memory
+from ..offload.distributed import Ranks
+from ..offload.engine import step_in_memory
 from .distributed import SINGLE, accumulate
 
 

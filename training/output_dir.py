@@ -68,7 +68,7 @@ def holding_output_dir(recipe: Any) -> Iterator[None]:
 def _lock_output_dir(out: Path) -> int:
     """Hold ``OUTPUT/.outcore-run.lock`` for the run: a second run on the same output
     directory — even with ``--overwrite`` — is refused before it touches the first's files."""
-    from ..offload.swapdir import LockHeld, hold_lock
+    from ..offload.store import LockHeld, hold_lock
 
     try:
         return hold_lock(out / RUN_LOCK)

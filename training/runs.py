@@ -142,7 +142,7 @@ def describe_run(run_dir: str | Path, metrics_rows: Iterable[dict[str, Any]] = (
 def _run_in_progress(path: Path, swap: Path) -> bool:
     """A live run holds the output directory's lock, or its swap directory's (a killed run
     leaves them unlocked)."""
-    from ..offload.swapdir import LOCK_NAME, is_locked
+    from ..offload.store import LOCK_NAME, is_locked
     from .output_dir import RUN_LOCK
 
     return is_locked(path / RUN_LOCK) or is_locked(swap / LOCK_NAME)

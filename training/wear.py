@@ -5,7 +5,7 @@ state it). Out of core, every step writes the updated weights and optimizer stat
 the swap file, so a long run on a small drive can use a visible share of that rating.
 :class:`WearMeter` counts what a run writes to its swap disk:
 
-- the swap file, from the store's own traffic counters (``offload/traffic.py``: bytes written
+- the swap file, from the store's own traffic counters (``offload/store/traffic.py``: bytes written
   into the NVME tier): the initial placement of the weights and optimizer state, every
   write-back of updated weights, state and spilled gradients, and activations offloaded to
   NVMe through the run's store (a ZO run streaming from NVMe counts the same way);
@@ -25,7 +25,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..events import RunFinished, StepEvent
-from ..offload.handle import Tier
+from ..offload.store import Tier
 from .checkpoint import checkpoints
 
 TB = 10**12  # TBW ratings are in decimal terabytes

@@ -1,7 +1,7 @@
 """``outcore doctor``: what this machine offers a run -- devices, RAM, the swap disk, backends --
 and, with ``--model M``, whether that model's family streams out of core (and why not).
 
-It renders ``outcore.offload.probe.probe_hardware(swap_dir, measure=...)``
+It renders ``outcore.offload.store.probe.probe_hardware(swap_dir, measure=...)``
 (``HardwareProbe.to_dict()``) as a table a person reads before a long run, with
 every warning in yellow, or as one JSON object with ``--json`` for scripts.
 """
@@ -46,7 +46,7 @@ def probe(swap_dir: str | None, measure: bool) -> dict[str, Any]:
     Raises:
         OutcoreError: e.g. SwapDirError for a swap directory that is missing or not writable.
     """
-    from ..offload.probe import probe_hardware  # may import torch: only when doctor runs
+    from ..offload.store import probe_hardware  # may import torch: only when doctor runs
 
     return probe_hardware(swap_dir, measure=measure).to_dict()
 

@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     import outcore  # the trainer (and torch) load only now
 
     result = outcore.finetune(config)
-    from ..offload.ranks import from_env
+    from ..offload.distributed import from_env
 
     if from_env().is_main:  # under torchrun: once, by rank 0
         print(f"outcore: output in {_output_dir(result, config.output)}")

@@ -1,6 +1,6 @@
 """``outcore plan``: the MemoryPlan of a run, printed before anything is loaded or trained.
 
-The model is sized from its config alone (``outcore.offload.plan`` builds it on the
+The model is sized from its config alone (``outcore.planner.plan`` builds it on the
 meta device), so planning a 70B model is as quick as a 135M one; the budgets come
 from the hardware probe plus ``--device-mem`` / ``--host-mem``.
 """
@@ -80,9 +80,9 @@ def run(args: argparse.Namespace) -> int:
         OutcoreError: a bad config, an unreadable model, or a plan that cannot fit
             (BudgetError naming the tier, its budget and the need).
     """
-    from ..offload.plan import plan_for_config
-    from ..offload.probe import probe_hardware
-    from ..offload.ranks import from_env
+    from ..offload.distributed import from_env
+    from ..offload.store import probe_hardware
+    from ..planner import plan_for_config
     from ..training.distributed import plan_note
 
     if args.ranks < 0:

@@ -188,8 +188,7 @@ def test_choice_and_plan_size_offloads_by_the_compressed_bytes():
         choose_policy([BlockProfile(100, 10, 1.0)] * 4, 100, **kw)
     from transformers import LlamaConfig
 
-    from outcore.offload.plan import make_plan
-    from outcore.offload.plan_budget import Budgets
+    from outcore.planner import Budgets, make_plan
 
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2)

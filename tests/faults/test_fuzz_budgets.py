@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from outcore.errors import ConfigError
-from outcore.offload.plan_budget import parse_bytes
+from outcore.bytesize import parse_bytes
 
 from .conftest import assert_user_error, run_cli
 

@@ -94,7 +94,7 @@ def test_short_soak_holds_memory_descriptors_threads_and_leaves_nothing(short_so
 @pytest.mark.slow
 def test_short_soak_swap_journal_does_not_grow(short_soak):
     """The journal gets a line per write and is compacted as it fills: bounded, not growing."""
-    from outcore.offload.nvme import JOURNAL_COMPACT_MIN
+    from outcore.offload.store.nvme import JOURNAL_COMPACT_MIN
 
     assert short_soak["swap_files_grown"] == [], short_soak["swap_files"]
     assert short_soak["swap_files_max"]["extents.idx"] <= (JOURNAL_COMPACT_MIN + 1) * 160, short_soak

@@ -190,7 +190,7 @@ def test_zo_block_forward_is_the_model_loss(family):
     model's own loss function. An MoE model is trained without its routers' auxiliary loss."""
     from transformers import AutoModelForCausalLM
 
-    from outcore.offload.zo_model import CausalLMBlocks
+    from outcore.offload.zo import CausalLMBlocks
 
     config = family_config(family)
     config.output_router_logits = False
@@ -208,7 +208,7 @@ def test_zo_refuses_a_router_loss_it_would_not_add():
     from transformers import AutoModelForCausalLM
 
     from outcore.errors import ConfigError
-    from outcore.offload.zo_model import CausalLMBlocks
+    from outcore.offload.zo import CausalLMBlocks
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(family_config("mixtral"))
@@ -221,7 +221,7 @@ def test_router_aux_loss_reaches_the_loss_out_of_core(family, tmp_path):
     """The routers' load-balancing loss is part of the streamed loss, exactly as in memory."""
     from transformers import AutoModelForCausalLM
 
-    from outcore.offload.training import offload_model
+    from outcore.offload.engine import offload_model
     from outcore.optim import AdamW
 
     config = family_config(family)
@@ -320,7 +320,7 @@ def test_an_moe_block_is_planned_with_all_its_experts():
     config, on the meta device): ~6.7x a Mistral-7B block, which differs only in its MLP."""
     from transformers import MistralConfig, MixtralConfig
 
-    from outcore.offload.plan_sizes import model_spec_from_config
+    from outcore.planner.sizes import model_spec_from_config
 
     shape = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
                  num_attention_heads=32, num_key_value_heads=8)
@@ -333,7 +333,7 @@ def test_an_moe_block_is_planned_with_all_its_experts():
     assert moe_block.numel == attention + 8 * 3 * h * f + 8 * h  # experts + router
     assert 6.5 < moe_block.numel / dense_block.numel < 6.8
     # ... and its compute with the 2 experts of 8 a token goes through (fused 3-D expert weights)
-    from outcore.offload.plan_sizes import unit_bytes
+    from outcore.planner.sizes import unit_bytes
 
     matmul = [next(u.matmul_params for u in unit_bytes(s, method="full", optim="adamw", dtype="float32")
                   if u.kind == "block") for s in (moe, dense)]

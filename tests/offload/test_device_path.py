@@ -13,12 +13,9 @@ import gc
 import pytest
 import torch
 
-from outcore.offload.device import Device, is_accelerator
-from outcore.offload.directio import align_up
-from outcore.offload.handle import Tier
-from outcore.offload.store import TieredStore
-from outcore.offload.training import offload_model
-from outcore.offload.units import WEIGHTS
+from outcore.offload.device import Device, align_up, is_accelerator
+from outcore.offload.engine import WEIGHTS, offload_model
+from outcore.offload.store import Tier, TieredStore
 from outcore.optim import AdamW
 from tests._helpers import causal_lm_loss
 

@@ -20,7 +20,7 @@ def test_wheel_contains_only_outcore(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     top = {n.split("/")[0] for n in names}
     assert top == {"outcore", next(t for t in top if t.endswith(".dist-info"))}, sorted(top)
-    for must in ("outcore/__init__.py", "outcore/offload/engine.py", "outcore/kernels/csrc/adamw8bit_cpu.cpp",
+    for must in ("outcore/__init__.py", "outcore/offload/engine/engine.py", "outcore/kernels/csrc/adamw8bit_cpu.cpp",
                  "outcore/offload/csrc/simdevice.cpp",
                  "outcore/recipes/notebooks/quickstart.ipynb", "outcore/tui/cli.py",
                  "outcore/data/shakespeare_mc.jsonl"):

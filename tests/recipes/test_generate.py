@@ -124,7 +124,7 @@ def test_the_default_model_answers_as_transformers_does(tmp_path, offload):
 
 
 def test_each_token_streams_the_weights_again_with_the_same_tokens(tiny_llama_factory, tmp_path, compute_device):
-    from outcore.offload.inference import StreamedInference
+    from outcore.offload.engine import StreamedInference
 
     ids = torch.tensor([[1, 5, 9, 33, 70]], device=compute_device)
     kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)

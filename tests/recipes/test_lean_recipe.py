@@ -37,7 +37,7 @@ def test_conflicts_are_one_line_errors(overrides, match):
         load_config(overrides=overrides)
 
 
-@pytest.mark.slow(ci=True)  # four tiny runs (AdamW8bit's lean update: tests/offload/test_engine_lean.py)
+@pytest.mark.slow(ci=True)  # four tiny runs (AdamW8bit's lean update: tests/offload/engine/test_engine_lean.py)
 def test_lean_in_memory_equals_out_of_core_and_resumes(tiny_run_inputs, tmp_path, compute_device):
     on = compute_device.type  # both runs compute there (and the resumed one, by its config)
     mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", offload="none", device=on), sink=RecordingSink())

@@ -6,11 +6,10 @@ import pytest
 import torch
 
 from outcore.models import load_model
-from outcore.offload.plan import plan_for_config
-from outcore.offload.plan_budget import Budgets
 from outcore.optim import build_optimizer, with_precision
-from outcore.training.config import load_config
+from outcore.planner import Budgets, plan_for_config
 from outcore.training.build import offload_from_plan
+from outcore.training.config import load_config
 
 GiB = 1 << 30
 

@@ -227,7 +227,7 @@ def test_zo_under_torchrun_writes_the_one_rank_log(tiny_run_inputs, tmp_path, co
 
 @pytest.mark.slow
 def test_a_second_launch_on_a_live_run_is_refused_on_every_rank(tiny_run_inputs, tmp_path):
-    from outcore.offload.swapdir import hold_lock
+    from outcore.offload.store import hold_lock
     from outcore.training.output_dir import RUN_LOCK
 
     run = tmp_path / "run"

@@ -10,8 +10,7 @@ import pytest
 
 from outcore.errors import ConfigError
 from outcore.events import RunFinished, StepEvent, TierStats
-from outcore.offload.handle import Tier
-from outcore.offload.traffic import TierTraffic
+from outcore.offload.store import Tier, TierTraffic
 from outcore.training.config import load_config
 from outcore.training.wear import WearMeter, life_used_pct
 from tests._helpers import RecordingSink

@@ -33,7 +33,7 @@ def _probe_dict(**kw):
 
 @pytest.fixture
 def fake_probe(monkeypatch):
-    """Install a fake outcore.offload.probe; returns the list of (swap_dir, measure) calls."""
+    """Install a fake outcore.offload.store.probe; returns the list of (swap_dir, measure) calls."""
     calls = []
     data = _probe_dict()
 
@@ -47,9 +47,9 @@ def fake_probe(monkeypatch):
             raise SwapDirError("swap dir '/locked' is locked by another run (pid 42); pass another --swap-dir")
         return FakeProbe()
 
-    module = types.ModuleType("outcore.offload.probe")
+    module = types.ModuleType("outcore.offload.store.probe")
     module.probe_hardware = probe_hardware
-    monkeypatch.setitem(sys.modules, "outcore.offload.probe", module)
+    monkeypatch.setitem(sys.modules, "outcore.offload.store.probe", module)
     return calls
 
 
@@ -95,7 +95,7 @@ def test_probe_errors_are_one_line(fake_probe, capsys):
 
 
 def test_real_probe_json(tmp_path, capsys):
-    pytest.importorskip("outcore.offload.probe")
+    pytest.importorskip("outcore.offload.store.probe")
     assert main(["doctor", "--json", "--no-measure", "--swap-dir", str(tmp_path)]) == 0
     data = json.loads(capsys.readouterr().out)
     assert set(FIELDS) <= set(data)
@@ -104,7 +104,7 @@ def test_real_probe_json(tmp_path, capsys):
 
 
 def test_real_probe_table(tmp_path, capsys):
-    pytest.importorskip("outcore.offload.probe")
+    pytest.importorskip("outcore.offload.store.probe")
     assert main(["doctor", "--no-measure", "--swap-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "Swap directory" in out and "not measured (--no-measure)" in out and "Backends" in out

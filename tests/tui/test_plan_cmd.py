@@ -7,7 +7,7 @@ import pytest
 
 from outcore.tui.cli import main
 
-pytest.importorskip("outcore.offload.plan")
+pytest.importorskip("outcore.planner.plan")
 
 
 @pytest.fixture(scope="module")

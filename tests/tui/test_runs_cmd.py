@@ -139,7 +139,7 @@ def test_a_swap_dir_held_by_a_live_process_is_a_running_run(tmp_path):
     import fcntl
     import os
 
-    from outcore.offload.swapdir import LOCK_NAME
+    from outcore.offload.store import LOCK_NAME
 
     run = _hand_made(tmp_path, "r", 2, False, 3)
     (run / "swap").mkdir()

@@ -1,0 +1,233 @@
+"""The optimizer side of the out-of-core step: each unit's update, in place, state streamed.
+
+*Step-in-backward* (``OutOfCoreEngine``): as soon as every parameter of a unit has its
+gradient, :meth:`UnitUpdater.update` runs — state fetched ahead, updated in place,
+written back asynchronously — while autograd goes on with earlier units; the gradients
+are freed at once. With global-norm clipping or gradient accumulation the updates wait
+for every gradient: gradients are kept, or *spilled* to the state's home tier as each
+unit's completes (:meth:`UnitUpdater.spill_grads`); once :meth:`UnitUpdater.clip` knows the
+norm, the engine's ``end_step`` calls :meth:`UnitUpdater.update` unit by unit. A unit
+whose state dwarfs a block's (the embedding, an untied head, an MoE block among dense ones)
+updates a block-sized piece at a time (``unit_sizes.state_pieces``). All of it is exact:
+fp32 and the same seed give the in-memory run's weights bit for bit.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...optim._base import PIECE_OFFSETS
+from ..distributed import global_norm
+from .scratch import WidenedGrads
+from .sharding import gather_weights, reduce_grads
+from .tied_embedding import dense_range
+from .unit_memory import StoreUnitMemory
+from .units import GRADS, WEIGHTS, Part, Unit
+
+
+def _clip_coef(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
+    """The factor ``clip_grads_with_norm_`` multiplies every gradient by (same expressions)."""
+    return torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
+
+
+def _norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each gradient's 2-norm, computed the way ``clip_grad_norm_`` computes it on this device."""
+    from torch.utils._foreach_utils import _has_foreach_support
+
+    if grads and _has_foreach_support(grads, grads[0].device):
+        return list(torch._foreach_norm(grads, 2.0))
+    return [torch.linalg.vector_norm(g, 2.0) for g in grads]
+
+
+def step_in_memory(params: list[torch.nn.Parameter], optimizer: Any, max_grad_norm: float,
+                   lr: float) -> torch.Tensor | None:
+    """Clip ``params``' gradients by their global norm (0: no clipping), step ``optimizer`` at
+    ``lr`` and free the gradients: the in-memory update, of a whole model or of resident
+    adapters. Returns the norm (None without clipping)."""
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm) if max_grad_norm > 0 else None
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+class UnitUpdater:
+    """Run the optimizer's update of each unit out of core.
+
+    Args:
+        mem: the units' memory (weights bound by the engine, state fetched here).
+        optimizer: an ``OutcoreOptimizer`` (``update(params, grads, states, group)``).
+        prefetch_depth: units (or pieces) whose state is fetched ahead.
+        max_grad_norm: global-norm clipping (0 = off).
+        spill: gradients go to the state's home tier as each unit's completes.
+    """
+
+    def __init__(self, mem: StoreUnitMemory, optimizer: Any, prefetch_depth: int, max_grad_norm: float,
+                 spill: bool):
+        self.mem, self.optimizer = mem, optimizer
+        self.group = optimizer.param_groups[0]
+        self.prefetch_depth, self.max_grad_norm, self.spill = prefetch_depth, max_grad_norm, spill
+        self.lr = self.group["lr"]
+        self.clip_norm: torch.Tensor | None = None  # this step's global norm (spill mode)
+        self.widen = WidenedGrads()  # mixed precision: the fp32 gradients, one buffer for every unit
+
+    def prefetch_state(self, unit: Unit) -> None:
+        """Start fetching what the unit's update reads first: its state (the first piece of a
+        pieced unit's)."""
+        for kind in unit.whole_kinds:
+            self.mem.prefetch(unit.index, kind)
+        if unit.pieces:
+            for part in unit.piece_parts(0):
+                self.mem.prefetch(unit.index, part)
+
+    def _step(self, params: list[torch.Tensor], grads: list[torch.Tensor],
+              states: list[dict[str, torch.Tensor]], offsets: list[int] | None = None) -> None:
+        """The optimizer's update of ``params`` in place (through fp32 masters when the state has
+        them); ``offsets``: where each of a piece's segments starts in its tensor."""
+        group = {**self.group, "lr": self.lr, PIECE_OFFSETS: offsets}
+        with torch.no_grad():
+            if states and "master" in states[0]:
+                # Mixed precision: the update runs on the fp32 master with the gradient
+                # made fp32 (exact: a widening cast), then the master is rounded into
+                # the 16-bit weights the next forward computes with.
+                masters = [st.pop("master") for st in states]
+                self.optimizer.update(masters, self.widen(grads, masters[0].dtype), states, group)
+                for p, m in zip(params, masters):
+                    p.copy_(m)
+            else:
+                self.optimizer.update(params, grads, states, group)
+
+    # -- one unit -------------------------------------------------------------------------
+    def update(self, unit: Unit) -> None:
+        """Update ``unit`` (its weights bound: ``unit.bound``) in place and free its gradients.
+        Its state is released dirty (written back asynchronously); the caller releases the weights."""
+        train = unit.train_slots
+        self.mem.before_update(unit.index, WEIGHTS)
+        # data parallel, in the backward: sum the ranks' gradients, keep this rank's range
+        reduced = reduce_grads(unit, {k: unit.slots[k].param.grad for k in train}) if (
+            unit.shard and not self.spill) else None
+        if unit.pieces or unit.shard:
+            self._update_pieces(unit, reduced)
+        else:
+            self._update_whole(unit, train)
+        if unit.shard:
+            gather_weights(unit)  # every rank's updated range, into every rank's weights
+        for k in train:
+            unit.slots[k].param.grad = None  # freed now: step-in-backward never holds all gradients
+        if self.spill:
+            self.mem.drop_grads(unit.index)
+        for kind in unit.whole_kinds:
+            self.mem.release(unit.index, kind, dirty=True)
+
+    def _update_whole(self, unit: Unit, train: list[int]) -> None:
+        flats = {kind: self.mem.acquire(unit.index, kind) for kind in unit.whole_kinds}
+        params = [unit.view(unit.bound, unit.slots[k]) for k in train]
+        if self.spill:
+            flat = self.mem.acquire(unit.index, GRADS)
+            for k in train:
+                unit.slots[k].param.grad = unit.view(flat, unit.slots[k])
+            if self.clip_norm is not None:  # torch's own clip arithmetic, on this unit's share
+                torch.nn.utils.clip_grads_with_norm_([unit.slots[k].param for k in train],
+                                                     self.max_grad_norm, self.clip_norm)
+        grads = [dense_range(g, 0, g.numel()).view(g.shape) for g in (unit.slots[k].param.grad for k in train)]
+        self._step(params, grads, [unit.state_views(flats, k) for k in train])
+        if self.spill:
+            self.mem.release(unit.index, GRADS, dirty=False)
+
+    def _update_pieces(self, unit: Unit, reduced: torch.Tensor | None = None) -> None:
+        """Update a pieced unit a piece at a time, each piece's state fetched while the one
+        before is updated (see ``state_pieces``). A piece covers ranges of one or more slots
+        (``unit.segments``); a slot's whole-kept state (the step count) is set back before
+        each piece that covers it, so it advances once, as for the whole. A sharded unit's
+        pieces cover its range, their gradient ``reduced`` (or spilled)."""
+        whole = {kind: self.mem.acquire(unit.index, kind) for kind in unit.whole_kinds}
+        start = {kind: t.clone() for kind, t in whole.items()}  # the step counts every piece advances
+        coef = None if self.clip_norm is None else _clip_coef(self.max_grad_norm, self.clip_norm)
+        pieces = unit.pieces
+        for i, segments in enumerate(unit.segments):
+            for j in range(i + 1, min(len(pieces), i + 1 + self.prefetch_depth)):
+                for part in unit.piece_parts(j):
+                    self.mem.prefetch(unit.index, part)
+            parts = {part: self.mem.acquire(unit.index, part) for part in unit.piece_parts(i)}
+            spilled = parts.pop(Part(GRADS, i)) if self.spill else None
+            params, grads, states, at = [], [], [], 0
+            for k, lo, hi in segments:
+                for kind, t in whole.items():
+                    s = unit.layout[k][kind]
+                    t[s.offset:s.offset + s.shape.numel()].copy_(start[kind][s.offset:s.offset + s.shape.numel()])
+                params.append(unit.view(unit.bound, unit.slots[k]).view(-1)[lo:hi])
+                if self.spill:
+                    g = spilled[at:at + hi - lo]
+                elif reduced is not None:
+                    g = reduced[unit.shard.at(k, lo):unit.shard.at(k, hi)]
+                else:
+                    g = dense_range(unit.slots[k].param.grad, lo, hi)
+                at += hi - lo
+                if coef is not None:
+                    g.mul_(coef)  # clip_grads_with_norm_'s arithmetic, on this segment
+                grads.append(g)
+                states.append(unit.segment_state(i, k, lo, hi, whole, parts))
+            self._step(params, grads, states, offsets=[lo for _, lo, _ in segments])
+            if self.spill:
+                self.mem.release(unit.index, Part(GRADS, i), dirty=False)
+            for part in parts:
+                self.mem.release(unit.index, part, dirty=True)  # written back while the next piece updates
+
+    # -- gradients that wait for the whole backward -----------------------------------------
+    def spill_grads(self, unit: Unit, first: bool, last: bool) -> None:
+        """Move ``unit``'s gradients out of memory (added to what earlier micro-batches spilled,
+        unless ``first``); on the ``last`` micro-batch note each one's norm for the global clip."""
+        grads = {k: unit.slots[k].param.grad for k in unit.train_slots}
+        if unit.shard:
+            self._spill_shard(unit, grads, first, last)
+            return
+        flat = self.mem.spill_grads(unit.index, grads, first=first)
+        # a pieced unit's spill leaves the total in the gradient itself (flat is None)
+        totals = list(grads.values()) if flat is None else [unit.view(flat, unit.slots[k]) for k in grads]
+        if last and self.max_grad_norm > 0:
+            unit.norms = _norms(totals)
+        if flat is not None:
+            self.mem.release(unit.index, GRADS, dirty=True)  # written home and evicted, asynchronously
+        for k in grads:
+            unit.slots[k].param.grad = None
+
+    def _spill_shard(self, unit: Unit, grads: dict[int, torch.Tensor], first: bool, last: bool) -> None:
+        """``spill_grads`` of a sharded unit: the gradients summed over the ranks, this rank's
+        range spilled (added to what earlier micro-batches spilled), the rest freed."""
+        reduced = reduce_grads(unit, grads)
+        shard = unit.shard
+        self.mem.spill_pieces(unit.index, lambda k, lo, hi: reduced[shard.at(k, lo):shard.at(k, hi)],
+                              reduced.dtype, first)
+        if last and self.max_grad_norm > 0:
+            unit.norms = _norms([reduced])  # the range's total (the padding is zeros)
+        for k in grads:
+            unit.slots[k].param.grad = None
+
+    def clip(self, params: list[torch.nn.Parameter], units: list[Unit]) -> torch.Tensor | None:
+        """Clip by the global norm (same arithmetic as ``clip_grad_norm_``); returns the norm."""
+        self.clip_norm = None
+        if self.max_grad_norm <= 0:
+            return None
+        if not self.spill:
+            return torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        # the norms were taken as the gradients left memory; stacked in model order and grouped
+        # by device and dtype first, as clip_grad_norm_ stacks them
+        if any(unit.shard for unit in units):  # each rank has the norms of its ranges
+            local = torch.linalg.vector_norm(torch.stack([n for unit in units for n in unit.norms]), 2.0)
+            for unit in units:
+                unit.norms = []
+            self.clip_norm = global_norm(local)
+            return self.clip_norm
+        norms: list[torch.Tensor | None] = [None] * len(params)
+        for unit in units:
+            for k, norm in zip(unit.train_slots, unit.norms):
+                norms[unit.slots[k].position] = norm
+            unit.norms = []
+        groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for p, norm in zip(params, norms):
+            groups.setdefault((p.device, p.dtype), []).append(norm)
+        stacked = [n for group in groups.values() for n in group]
+        self.clip_norm = torch.linalg.vector_norm(torch.stack(stacked), 2.0)
+        return self.clip_norm

@@ -1,0 +1,416 @@
+"""Placements, byte accounting and the step-time model behind :mod:`outcore.planner.plan`.
+
+A :class:`Layout` says, per unit of transfer, where its weights, gradients and
+optimizer state live; :func:`account` adds up what each tier then holds
+(authoritative copies + the prefetch window + staging buffers + activations)
+and :func:`step_time` what one step moves over each link and how long that
+takes next to the compute. The planner in ``plan.py`` searches layouts with
+these two functions; nothing here decides policy.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from ..activations.policy import OFFLOAD, ActivationPolicy, compressed_ratio
+from ..dtypes import DTYPE_BYTES
+from ..offload.engine.unit_sizes import step_window, window_bytes
+from ..offload.engine.units import PARAM_ALIGN
+from ..offload.modes import CPU, NONE, NVME
+from ..offload.store import Tier
+from ..offload.store.directio import ALIGN  # the store aligns every arena block and NVMe extent to it
+from .budget import Budgets
+from .compute import ComputeRates
+from .sizes import (MethodTraits, ModelSpec, UnitBytes, block_activation_bytes, checkpoint_bytes,
+                    forward_flops_per_token, head_activation_bytes)
+
+LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
+KEEP, RECOMPUTE = ActivationPolicy.KEEP.value, ActivationPolicy.RECOMPUTE.value
+
+
+def _slack(u: UnitBytes, allocations: int = 1) -> int:
+    """Upper bound of the padding the store adds to ``allocations`` flat buffers of unit ``u``."""
+    return allocations * (ALIGN + PARAM_ALIGN * u.tensors)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Everything about the job that sizes a layout, except the layout itself."""
+
+    spec: ModelSpec
+    units: tuple[UnitBytes, ...]
+    method: MethodTraits
+    dtype: str
+    seq_len: int
+    grads_kept: bool  # clipping / accumulation: gradients are stored until every unit has one
+    budgets: Budgets
+    activations_compress: str = "none"  # how offloaded activations are stored (activations.policy)
+    rates: ComputeRates | None = None  # measured per unit kind (compute.py); None: budgets.flops
+
+    @property
+    def has_backward(self) -> bool:
+        return self.method.backward
+
+    def compute_s(self, unit: UnitBytes, tokens: int, activations: str) -> float:
+        """Seconds of compute ``unit`` costs per step over ``tokens`` tokens (0 without a rate)."""
+        rate = self.rates.of(unit.kind) if self.rates else self.budgets.flops
+        flops = tokens * forward_flops_per_token(self.spec, unit, self.seq_len) * self.compute_passes(unit, activations)
+        return flops / rate if rate > 0 else 0.0
+
+    def compute_passes(self, unit: UnitBytes, activations: str) -> float:
+        """Forward-equivalents of compute ``unit`` costs per step: the method's passes, plus
+        one more forward of a block whose activations are recomputed for its backward."""
+        recomputed = activations == RECOMPUTE and unit.kind == "block" and self.has_backward
+        return self.method.compute_passes + (1.0 if recomputed else 0.0)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each class of tensor of each unit lives.
+
+    ``resident[i]``: unit *i* stays whole on DEVICE (weights, grads, state). For a
+    streamed unit, ``weights[i]`` / ``grads[i]`` / ``state[i]`` are HOST or NVME:
+    the authoritative copy's tier; DEVICE holds only the prefetch window.
+    """
+
+    resident: tuple[bool, ...]
+    weights: tuple[Tier, ...]
+    grads: tuple[Tier, ...]
+    state: tuple[Tier, ...]
+    activations: str  # a name of activations.policy.ACTIVATION_POLICIES but auto
+    prefetch: int = 2  # k: units in flight ahead of the one computing (0 when nothing streams)
+
+    @classmethod
+    def uniform(cls, n: int, tier: Tier, activations: str, prefetch: int = 2) -> "Layout":
+        if tier == Tier.DEVICE:
+            return cls((True,) * n, (Tier.DEVICE,) * n, (Tier.DEVICE,) * n, (Tier.DEVICE,) * n, activations, 0)
+        return cls((False,) * n, (tier,) * n, (tier,) * n, (tier,) * n, activations, prefetch)
+
+    def with_unit(self, i: int, **tiers: Tier | bool) -> "Layout":
+        """A copy with unit ``i``'s ``resident`` / ``weights`` / ``grads`` / ``state`` changed."""
+        changes = {}
+        for name, value in tiers.items():
+            seq = list(getattr(self, name))
+            seq[i] = value
+            changes[name] = tuple(seq)
+        return replace(self, **changes)
+
+    @property
+    def streamed(self) -> list[int]:
+        return [i for i, r in enumerate(self.resident) if not r]
+
+    def name(self, grads_kept: bool = True) -> str:
+        """``none`` (all on DEVICE), ``cpu`` (streamed from HOST), ``nvme`` or ``mixed``.
+
+        Args:
+            grads_kept: whether gradients are stored (else their tier does not count).
+        """
+        if all(self.resident):
+            return NONE
+        classes = (self.weights, self.grads, self.state) if grads_kept else (self.weights, self.state)
+        tiers = {c[i] for i in self.streamed for c in classes}
+        if not any(self.resident) and tiers == {Tier.HOST}:
+            return CPU
+        if not any(self.resident) and tiers == {Tier.NVME}:
+            return NVME
+        return "mixed"
+
+
+@dataclass
+class Accounting:
+    """Bytes per tier, split into named parts, for one layout and micro-batch."""
+
+    parts: dict[Tier, dict[str, int]] = field(default_factory=lambda: {t: {} for t in Tier})
+
+    def add(self, tier: Tier, part: str, nbytes: int) -> None:
+        if nbytes:
+            self.parts[tier][part] = self.parts[tier].get(part, 0) + int(nbytes)
+
+    def total(self, tier: Tier) -> int:
+        return sum(self.parts[tier].values())
+
+    def over_budget(self, b: Budgets) -> tuple[str, int, int] | None:
+        """The first violated budget as (name, budget, need), or None when everything fits."""
+        for tier, budget in ((Tier.DEVICE, b.device_bytes), (Tier.HOST, b.host_bytes),
+                             (Tier.NVME, b.nvme_bytes)):
+            if self.total(tier) > budget:
+                return tier.name, budget, self.total(tier)
+        if b.shared_ram and self.total(Tier.DEVICE) + self.total(Tier.HOST) > b.ram_bytes:
+            return "RAM (DEVICE + HOST)", b.ram_bytes, self.total(Tier.DEVICE) + self.total(Tier.HOST)
+        return None
+
+
+def _fetch_bytes(w: Workload, lay: Layout, i: int) -> int:
+    """Bytes brought to DEVICE to compute unit ``i``: its weights and borrowed streamed ones (tied head)."""
+    u = w.units[i]
+    return u.weights + sum(w.units[j].weights for j in u.borrows if not lay.resident[j])
+
+
+def _grad_window(w: Workload, streamed: list[UnitBytes]) -> int:
+    """Gradient bytes beside the weights on DEVICE. On a GPU, one unit's being produced and
+    one being updated (or spilled). On a CPU the update runs in the backward's hook (or the
+    spill does), so one unit's gradients at a time (the head's, computed in the forward with
+    the loss, live until its update) plus the update's fp32 copy of what it updates at once —
+    a piece, or a whole unit — when it steps fp32 masters from 16-bit gradients."""
+    grads = max(u.grads for u in streamed)
+    if w.budgets.device_kind != "cpu":
+        return 2 * grads
+    if w.dtype == "float32" or not any(u.state for u in streamed):
+        return grads
+    at_once = [u.trainable * u.state_piece // u.state if u.state_piece else u.trainable for u in streamed if u.state]
+    return grads + 4 * max(at_once)
+
+
+def activation_bytes(w: Workload, policy: str, batch: int, window: int) -> tuple[int, int]:
+    """(DEVICE bytes, HOST bytes) of activations for ``batch`` sequences under ``policy``."""
+    s, spec = w.seq_len, w.spec
+    head = head_activation_bytes(spec, w.dtype, s)
+    if not w.has_backward:  # ZO: two forward passes in flight, nothing saved for a backward
+        c = DTYPE_BYTES[w.dtype]
+        return batch * 2 * (s * c * (2 * spec.hidden + 2 * spec.intermediate) + s * 4 * spec.vocab), 0
+    block = block_activation_bytes(spec, w.dtype, s)
+    L = spec.layers
+    if policy == KEEP:
+        return batch * (L * block + head), 0
+    if policy == RECOMPUTE:
+        return batch * (L * checkpoint_bytes(spec, w.dtype, s) + block + head), 0
+    if policy == OFFLOAD:  # the offloaded bytes shrink by the codec's ratio
+        offloaded = int(batch * L * block * compressed_ratio(w.activations_compress, DTYPE_BYTES[w.dtype]))
+        return batch * (min(L, max(window, 1) + 1) * block + head), offloaded
+    raise ValueError(f"unknown activation policy {policy!r}")
+
+
+def account(w: Workload, lay: Layout, batch: int) -> Accounting:
+    """What each tier holds for ``lay`` at micro-batch ``batch`` (see the module doc)."""
+    acc = Accounting()
+    us = w.units
+    for i, u in enumerate(us):
+        acc.add(Tier.DEVICE, "adapters", u.adapter_bytes)  # LoRA adapters + their state stay resident
+        if lay.resident[i]:
+            acc.add(Tier.DEVICE, "weights", u.weights)
+            acc.add(Tier.DEVICE, "grads", u.grads)
+            acc.add(Tier.DEVICE, "optimizer state", u.state)
+            continue
+        acc.add(lay.weights[i], "weights", u.weights)
+        acc.add(lay.weights[i], "alignment", _slack(u))
+        if w.grads_kept and u.grads:
+            acc.add(lay.grads[i], "grads", u.grads)
+            acc.add(lay.grads[i], "alignment", _slack(u))
+        if u.state:
+            ram = u.ram_state if lay.state[i] == Tier.NVME else 0  # scales stay in RAM (unit_sizes.ram_kinds)
+            acc.add(lay.state[i], "optimizer state", u.state - ram)
+            acc.add(lay.state[i], "alignment", _slack(u, u.state_kinds))
+            acc.add(Tier.HOST, "optimizer scales", ram)
+    streamed = lay.streamed
+    if streamed:
+        k = max(lay.prefetch, 1)
+        slack = max(_slack(us[i]) for i in streamed)
+        # As the engine sizes its arenas (unit_sizes.working_set): on DEVICE the unit computing,
+        # what it borrows, k prefetched and k + 1 kept for the next phase, consecutive in the
+        # step's order; gradients: one being produced, one being handed off.
+        weights = [0 if lay.resident[i] else u.weights for i, u in enumerate(us)]
+        acc.add(Tier.DEVICE, "prefetch window", step_window(weights, 2 * k + 2, [u.borrows for u in us]))
+        acc.add(Tier.DEVICE, "grad window", _grad_window(w, [us[i] for i in streamed]))
+        acc.add(Tier.DEVICE, "alignment", (k + 3) * slack)
+        nvme_w = [us[i].weights for i in streamed if lay.weights[i] == Tier.NVME]
+        # a unit whose state streams in pieces stages a piece at a time, its spilled gradient too
+        nvme_s = [_streamed_state(us[i], us[i].state_piece or us[i].state) for i in streamed
+                  if lay.state[i] == Tier.NVME]
+        nvme_g = [us[i].grads * us[i].state_piece // us[i].state if us[i].state_piece else us[i].grads
+                  for i in streamed if lay.grads[i] == Tier.NVME and w.grads_kept]
+        kinds = max(us[i].state_kinds for i in streamed)
+        if nvme_w and w.budgets.device_kind == "cuda":  # disk -> GPU goes through pinned HOST memory
+            acc.add(Tier.HOST, "NVMe staging", k * max(nvme_w))
+            acc.add(Tier.HOST, "alignment", k * slack)
+        if nvme_s:  # the unit updating and k read ahead
+            acc.add(Tier.HOST, "NVMe staging", window_bytes(nvme_s, k + 1))
+            acc.add(Tier.HOST, "alignment", (k + 2) * kinds * slack)
+        if nvme_g:
+            acc.add(Tier.HOST, "NVMe staging", 2 * max(nvme_g))
+            acc.add(Tier.HOST, "alignment", 2 * slack)
+        state = [us[i].state_piece or us[i].state for i in streamed if us[i].state]
+        if w.budgets.device_kind != "cpu" and state:  # the update runs on the GPU: its state streams there
+            acc.add(Tier.DEVICE, "state window", window_bytes(state, k + 1))
+            acc.add(Tier.DEVICE, "alignment", (k + 2) * kinds * slack)
+    dev, host = activation_bytes(w, lay.activations, batch, lay.prefetch)
+    acc.add(Tier.DEVICE, "activations", dev)
+    acc.add(Tier.HOST, "activations", host)
+    return acc
+
+
+@dataclass
+class StepTime:
+    """The expected cost of one step."""
+
+    io_bytes: dict[str, int]  # bytes per link per step
+    io_s: dict[str, float]  # seconds per link (NVMe read + write share one disk)
+    compute_s: float  # forward + backward (+ recompute) time
+    update_s: float  # optimizer update (on the CPU-only machine's cores, or on the GPU)
+    step_s: float  # prologue + the slowest overlapped lane + epilogue
+    exposed_io_s: float  # step_s - compute - update on the same cores
+
+    @property
+    def disk_s(self) -> float:
+        return self.io_s["nvme_read"] + self.io_s["nvme_write"]
+
+
+def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
+    """Bytes moved per link and the expected step time, I/O hidden where the schedule overlaps it.
+
+    Weights of a streamed unit are read once per pass that uses them (forward and
+    backward; ZO: once) but where the engine keeps them resident between passes
+    (:func:`weight_reads`). Dirty state goes back once per step; frozen (LoRA) weights
+    are never written. On a GPU the update runs there (``StoreUnitMemory.tier``): a streamed
+    unit's state crosses to the device and back, its updated weights go back to their home,
+    and gradients never leave the device unless they are spilled.
+    """
+    b, us, n = w.budgets, w.units, len(w.units)
+    io = dict.fromkeys(LINKS, 0)
+    trains_weights = w.method.trains_weights
+    streamed = lay.streamed
+    cuda = b.device_kind == "cuda"
+    for i in streamed:
+        u = us[i]
+        reads = weight_reads(w, lay, i) * u.weights
+        # CPU-only: the disk reads straight into the DEVICE arena (transfers.py); a copy
+        # crosses HOST -> DEVICE only from a HOST home, or on CUDA (disk -> pinned HOST -> GPU)
+        io["h2d"] += reads if cuda or lay.weights[i] == Tier.HOST else 0
+        if lay.weights[i] == Tier.NVME:
+            io["nvme_read"] += reads
+            if trains_weights:
+                io["nvme_write"] += u.weights  # the updated weights (compute dtype) go back once
+        if cuda and trains_weights:
+            io["d2h"] += u.weights  # the updated weights, to their home
+        if w.has_backward and u.grads:
+            if w.grads_kept and lay.grads[i] != Tier.DEVICE:  # spilled home, read back by the update
+                io["d2h"] += u.grads if cuda else 0
+                io["h2d"] += u.grads if cuda else 0
+            if w.grads_kept and lay.grads[i] == Tier.NVME:
+                io["nvme_write"] += u.grads
+                io["nvme_read"] += u.grads
+        if cuda and u.state:  # the update's state, to the GPU and back
+            io["h2d"] += u.state
+            io["d2h"] += u.state
+        if lay.state[i] == Tier.NVME and u.state:
+            io["nvme_read"] += u.state - u.ram_state
+            io["nvme_write"] += u.state - u.ram_state
+    gb = 1e9
+    io_s = {"nvme_read": io["nvme_read"] / (b.disk_read_gbps * gb),
+            "nvme_write": io["nvme_write"] / (b.disk_write_gbps * gb),
+            "h2d": io["h2d"] / (b.h2d_gbps * gb), "d2h": io["d2h"] / (b.d2h_gbps * gb)}
+
+    compute_s = sum(w.compute_s(u, batch * w.seq_len, lay.activations) for u in us)
+    update_s = _update_bytes(w) / ((b.host_mem_gbps if b.device_kind == "cpu" else b.device_mem_gbps) * gb)
+    disk = io_s["nvme_read"] + io_s["nvme_write"]  # one disk: reads and writes share it
+    copy = io_s["h2d"] + io_s["d2h"]  # one copy engine (a DMA engine / one copy thread)
+    # every NVMe byte is hashed on an I/O thread (nvme.py): CPU time, not disk time
+    hashing = (io["nvme_read"] + io["nvme_write"]) / (b.checksum_gbps * gb)
+    if b.device_kind == "cpu":
+        # One set of cores computes, updates, copies into the DEVICE arena and hashes: a
+        # thread taken from the compute's parallel regions stalls all of them, so these add up.
+        lanes = [compute_s + update_s + copy + hashing, disk]
+        busy = compute_s + update_s
+    else:  # every update runs on the GPU, between the backward's kernels
+        lanes = [compute_s + update_s, disk, copy, hashing]
+        busy = compute_s + update_s
+    # Write-behind runs on into the next step (nothing waits for it at the turn), and the
+    # units the backward ends with are kept for the forward: only a first unit read in the
+    # forward (nothing kept: ZO, inference) is fetched before anything can compute.
+    prologue = 0.0
+    if streamed and _read_in_forward(w, lay, streamed[0]):
+        first = _fetch_bytes(w, lay, streamed[0])
+        prologue = first / (b.h2d_gbps * gb)
+        if lay.weights[streamed[0]] == Tier.NVME:
+            prologue += first / (b.disk_read_gbps * gb)
+    step = prologue + max(lanes)
+    return StepTime(io_bytes=io, io_s=io_s, compute_s=compute_s, update_s=update_s, step_s=step,
+                    exposed_io_s=max(0.0, step - busy))
+
+
+def _streamed_state(u: UnitBytes, nbytes: int) -> int:
+    """Of ``nbytes`` of ``u``'s state (the whole, or a piece), what streams from NVMe: all but
+    the small kinds kept in RAM."""
+    return nbytes - u.ram_state * nbytes // u.state if u.state else 0
+
+
+def _update_bytes(w: Workload) -> int:
+    """RAM bytes the optimizer updates of a step touch (memory-bound): read w, g, state and write
+    w, state (ZO: 4 in-place passes over w). Mixed precision (update.py) also widens each
+    gradient to fp32 (read it, write 4 bytes, which the update then reads instead) and rounds
+    the fp32 master into the 16-bit weight (read 4 bytes, write the weight)."""
+    us = w.units
+    if not w.has_backward:
+        return sum(8 * u.weights for u in us)
+    c = DTYPE_BYTES[w.dtype]
+    mixed = (12 + c) if c != 4 and w.method.trains_weights else 0
+    return (sum(2 * u.weights + u.grads + 2 * u.state + mixed * u.trainable for u in us if u.grads)
+            + sum(2 * u.adapter_bytes for u in us))
+
+
+def _read_in_forward(w: Workload, lay: Layout, i: int) -> bool:
+    """Is streamed unit ``i`` read from its home in the forward (not kept from the step before)?"""
+    if any(i in u.borrows for u in w.units):
+        return False
+    return not w.has_backward or i > max(lay.prefetch, 1)
+
+
+def weight_reads(w: Workload, lay: Layout, i: int) -> int:
+    """How many times a step reads streamed unit ``i``'s weights from their home, in a steady loop.
+
+    As the engine keeps them (``OutOfCoreEngine._needed_soon``): the forward keeps its last
+    ``k + 1`` units for the backward, which starts with them; the backward keeps its last
+    ``k + 1`` — the first units — for the next step's forward; a unit another borrows (a
+    tied embedding, used by the head at the turn of the step; ZO holds it for the run) stays
+    resident. ZO: one forward per step, nothing else kept.
+    """
+    if not w.has_backward:
+        return int(_read_in_forward(w, lay, i))
+    k, n = max(lay.prefetch, 1), len(w.units)
+    return int(_read_in_forward(w, lay, i)) + int(i < n - 1 - k and not any(i in u.borrows for u in w.units))
+
+
+def prefetch_depth(w: Workload, lay: Layout, batch: int, max_depth: int = 4) -> int:
+    """Units to keep in flight so a unit's fetch hides behind the previous units' compute.
+
+    A unit fetched ``k`` units ahead has ``k`` units' compute to land in, so ``k`` is
+    ``ceil(fetch time / compute time)`` of a typical streamed unit — a block: the window
+    runs over the blocks, while the embedding is sized and fetched apart (the largest unit,
+    kept resident through the step when tied) — at least 1 (the next unit loads while
+    this one computes), at most ``max_depth``: when I/O is slower than compute a deeper
+    queue cannot raise the rate, it only absorbs jitter. Every unit of depth costs DEVICE
+    (and HOST) room for two more units, so no deeper than the I/O needs (measured on
+    SmolLM2-135M from NVMe: depth 1 and 2 step equally fast, depth 1 peaks ~50 MiB lower).
+    """
+    streamed = lay.streamed
+    if not streamed:
+        return 0
+    blocks = [i for i in streamed if w.units[i].kind == "block"] or streamed
+    ratios = sorted(_unit_io_s(w, lay, i) / max(_unit_compute_s(w, lay, i, batch), 1e-12) for i in blocks)
+    return int(min(max_depth, max(1, math.ceil(ratios[len(ratios) // 2]))))
+
+
+def _unit_io_s(w: Workload, lay: Layout, i: int) -> float:
+    """Seconds of transfer per visit of streamed unit ``i`` (as ``step_time`` counts its bytes):
+    the disk, or the copy engine, whichever is longer. A unit's write-backs run on the I/O
+    threads while the next units are read, and an NVMe queue serves both at once, so a unit's
+    disk time is the longer of its reads and its writes (``step_time`` adds them for the
+    whole step: the disk's total work)."""
+    b, u = w.budgets, w.units[i]
+    passes = 2 if w.has_backward else 1
+    fetch = _fetch_bytes(w, lay, i)
+    read = write = 0
+    if lay.weights[i] == Tier.NVME:
+        read += passes * fetch
+        write += u.weights if w.method.trains_weights else 0
+    if lay.state[i] == Tier.NVME and u.state:
+        read, write = read + u.state - u.ram_state, write + u.state - u.ram_state
+    if w.has_backward and u.grads and w.grads_kept and lay.grads[i] == Tier.NVME:
+        read, write = read + u.grads, write + u.grads
+    disk = max(read / (b.disk_read_gbps * 1e9), write / (b.disk_write_gbps * 1e9))
+    copy = passes * fetch / (b.h2d_gbps * 1e9) + (u.grads if w.has_backward else 0) / (b.d2h_gbps * 1e9)
+    return max(disk, copy) / passes
+
+
+def _unit_compute_s(w: Workload, lay: Layout, i: int, batch: int) -> float:
+    """Seconds of compute per visit of unit ``i`` (forward, or backward at twice the forward)."""
+    return w.compute_s(w.units[i], batch * w.seq_len, lay.activations) / (2 if w.has_backward else 1)
