@@ -44,6 +44,7 @@ from ..offload.device import distributed_backend
 from ..offload.ranks import Ranks, from_env, join, leave
 from .elastic import continue_after_restart, mark_launch
 from .output_dir import prepare_output_dir
+from .signals import StopOnSignal
 
 SINGLE = Ranks()  # one process: what every recipe is when not launched distributed
 
@@ -56,7 +57,7 @@ def join_run(cfg: Any) -> tuple[Ranks, bool]:
 
     Returns:
         ``(ranks, joined)``: this process's :class:`~outcore.offload.ranks.Ranks`, and whether
-        this call joined the group (then the run leaves it at its end: :func:`leaving_group`).
+        this call joined the group (then the run leaves it at its end: :func:`leave_run`).
 
     Raises:
         ConfigError: a bad environment.
@@ -319,7 +320,7 @@ def barrier(ranks: Ranks, what: str, output: str | Path | None = None) -> None:
             dist.barrier()
 
 
-def check_stop(stop: Any, ranks: Ranks, output: str | Path | None = None) -> None:
+def check_stop(stop: StopOnSignal, ranks: Ranks, output: str | Path | None = None) -> None:
     """``stop.check()`` agreed by every rank: a signal any rank got stops all at the same step.
 
     torchrun passes a Ctrl-C to every rank, but not at the same instant: without agreeing,
@@ -358,28 +359,14 @@ def with_ranks(ranks: Ranks, event: Any, output: str | Path | None = None) -> An
     return event
 
 
-@contextmanager
-def leaving_group(recipe: Any) -> Iterator[None]:
-    """For a recipe's ``run()``: leave the process group its setup joined when the run ends.
+def leave_run(ranks: Ranks, joined: bool) -> None:
+    """Leave the process group :func:`join_run` joined (``joined``), when the run ends.
 
-    Not after a lost rank: tearing down a group whose peer is gone can block, and the
-    process is about to exit with the error anyway.
+    (Not after a lost rank — the caller's to decide: tearing down a group whose peer is gone
+    can block, and the process is about to exit with the error anyway.)
     """
-    try:
-        yield
-    except RankLostError:
-        raise
-    except BaseException:
-        _leave_if_joined(recipe)
-        raise
-    _leave_if_joined(recipe)
-
-
-def _leave_if_joined(recipe: Any) -> None:
-    ranks = getattr(recipe, "ranks", SINGLE)
-    if ranks.distributed and getattr(recipe, "joined", False):
+    if ranks.distributed and joined:
         leave()
-        recipe.joined = False
 
 
 def rank_swap_dir(swap: Path, ranks: Ranks) -> Path:
