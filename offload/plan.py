@@ -33,6 +33,7 @@ from typing import Any, Mapping
 from ..activations.policy import ACTIVATION_POLICIES, AUTO, ActivationPolicy
 from ..dtypes import EXACT, torch_dtype
 from ..errors import BudgetError, ConfigError
+from ..methods import method_traits
 from ..optim import ZO_OPTIMIZERS, optimizer_names
 from .handle import Tier
 from .modes import CPU, NONE, NVME, OFFLOAD_MODES
@@ -41,7 +42,7 @@ from .plan_budget import (RUNTIME_OVERHEAD_BYTES, Budgets, budgets_from_probe, f
 from .plan_choice import Candidate, choose, describe
 from .plan_compute import measure_compute_rates
 from .plan_layout import Layout, StepTime, Workload, account, prefetch_depth, step_time
-from .plan_sizes import ModelSpec, method_traits, model_spec, unit_bytes
+from .plan_sizes import ModelSpec, model_spec, unit_bytes
 
 __all__ = ["MemoryPlan", "UnitPlacement", "make_plan", "plan_for_config", "parse_bytes", "format_bytes",
            "Budgets", "budgets_from_probe"]

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field, replace
 
 from ..activations.policy import OFFLOAD, ActivationPolicy, compressed_ratio
 from ..dtypes import DTYPE_BYTES
+from ..methods import MethodTraits
 from .handle import Tier
 from .modes import CPU, NONE, NVME
 from .plan_budget import Budgets
 from .plan_compute import ComputeRates
-from .plan_sizes import (MethodTraits, ModelSpec, UnitBytes, block_activation_bytes, checkpoint_bytes,
+from .plan_sizes import (ModelSpec, UnitBytes, block_activation_bytes, checkpoint_bytes,
                          forward_flops_per_token, head_activation_bytes)
 from .unit_sizes import step_window, window_bytes
 
