@@ -3,18 +3,19 @@
 
 It sits above the recipes: it resolves the config, builds the run's event sink (the
 dashboard or plain log, ``OUTPUT/metrics.jsonl`` and the ``report_to`` trackers; recipes
-never import ``tui``), runs the recipe of ``config.method`` and, with ``push_to_hub``,
-uploads the export. ``outcore finetune`` calls it too. Under ``torchrun`` (or Ray Train) every
-rank calls it: rank 0 gets the view, the others their ``metrics.rankR.jsonl`` only
-(``training/distributed.py``).
+never import ``tui``), runs the recipe that ``methods.METHODS`` names for ``config.method``
+and, with ``push_to_hub``, uploads the export. ``outcore finetune`` calls it too. Under
+``torchrun`` (or Ray Train) every rank calls it: rank 0 gets the view, the others their
+``metrics.rankR.jsonl`` only (``training/distributed.py``).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:  # pragma: no cover
     from .events import EventSink
     from .training.config import FinetuneConfig
+    from .training.lifecycle import Recipe, Run
     from .recipes.evaluate import EvalReport
     from .training.runs import FinetuneResult
 
@@ -43,18 +44,16 @@ def finetune(config: FinetuneConfig | None = None, sink: EventSink | None = None
     if own_sink:
         from .tui import make_sink
 
-        # The sink writes nothing before the run's first event, and the recipe creates
+        # The sink writes nothing before the run's first event, and the run creates
         # (or checks, for a resume) the output directory before it sends one.
         from .offload.distributed import from_env
 
         # under torchrun rank 0 shows the run; the others write their metrics file only
         sink = make_sink(config.ui, config.output, report_to=config.report_to, rank=from_env().rank)
     try:
-        if config.zeroth_order:
-            from .recipes.zo_finetune import finetune as run_recipe
-        else:
-            from .recipes.full_finetune import finetune as run_recipe
-        result = run_recipe(config, sink)
+        from .training.lifecycle import Run
+
+        result = Run(config, sink).execute(_recipe_class(config.method))
     finally:
         if own_sink:
             sink.close()  # also when the recipe failed before it could (idempotent)
@@ -63,6 +62,16 @@ def finetune(config: FinetuneConfig | None = None, sink: EventSink | None = None
 
         push_to_hub(result.final_dir, config.push_to_hub)
     return result
+
+
+def _recipe_class(name: str) -> Callable[[Run], Recipe]:
+    """The recipe class that runs method ``name`` (``methods.METHODS``), imported now."""
+    import importlib
+
+    from .methods import method
+
+    module, cls = method(name).recipe.split(":")
+    return getattr(importlib.import_module(module, __package__), cls)
 
 
 def evaluate(model: str = "default", *, data: str | None = None, task: str | None = None, **overrides: Any

@@ -31,7 +31,7 @@ import contextlib
 import os
 import weakref
 from pathlib import Path
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 from transformers import Trainer
@@ -42,6 +42,9 @@ from ..offload.modes import CPU, STREAMED_MODES
 from ..optim import AdamW
 from ..optim._base import OutcoreOptimizer
 from .trainer_args import check_training_args
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..offload.engine import OutOfCoreEngine
 
 #: the folder of a Trainer checkpoint that holds each unit's weights and optimizer state
 UNITS_DIR = "outcore-units"
@@ -59,7 +62,7 @@ class EngineOptimizer(torch.optim.Optimizer):
         engine: the ``OutOfCoreEngine`` training the model.
     """
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: OutOfCoreEngine):
         super().__init__([dict(g) for g in engine.optimizer.param_groups], {})
         self.engine = engine
         self._open = False  # a step has begun and not ended
@@ -138,7 +141,7 @@ class OutOfCoreMixin:
         if not self.adapters:  # (a peft model's resident adapters are the Trainer's own optimizer's)
             self._check_streamed_optimizer()
         self._offload = dict(offload=offload, swap_dir=swap_dir, prefetch=prefetch)
-        self.engine: Any = None  # built with the optimizer, when training starts
+        self.engine: OutOfCoreEngine | None = None  # built with the optimizer, when training starts
 
     def _move_model_to_device(self, model: Any, device: Any) -> None:
         """Nothing: the engine places the model (its units stream; the rest goes to the device

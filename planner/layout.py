@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from ..activations.policy import OFFLOAD, ActivationPolicy, compressed_ratio
 from ..dtypes import DTYPE_BYTES
+from ..methods import MethodTraits
 from ..offload.engine.unit_sizes import step_window, window_bytes
 from ..offload.engine.units import PARAM_ALIGN
 from ..offload.modes import CPU, NONE, NVME
@@ -21,8 +22,8 @@ from ..offload.store import Tier
 from ..offload.store.directio import ALIGN  # the store aligns every arena block and NVMe extent to it
 from .budget import Budgets
 from .compute import ComputeRates
-from .sizes import (MethodTraits, ModelSpec, UnitBytes, block_activation_bytes, checkpoint_bytes,
-                    forward_flops_per_token, head_activation_bytes)
+from .sizes import (ModelSpec, UnitBytes, block_activation_bytes, checkpoint_bytes, forward_flops_per_token,
+                    head_activation_bytes)
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
 KEEP, RECOMPUTE = ActivationPolicy.KEEP.value, ActivationPolicy.RECOMPUTE.value

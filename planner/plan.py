@@ -34,6 +34,7 @@ from ..activations.policy import ACTIVATION_POLICIES, AUTO, ActivationPolicy
 from ..bytesize import format_bytes
 from ..dtypes import EXACT, torch_dtype
 from ..errors import BudgetError, ConfigError
+from ..methods import method_traits
 from ..offload.modes import CPU, NONE, NVME, OFFLOAD_MODES
 from ..offload.modes import AUTO as AUTO_OFFLOAD
 from ..offload.store import Tier
@@ -42,7 +43,7 @@ from .budget import RUNTIME_OVERHEAD_BYTES, Budgets, budgets_from_probe
 from .choice import Candidate, choose, describe
 from .compute import measure_compute_rates
 from .layout import Layout, StepTime, Workload, account, prefetch_depth, step_time
-from .sizes import ModelSpec, method_traits, model_spec, unit_bytes
+from .sizes import ModelSpec, model_spec, unit_bytes
 
 __all__ = ["MemoryPlan", "UnitPlacement", "make_plan", "plan_for_config", "Budgets", "budgets_from_probe"]
 

@@ -21,42 +21,10 @@ from typing import Any, Mapping
 
 from ..dtypes import DTYPE_BYTES, EXACT
 from ..errors import ConfigError, ModelError
+from ..methods import MethodTraits, method_traits
 from ..offload.engine.unit_sizes import piece_size, ram_kinds
 
 NF4_BLOCK = 64  # QLoRA NF4: 4-bit codes, one fp32 absmax per 64 weights (no double quantization)
-
-
-@dataclass(frozen=True)
-class MethodTraits:
-    """What sizing a layout needs to know of a fine-tuning method (``FinetuneConfig.method``)."""
-
-    trains_weights: bool  # every weight is updated and written back (else a frozen base + adapters)
-    backward: bool  # a backward pass runs (zeroth-order: forward passes only)
-    quantized_base: bool  # the frozen base's block matrices are NF4
-    #: a step's compute in forward passes: full 3 (a backward costs 2 forwards), LoRA 2 (its
-    #: backward skips the weight gradients), zeroth-order 2 (two forwards)
-    compute_passes: float
-
-
-#: the methods the planner sizes (``training.config.METHODS``, which it may not import: a test
-#: keeps the two equal)
-METHOD_TRAITS = {
-    "full": MethodTraits(trains_weights=True, backward=True, quantized_base=False, compute_passes=3.0),
-    "lora": MethodTraits(trains_weights=False, backward=True, quantized_base=False, compute_passes=2.0),
-    "qlora": MethodTraits(trains_weights=False, backward=True, quantized_base=True, compute_passes=2.0),
-    "zo": MethodTraits(trains_weights=True, backward=False, quantized_base=False, compute_passes=2.0),
-}
-
-
-def method_traits(method: str) -> MethodTraits:
-    """The :class:`MethodTraits` of ``method``.
-
-    Raises:
-        ConfigError: a method the planner does not know.
-    """
-    if method not in METHOD_TRAITS:
-        raise ConfigError(f"method={method!r} is not one of: {', '.join(METHOD_TRAITS)}")
-    return METHOD_TRAITS[method]
 
 
 @dataclass(frozen=True)

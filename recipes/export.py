@@ -23,7 +23,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -33,6 +33,10 @@ from ..errors import CheckpointError
 from ..training import checkpoint as ckpt
 from ..training.build import load_zo_model
 from ..training.config import load_config
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..offload.engine import OutOfCoreEngine
+    from ..offload.engine import Unit
 
 Shard = dict[str, torch.Tensor]  # tensors by plain model name, written as one file
 
@@ -123,7 +127,7 @@ def export_hf(model: torch.nn.Module, tokenizer: Any, out_dir: str | Path) -> Pa
     return write_hf_dir(out_dir, [tensors], model, tokenizer)
 
 
-def unit_weights(om: Any, unit: Any) -> dict[str, torch.Tensor]:
+def unit_weights(om: OutOfCoreEngine, unit: Unit) -> dict[str, torch.Tensor]:
     """One unit's parameters of an out-of-core run by model name, copied out of the store.
 
     Args:
@@ -142,7 +146,8 @@ def _by_name(unit: Any, flat: torch.Tensor) -> dict[str, torch.Tensor]:
     return {s.name: unit.view(flat, s).clone() for s in unit.slots}
 
 
-def export_offloaded(om: Any, model: torch.nn.Module, out_dir: str | Path, tokenizer: Any = None) -> Path:
+def export_offloaded(om: OutOfCoreEngine, model: torch.nn.Module, out_dir: str | Path,
+                     tokenizer: Any = None) -> Path:
     """Write an out-of-core run's model as a Hugging Face directory, one shard per unit.
 
     Bounded memory: one unit's weights (and its LoRA deltas) at a time. A tied weight
@@ -161,7 +166,7 @@ def export_offloaded(om: Any, model: torch.nn.Module, out_dir: str | Path, token
     return write_hf_dir(out_dir, _unit_shards(om, model), model, tokenizer)
 
 
-def _unit_shards(om: Any, model: torch.nn.Module) -> Iterator[Shard]:
+def _unit_shards(om: OutOfCoreEngine, model: torch.nn.Module) -> Iterator[Shard]:
     for unit in om.units:
         if unit.slots:
             yield _unit_shard(model, unit, unit_weights(om, unit))

@@ -1,5 +1,6 @@
 """outcore.training — the services every recipe uses: the run's config and output directory,
-its checkpoints (DCP across ranks), a run as one of several ranks, the training loss, what is
+its lifecycle (``lifecycle.Run``, around every recipe), the trainer protocol, its checkpoints
+(DCP across ranks), a run as one of several ranks, the training loss, what is
 built before the first step (adapters, optimizer, plan, engine), SSD wear and run status.
 Recipes (``outcore.recipes``) compose them; nothing here imports ``recipes`` or ``tui``.
 """
@@ -16,7 +17,9 @@ _EXPORTS = {
     "CausalLMScorer": ".loss", "mean_eval_loss": ".loss",
     "with_lora": ".build", "load_zo_model": ".build", "build_optimizer": ".build",
     "check_offload_supported": ".build", "make_plan": ".build", "offload_from_plan": ".build", "swap_dir_of": ".build",
-    "InMemoryModel": ".in_memory",
+    "InMemoryModel": ".in_memory", "Trainer": ".trainer",
+    "Run": ".lifecycle", "Recipe": ".lifecycle", "Built": ".lifecycle", "Stepped": ".lifecycle",
+    "Evaluation": ".lifecycle",
     "save_checkpoint": ".checkpoint", "load_checkpoint": ".checkpoint", "latest_checkpoint": ".checkpoint",
     "save_units": ".checkpoint", "load_units": ".checkpoint",
     "save_distributed": ".dcp", "restore_trainable": ".dcp", "restore_units": ".dcp",

@@ -1,6 +1,6 @@
 """What a recipe builds before it trains: the LoRA adapters (and the ZO recipe's model with
 them), the optimizer, the memory plan and the out-of-core engine the plan describes
-(``full_finetune.Recipe.setup`` and the benchmarks call these)."""
+(``full_finetune.FullFinetune.setup`` and the benchmarks call these)."""
 from __future__ import annotations
 
 from pathlib import Path

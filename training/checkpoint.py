@@ -39,7 +39,7 @@ import random
 import shutil
 import stat
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
@@ -52,6 +52,9 @@ from ..errors import CheckpointError, DiskFullError
 from ..offload.device import rng_state as device_rng_state
 from ..offload.device import set_rng_state as set_device_rng_state
 from ..offload.engine import WEIGHTS
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..offload.engine import OutOfCoreEngine
 
 _DIR = "checkpoints"
 _LATEST = "latest"
@@ -397,7 +400,7 @@ def load_dcp_in_process(state: dict[str, Any], path: Path) -> None:
         dcp.load(state, checkpoint_id=path, no_dist=True)
 
 
-def save_units(om: Any, directory: str | Path) -> None:
+def save_units(om: OutOfCoreEngine, directory: str | Path) -> None:
     """Write every unit's newest weights and optimizer state of an out-of-core run.
 
     One safetensors file per unit, read out of the store one unit at a time, so the
@@ -419,7 +422,7 @@ def save_units(om: Any, directory: str | Path) -> None:
     (d / "units.json").write_text(json.dumps([u.name for u in om.units]))
 
 
-def units_bytes(om: Any) -> int:
+def units_bytes(om: OutOfCoreEngine) -> int:
     """Bytes :func:`save_units` writes for an out-of-core run (every unit's weights and state)."""
     mem, total = om.mem, 0
     for unit in om.units:
@@ -429,7 +432,7 @@ def units_bytes(om: Any) -> int:
     return total
 
 
-def load_units(om: Any, directory: str | Path) -> None:
+def load_units(om: OutOfCoreEngine, directory: str | Path) -> None:
     """Replace every unit's weights and optimizer state with those :func:`save_units` wrote.
 
     Args:

@@ -16,20 +16,20 @@ from typing import Any, Mapping
 from ..activations.policy import ACTIVATION_COMPRESSION, ACTIVATION_POLICIES
 from ..dtypes import BF16_LEAN, DTYPES, PRECISIONS
 from ..errors import ConfigError
+from ..methods import FULL, method_traits
+from ..methods import METHODS as _METHOD_REGISTRY
 from ..offload.modes import DEVICE_CHOICES, NVME, OFFLOAD_MODES
 from ..optim import ZO_OPTIMIZERS as _ZO_REGISTRY
 from ..optim import optimizer_names
 
-# The one list of methods (the other lists named here are defined by the package that
-# owns the concept and only re-exported, for the command line's help).
-FULL, LORA, QLORA, ZO = "full", "lora", "qlora", "zo"
-METHODS = (FULL, LORA, QLORA, ZO)
-ADAPTER_METHODS = (LORA, QLORA)  # train low-rank adapters beside a frozen base
+# The lists named here are defined by the package that owns the concept (methods in
+# outcore/methods.py) and only re-exported, for the command line's help.
+METHODS = tuple(_METHOD_REGISTRY)  # the registry's names (checks read the registry itself)
 OPTIMIZERS = optimizer_names()  # outcore.optim's registry: gradient-based, then zeroth-order
 ZO_OPTIMIZERS = tuple(_ZO_REGISTRY)  # the only optimizers of method "zo" (and only of it)
 UI_MODES = ("auto", "rich", "plain", "none")
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # report_to: experiment trackers (tui/trackers.py)
-__all__ = ["METHODS", "ADAPTER_METHODS", "OPTIMIZERS", "ZO_OPTIMIZERS", "DTYPES", "OFFLOAD_MODES", "DEVICE_CHOICES",
+__all__ = ["METHODS", "OPTIMIZERS", "ZO_OPTIMIZERS", "DTYPES", "OFFLOAD_MODES", "DEVICE_CHOICES",
            "ACTIVATION_POLICIES", "UI_MODES", "TRACKERS", "PRECISIONS", "FinetuneConfig", "load_config", "save_config"]
 
 
@@ -103,7 +103,7 @@ class FinetuneConfig:
     # ------------------------------------------------------------------------------
     def validate(self) -> None:
         """Check every field; raise ConfigError naming the value and the rule."""
-        _choice("method", self.method, METHODS)
+        _choice("method", self.method, tuple(_METHOD_REGISTRY))  # (a method registered since import too)
         _choice("optim", self.optim, OPTIMIZERS)
         _choice("dtype", self.dtype, DTYPES)
         _choice("precision", self.precision, PRECISIONS)
@@ -190,17 +190,17 @@ class FinetuneConfig:
     @property
     def uses_adapters(self) -> bool:
         """LoRA or QLoRA: low-rank adapters train, the base model stays frozen."""
-        return self.method in ADAPTER_METHODS
+        return not method_traits(self.method).trains_weights
 
     @property
     def quantizes_base(self) -> bool:
         """QLoRA: the frozen base's linear weights are stored 4-bit (NF4)."""
-        return self.method == QLORA
+        return method_traits(self.method).quantized_base
 
     @property
     def zeroth_order(self) -> bool:
         """Method ``zo``: forward passes only (MeZO / Sparse-MeZO), no gradients or state."""
-        return self.method == ZO
+        return not method_traits(self.method).backward
 
     def to_dict(self) -> dict[str, Any]:
         """A plain, YAML-able dict of every field."""

@@ -28,7 +28,7 @@ ranks (:func:`restore_units`).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +37,9 @@ from ..offload.distributed import Ranks
 from . import checkpoint as ckpt
 from .checkpoint import DCP_DIR, DCP_MODEL, is_distributed, load_dcp_in_process
 from .distributed import broadcast_from_main
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..offload.engine import OutOfCoreEngine
 
 SHARDED_UNITS_DIR = "units_dcp"  # a sharded out-of-core run's: one DCP checkpoint per unit
 _OPTIM = "optim"
@@ -60,7 +63,7 @@ def app_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[
 
 def save_distributed(output_dir: str | Path, step: int, model: torch.nn.Module,
                      optimizer: torch.optim.Optimizer, trainer_state: dict[str, Any], keep: int,
-                     ranks: Ranks, engine: Any = None) -> Path:
+                     ranks: Ranks, engine: OutOfCoreEngine | None = None) -> Path:
     """Write one checkpoint of a data-parallel run; every rank calls it at the same step.
 
     Args:
@@ -171,7 +174,7 @@ def restore_trainable(ckpt_dir: str | Path, weights: dict[str, torch.Tensor], op
             named[name].copy_(t)
 
 
-def restore_units(engine: Any, ckpt_dir: str | Path) -> None:
+def restore_units(engine: OutOfCoreEngine, ckpt_dir: str | Path) -> None:
     """Load an out-of-core checkpoint's weights and state into ``engine``'s store, at any
     number of ranks: the sharded format (``units_dcp/``) or the one-process one (``units/``).
 

@@ -34,7 +34,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -44,6 +44,11 @@ from ..offload.device import distributed_backend
 from ..offload.distributed import Ranks, from_env, join, leave
 from .elastic import continue_after_restart, mark_launch
 from .output_dir import prepare_output_dir
+from .signals import StopOnSignal
+from .trainer import LossFn, Trainer
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..offload.engine import OutOfCoreEngine
 
 SINGLE = Ranks()  # one process: what every recipe is when not launched distributed
 
@@ -55,8 +60,8 @@ def join_run(cfg: Any) -> tuple[Ranks, bool]:
         cfg: the run's ``FinetuneConfig`` (``dist_timeout_s``).
 
     Returns:
-        ``(ranks, joined)``: this process's :class:`~outcore.offload.distributed.ranks.Ranks`, and whether
-        this call joined the group (then the run leaves it at its end: :func:`leaving_group`).
+        ``(ranks, joined)``: this process's :class:`~outcore.offload.distributed.Ranks`, and whether
+        this call joined the group (then the run leaves it at its end: :func:`leave_run`).
 
     Raises:
         ConfigError: a bad environment.
@@ -172,7 +177,7 @@ def all_reduce_grads(params: list[torch.nn.Parameter], loss: torch.Tensor, ranks
     return total
 
 
-def accumulate(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+def accumulate(model: torch.nn.Module, loss_fn: LossFn,
                micro_batches: list[Any], params: list[torch.nn.Parameter], ranks: Ranks,
                output: str | Path | None = None,
                around: Callable[[], AbstractContextManager[Any]] = nullcontext) -> torch.Tensor:
@@ -210,9 +215,10 @@ def accumulate(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, Any],
 
 class DataParallelAdapters:
     """An out-of-core engine training resident adapters (LoRA / QLoRA: the base streamed
-    read-only on every rank), data parallel: the engine's own ``begin_step`` / ``micro_batch``
-    / ``end_step``, the adapters' gradients summed over the ranks before ``end_step`` steps
-    them. Everything else is the engine's.
+    read-only on every rank), data parallel: a :class:`~outcore.training.trainer.Trainer` made of
+    the engine's own ``begin_step`` / ``micro_batch`` / ``end_step``, the adapters' gradients
+    summed over the ranks before ``end_step`` steps them. What else a caller needs of the engine
+    (its store, units, model) it asks of :attr:`engine`.
 
     Args:
         engine: an ``OutOfCoreEngine`` with resident trainable parameters.
@@ -220,11 +226,15 @@ class DataParallelAdapters:
         output: the run's output directory.
     """
 
-    def __init__(self, engine: Any, ranks: Ranks, output: str | Path) -> None:
+    def __init__(self, engine: OutOfCoreEngine, ranks: Ranks, output: str | Path) -> None:
         self.engine, self.ranks, self.output = engine, ranks, output
 
-    def train_step(self, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], micro_batches: list[Any],
-                   lr: float) -> torch.Tensor:
+    @property
+    def last_grad_norm(self) -> torch.Tensor | None:
+        """The adapters' global gradient norm of the last step (the engine clips them)."""
+        return self.engine.last_grad_norm
+
+    def train_step(self, loss_fn: LossFn, micro_batches: list[Any], lr: float) -> torch.Tensor:
         """One optimizer step (see ``OutOfCoreEngine.train_step``) over this rank's micro-batches."""
         e = self.engine
         e.begin_step(lr, len(micro_batches))
@@ -232,11 +242,12 @@ class DataParallelAdapters:
         e.end_step()
         return total
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.engine, name)
+    def close(self) -> None:
+        """Close the engine (its store removes this rank's swap directory)."""
+        self.engine.close()
 
 
-def data_parallel(engine: Any, ranks: Ranks, output: str | Path) -> Any:
+def data_parallel(engine: OutOfCoreEngine, ranks: Ranks, output: str | Path) -> Trainer:
     """``engine`` as this run trains it: itself with one rank or sharded, :class:`DataParallelAdapters`
     for LoRA under torchrun."""
     # (a full fine-tune's engine is sharded: it sums the ranks' gradients itself)
@@ -319,7 +330,7 @@ def barrier(ranks: Ranks, what: str, output: str | Path | None = None) -> None:
             dist.barrier()
 
 
-def check_stop(stop: Any, ranks: Ranks, output: str | Path | None = None) -> None:
+def check_stop(stop: StopOnSignal, ranks: Ranks, output: str | Path | None = None) -> None:
     """``stop.check()`` agreed by every rank: a signal any rank got stops all at the same step.
 
     torchrun passes a Ctrl-C to every rank, but not at the same instant: without agreeing,
@@ -358,28 +369,14 @@ def with_ranks(ranks: Ranks, event: Any, output: str | Path | None = None) -> An
     return event
 
 
-@contextmanager
-def leaving_group(recipe: Any) -> Iterator[None]:
-    """For a recipe's ``run()``: leave the process group its setup joined when the run ends.
+def leave_run(ranks: Ranks, joined: bool) -> None:
+    """Leave the process group :func:`join_run` joined (``joined``), when the run ends.
 
-    Not after a lost rank: tearing down a group whose peer is gone can block, and the
-    process is about to exit with the error anyway.
+    (Not after a lost rank — the caller's to decide: tearing down a group whose peer is gone
+    can block, and the process is about to exit with the error anyway.)
     """
-    try:
-        yield
-    except RankLostError:
-        raise
-    except BaseException:
-        _leave_if_joined(recipe)
-        raise
-    _leave_if_joined(recipe)
-
-
-def _leave_if_joined(recipe: Any) -> None:
-    ranks = getattr(recipe, "ranks", SINGLE)
-    if ranks.distributed and getattr(recipe, "joined", False):
+    if ranks.distributed and joined:
         leave()
-        recipe.joined = False
 
 
 def rank_swap_dir(swap: Path, ranks: Ranks) -> Path:

@@ -1,4 +1,4 @@
-"""A model trained in memory, behind the ``train_step`` interface of ``offload.engine.OutOfCoreEngine``.
+"""A model trained in memory: a :class:`~outcore.training.trainer.Trainer`, as the out-of-core engine is.
 
 So the recipe runs one loop whether the weights stream through the tiers or not.
 This is the numerical reference every out-of-core mode is checked against, bit for
@@ -8,14 +8,14 @@ across the ranks before the step (``training/distributed.py``): the same step.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from ..events import TierStats
 from ..offload.distributed import Ranks
 from ..offload.engine import step_in_memory
 from .distributed import SINGLE, accumulate
+from .trainer import LossFn
 
 
 class InMemoryModel:
@@ -30,9 +30,6 @@ class InMemoryModel:
         output: the run's output directory (named in the error when a rank is lost).
     """
 
-    store = None  # nothing streams: no tiered store (activations that go to NVMe get their own)
-    stall_s = 0.0  # compute never waits for a transfer
-
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  params: list[torch.nn.Parameter], max_grad_norm: float, ranks: Ranks = SINGLE,
                  output: str | None = None) -> None:
@@ -41,8 +38,7 @@ class InMemoryModel:
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: torch.Tensor | None = None
 
-    def train_step(self, loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], micro_batches: list[Any],
-                   lr: float) -> torch.Tensor:
+    def train_step(self, loss_fn: LossFn, micro_batches: list[Any], lr: float) -> torch.Tensor:
         """One optimizer step over ``micro_batches`` (the gradients are accumulated).
 
         Args:
@@ -58,10 +54,6 @@ class InMemoryModel:
         total = accumulate(self.model, loss_fn, micro_batches, self.params, self.ranks, self.output)
         self.last_grad_norm = step_in_memory(self.params, self.optimizer, self.max_grad_norm, lr)
         return total
-
-    def tier_stats(self) -> dict[str, TierStats]:
-        """Nothing moves between tiers: no statistics."""
-        return {}
 
     def close(self) -> None:
         """Nothing to release (the model and optimizer are the caller's)."""

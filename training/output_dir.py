@@ -7,7 +7,7 @@ import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from ..errors import CheckpointError, ConfigError
 from .config import FinetuneConfig, load_config, save_config
@@ -51,18 +51,24 @@ def prepare_output_dir(config: FinetuneConfig) -> tuple[Path, int]:
     return out, lock
 
 
+class HoldsRunLock(Protocol):
+    """What holds a run's output-directory lock: the run (``training.lifecycle.Run``)."""
+
+    out_lock: int | None  # the descriptor :func:`prepare_output_dir` returned (None: none taken)
+
+
 @contextmanager
-def holding_output_dir(recipe: Any) -> Iterator[None]:
-    """For the length of a recipe's ``run()``: the output-directory lock its setup takes
-    (``recipe.out_lock``, from :func:`prepare_output_dir`) is released when the run ends,
-    however it ends, so the same process may start another run there."""
-    recipe.out_lock = None
+def holding_output_dir(run: HoldsRunLock) -> Iterator[None]:
+    """For the length of a run: the output-directory lock it takes (``run.out_lock``, from
+    :func:`prepare_output_dir`) is released when the run ends, however it ends, so the same
+    process may start another run there."""
+    run.out_lock = None
     try:
         yield
     finally:
-        if recipe.out_lock is not None:
-            os.close(recipe.out_lock)
-            recipe.out_lock = None
+        if run.out_lock is not None:
+            os.close(run.out_lock)
+            run.out_lock = None
 
 
 def _lock_output_dir(out: Path) -> int:

@@ -14,7 +14,7 @@ once. The atomic commit (a ``.tmp`` folder renamed, ``COMPLETE``) is the caller'
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,9 @@ from ..distributed import Ranks
 from .sharding import Shard
 from .unit_sizes import MASTER_DTYPE, PIECE_ALIGN
 from .units import WEIGHTS, Unit
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import OutOfCoreEngine
 
 
 def _ratios(unit: Unit, optimizer: Any) -> dict[str, int]:
@@ -85,7 +88,7 @@ def _whole(unit: Unit, kind: str, flat: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _state_dict(engine: Any, unit: Unit, mesh: Any) -> dict[str, Any]:
+def _state_dict(engine: OutOfCoreEngine, unit: Unit, mesh: Any) -> dict[str, Any]:
     """What DCP saves of one unit: weights per parameter, each state kind in the shard space."""
     from torch.distributed.tensor import DTensor, Shard as Dim
 
@@ -109,7 +112,7 @@ def _state_dict(engine: Any, unit: Unit, mesh: Any) -> dict[str, Any]:
     return sd
 
 
-def _mesh(engine: Any) -> Any:
+def _mesh(engine: OutOfCoreEngine) -> Any:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -118,7 +121,7 @@ def _mesh(engine: Any) -> Any:
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
-def save_sharded(engine: Any, path: str | Path) -> None:
+def save_sharded(engine: OutOfCoreEngine, path: str | Path) -> None:
     """Save an out-of-core engine's weights and optimizer state under ``path``, one DCP
     checkpoint per unit (``path/<unit name>``); every rank calls it (collectives inside).
 
@@ -134,7 +137,7 @@ def save_sharded(engine: Any, path: str | Path) -> None:
         dcp.save(_state_dict(engine, unit, mesh), checkpoint_id=str(Path(path) / unit.name))
 
 
-def load_sharded(engine: Any, path: str | Path) -> None:
+def load_sharded(engine: OutOfCoreEngine, path: str | Path) -> None:
     """Load what :func:`save_sharded` saved, at this engine's world size (any: the state is
     resharded), into the engine's store; every rank calls it.
 

@@ -258,12 +258,13 @@ def test_router_aux_loss_reaches_the_loss_out_of_core(family, tmp_path):
 def test_the_chunked_head_loss_skips_nothing(family, family_dir, data_file, tmp_path):
     """The recipe's loss is the model's own loss: soft-capped logits (Gemma2) and the router
     auxiliary loss (Mixtral) are not dropped by the chunked loss head."""
-    from outcore.recipes.full_finetune import Recipe
+    from outcore.recipes.full_finetune import FullFinetune
+    from outcore.training.lifecycle import Run
 
     path = family_dir(family)
     base = dict(model=str(path), data=str(data_file), seq_len=32, batch_size=2, max_steps=1,
                 output=str(tmp_path / "run"), ui="none", offload="none", eval_every=0)
-    recipe = Recipe(load_config(overrides=base))
+    recipe = FullFinetune(Run(load_config(overrides=base)))
     recipe.setup()
     batch = recipe.loader.next_batch()
     with torch.no_grad():

@@ -480,10 +480,3 @@ def test_planned_state_matches_what_each_optimizer_allocates(tiny):
                    for t in opt.init_state(p, group).values() if isinstance(t, torch.Tensor))
         plan = make_plan(tiny, optim=name, offload="none", budgets=BIG, seq_len=32)
         assert plan.tier_bytes["DEVICE"]["optimizer state"] == real, name
-
-
-def test_the_planner_knows_every_method_of_the_config():
-    from outcore.planner.sizes import METHOD_TRAITS
-    from outcore.training.config import METHODS
-
-    assert tuple(METHOD_TRAITS) == METHODS

@@ -1,0 +1,79 @@
+"""The training methods a run may name (``--method``, ``FinetuneConfig.method``): the one list.
+
+Each entry names the recipe that runs the method and the traits the memory planner sizes it
+by. The config's check, the command line's help, ``outcore.finetune``'s dispatch and the
+planner all read :data:`METHODS`: a new method is one recipe file (a class the run lifecycle,
+``training/lifecycle.py``, runs) and one entry here.
+
+Torch-free and importing nothing of outcore but its errors, so that every layer may read it:
+the planner too, which may not import the recipes; a recipe is therefore named
+(``"module:Class"``, as ``optim.OPTIMIZERS`` names its optimizers) and imported by
+``outcore.finetune`` only.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class MethodTraits:
+    """What sizing a layout needs to know of a fine-tuning method."""
+
+    trains_weights: bool  # every weight is updated and written back (else a frozen base + adapters)
+    backward: bool  # a backward pass runs (zeroth-order: forward passes only)
+    quantized_base: bool  # the frozen base's block matrices are NF4
+    #: a step's compute in forward passes: full 3 (a backward costs 2 forwards), LoRA 2 (its
+    #: backward skips the weight gradients), zeroth-order 2 (two forwards)
+    compute_passes: float
+
+
+@dataclass(frozen=True)
+class Method:
+    """One training method.
+
+    Attributes:
+        recipe: the recipe class that runs it, ``"module:Class"`` (a module relative to the
+            package ``outcore``, or absolute), constructed by ``training.lifecycle.Run.execute``.
+        traits: what the planner and the config's checks know of it.
+    """
+
+    recipe: str
+    traits: MethodTraits
+
+
+FULL, LORA, QLORA, ZO = "full", "lora", "qlora", "zo"
+_FIRST_ORDER = ".recipes.full_finetune:FullFinetune"  # full, LoRA and QLoRA: one recipe, three setups
+
+#: name -> method, in the order the command line lists them
+METHODS: dict[str, Method] = {
+    FULL: Method(_FIRST_ORDER, MethodTraits(trains_weights=True, backward=True, quantized_base=False,
+                                            compute_passes=3.0)),
+    LORA: Method(_FIRST_ORDER, MethodTraits(trains_weights=False, backward=True, quantized_base=False,
+                                            compute_passes=2.0)),
+    QLORA: Method(_FIRST_ORDER, MethodTraits(trains_weights=False, backward=True, quantized_base=True,
+                                             compute_passes=2.0)),
+    ZO: Method(".recipes.zo_finetune:ZORecipe", MethodTraits(trains_weights=True, backward=False,
+                                                             quantized_base=False, compute_passes=2.0)),
+}
+
+
+def method(name: str) -> Method:
+    """The registered method ``name``.
+
+    Raises:
+        ConfigError: no method of that name.
+    """
+    if name not in METHODS:
+        raise ConfigError(f"method={name!r} is not one of: {', '.join(METHODS)}")
+    return METHODS[name]
+
+
+def method_traits(name: str) -> MethodTraits:
+    """The :class:`MethodTraits` of method ``name`` (what the planner sizes).
+
+    Raises:
+        ConfigError: no method of that name.
+    """
+    return method(name).traits
