@@ -17,7 +17,7 @@ from outcore.recipes.export import export_hf
 from outcore.training import checkpoint as ckpt
 from outcore.training.config import load_config
 from outcore.training.lifecycle import Built, Evaluation, Run, Stepped
-from outcore.training.loss import evaluate as mean_loss
+from outcore.training.loss import mean_eval_loss
 
 
 class PlainSGD:
@@ -57,7 +57,7 @@ class PlainSGD:
 
     def evaluate(self, step: int) -> Evaluation:
         with torch.no_grad():
-            return Evaluation(mean_loss(lambda b: self.model(**b).loss, self.val, self.cfg.batch_size, 2))
+            return Evaluation(mean_eval_loss(lambda b: self.model(**b).loss, self.val, self.cfg.batch_size, 2))
 
     def save(self) -> None:
         state = {"step": self.run.step, "loader": self.loader.state_dict(), "base_eval_loss": self.run.base_eval_loss}

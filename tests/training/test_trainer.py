@@ -11,7 +11,7 @@ import torch
 
 from outcore.offload.engine import OutOfCoreEngine
 from outcore.offload.distributed import Ranks
-from outcore.offload.training import offload_model
+from outcore.offload.engine import offload_model
 from outcore.optim import AdamW
 from outcore.training.distributed import DataParallelAdapters, data_parallel
 from outcore.training.in_memory import InMemoryModel
