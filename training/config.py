@@ -318,8 +318,11 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | l
 
     for key, value in pairs:
         if key.startswith("optim_args."):
-            values.setdefault("optim_args", {})
-            values["optim_args"] = {**values["optim_args"], key.split(".", 1)[1]: value}
+            base = values.setdefault("optim_args", {})
+            if not isinstance(base, Mapping):
+                raise ConfigError(f"optim_args={base!r} is not a mapping, so {key}={value!r} cannot extend it; "
+                                  "give optim_args as key=value pairs (optim_args.NAME=VALUE)")
+            values["optim_args"] = {**base, key.split(".", 1)[1]: value}
         else:
             values[key] = value
 

@@ -8,7 +8,7 @@ tensors (:func:`distributed_trainer`, :func:`make_exchange`).
 from ..._exports import lazy_exports
 
 _EXPORTS = {
-    "ZOBlockTrainer": ".engine", "Exchange": ".engine", "CausalLMBlocks": ".model",
+    "ZOBlockTrainer": ".engine", "Exchange": ".engine", "CausalLMBlocks": ".model", "StoreWeights": ".weights",
     "make_exchange": ".distributed", "distributed_trainer": ".distributed",
 }
 __all__ = sorted(_EXPORTS)
