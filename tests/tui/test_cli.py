@@ -12,7 +12,7 @@ import pytest
 import outcore
 from outcore.errors import DataError, DiskFullError, IntegrityError, Interrupted, ModelError
 from outcore.training.config import METHODS, OPTIMIZERS, FinetuneConfig
-from outcore.tui.cli import main
+from outcore.cli import main
 
 
 @pytest.fixture
@@ -206,8 +206,8 @@ def _run(args, **kw):
 def test_cli_and_views_import_no_torch():
     code = (
         "import io, sys\n"
-        "import outcore.tui.cli, outcore.tui\n"
-        "from outcore.tui.cli import main\n"
+        "import outcore.cli, outcore.tui\n"
+        "from outcore.cli import main\n"
         "assert main(['finetune', '--help']) == 0\n"
         "assert main(['finetune', '--dry-run']) == 0\n"
         "from outcore.events import RunStarted, StepEvent\n"
@@ -241,7 +241,8 @@ def test_python_m_outcore_error_is_one_line():
 
 def test_closed_pipe_exits_quietly():
     code = ("import sys\n"
-            "from outcore.tui import cli, doctor\n"
+            "from outcore import cli\n"
+            "from outcore.cli import doctor\n"
             "def run(args):\n"
             "    raise BrokenPipeError(32, 'Broken pipe')\n"
             "doctor.run = run\n"

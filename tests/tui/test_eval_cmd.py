@@ -10,7 +10,7 @@ import pytest
 
 from outcore.events import EvalEvent, RunFinished, RunStarted, TaskEvalEvent
 from outcore.tui import make_sink
-from outcore.tui.cli import main
+from outcore.cli import main
 from outcore.tui.metrics import read_metrics
 from outcore.tui.plot import task_accuracy_from_rows
 
