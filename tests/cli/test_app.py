@@ -176,6 +176,28 @@ def test_each_kind_of_failure_has_its_exit_code_and_one_line(exc, code, line, mo
     assert _one_error_line(capsys) == line
 
 
+def test_a_lost_rank_exits_5_with_one_line(monkeypatch, capsys):
+    from outcore.errors import RankLostError
+
+    def lost(config):
+        raise RankLostError("rank 0 of 2: rank 1 died or stopped answering during the step")
+
+    monkeypatch.setattr(outcore, "finetune", lost, raising=False)
+    assert main(["finetune"]) == 5
+    assert _one_error_line(capsys) == "outcore: error: rank 0 of 2: rank 1 died or stopped answering during the step"
+
+
+def test_the_module_docstring_lists_every_exit_code():
+    import re
+
+    from outcore import errors
+    from outcore.cli import app
+
+    codes = {v for k, v in vars(errors).items() if k.startswith("EXIT_")} | {130, 143}
+    missing = [c for c in sorted(codes) if not re.search(rf"(?<![\w.]){c}(?![\w.])", app.__doc__)]
+    assert missing == []
+
+
 def test_bugs_keep_their_traceback(monkeypatch):
     def bug(config):
         raise RuntimeError("a bug")
