@@ -1,5 +1,5 @@
 """``python -m outcore`` is the ``outcore`` command."""
-from .tui.cli import main
+from .cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

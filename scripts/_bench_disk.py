@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from outcore.tui.jsonout import emit_json
+from outcore.cli.jsonout import emit_json
 
 from _measure import storage_io
 

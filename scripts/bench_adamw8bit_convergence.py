@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from outcore.tui.jsonout import emit_json, json_stdout
+from outcore.cli.jsonout import emit_json, json_stdout
 
 
 def lr_at(step: int, steps: int, lr: float, warmup: int, min_ratio: float) -> float:

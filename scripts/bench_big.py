@@ -36,7 +36,7 @@ import time
 import zlib
 from pathlib import Path
 
-from outcore.tui.jsonout import emit_json, json_stdout
+from outcore.cli.jsonout import emit_json, json_stdout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
 from _measure import storage_io  # noqa: E402

@@ -35,7 +35,7 @@ import xxhash
 from outcore.offload.device import aligned_empty
 from outcore.offload.store import NvmeBackend, SwapDir
 from outcore.offload.store.directio import IOPool, open_direct
-from outcore.tui.jsonout import emit_json, json_stdout
+from outcore.cli.jsonout import emit_json, json_stdout
 
 MiB = 1 << 20
 

@@ -63,7 +63,7 @@ import threading
 import time
 from pathlib import Path
 
-from outcore.tui.jsonout import emit_json, json_stdout
+from outcore.cli.jsonout import emit_json, json_stdout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
 from _loss_gap import CODECS, loss_gap  # noqa: E402

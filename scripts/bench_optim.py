@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from outcore.tui.jsonout import emit_json, json_stdout
+from outcore.cli.jsonout import emit_json, json_stdout
 
 
 def model_shaped(quick: bool, seed: int = 0) -> list[torch.nn.Parameter]:

@@ -44,7 +44,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from outcore.tui.jsonout import emit_json, json_stdout
+from outcore.cli.jsonout import emit_json, json_stdout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
 from _measure import reset_peak_rss, time_steps  # noqa: E402

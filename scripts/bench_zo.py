@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from outcore.tui.jsonout import emit_json, json_stdout
+from outcore.cli.jsonout import emit_json, json_stdout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
 from _measure import reset_peak_rss, storage_io  # noqa: E402

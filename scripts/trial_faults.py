@@ -62,7 +62,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from outcore.tui.jsonout import emit_json, json_stdout
+from outcore.cli.jsonout import emit_json, json_stdout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _trial_disk import disk_trials, unavailable, unmount_all  # noqa: E402  (scripts/ is not a package)

@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from outcore.tui.jsonout import emit_json, json_stdout
+from outcore.cli.jsonout import emit_json, json_stdout
 
 COMEDIES = ["alls_well_that_ends_well", "as_you_like_it", "comedy_of_errors", "loves_labours_lost",
             "measure_for_measure", "merchant_of_venice", "merry_wives_of_windsor", "midsummer_nights_dream",

@@ -1,11 +1,10 @@
-"""The ``outcore`` command line, the live dashboard, plain logs, ``metrics.jsonl`` and plots.
+"""The live dashboard, plain logs, ``metrics.jsonl`` and plots (the command line is ``outcore.cli``).
 
 Nothing here imports torch at import time: the UI renders :mod:`outcore.events`
 (docs/architecture.md §1); rich and matplotlib are imported only when a dashboard or a
-plot is made, and torch only when a command that needs it (finetune, plan, doctor) runs.
+plot is made.
 
-Modules: ``cli`` (entry point, subcommand registry), ``finetune_cmd`` / ``plan_cmd`` /
-``doctor`` (subcommands), ``sinks`` (make_sink fan-out), ``dashboard`` (rich Live view),
+Modules: ``sinks`` (make_sink fan-out), ``dashboard`` (rich Live view),
 ``plain`` (log lines), ``metrics`` (metrics.jsonl), ``plot`` (loss_curve.png),
 ``summary`` (end-of-run summary), ``state`` (events folded for the views), ``format``.
 

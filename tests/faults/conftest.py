@@ -31,7 +31,7 @@ def trial_inputs(tmp_path_factory):
 def run_cli(argv: list[str]) -> tuple[int, str]:
     """``outcore ARGV`` in this process: (exit code, stderr). Any exception but SystemExit
     escapes, so a traceback the user would see fails the test."""
-    from outcore.tui.cli import main
+    from outcore.cli import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

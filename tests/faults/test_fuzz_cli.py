@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from outcore.training.config import _FIELDS
-from outcore.tui.finetune_cmd import FLAGS
+from outcore.cli.finetune import FLAGS
 
 from .conftest import run_cli
 

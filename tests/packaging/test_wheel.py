@@ -22,7 +22,7 @@ def test_wheel_contains_only_outcore(tmp_path):
     assert top == {"outcore", next(t for t in top if t.endswith(".dist-info"))}, sorted(top)
     for must in ("outcore/__init__.py", "outcore/offload/engine/engine.py", "outcore/kernels/csrc/adamw8bit_cpu.cpp",
                  "outcore/offload/csrc/simdevice.cpp",
-                 "outcore/recipes/notebooks/quickstart.ipynb", "outcore/tui/cli.py",
+                 "outcore/recipes/notebooks/quickstart.ipynb", "outcore/cli/app.py",
                  "outcore/data/shakespeare_mc.jsonl"):
         assert must in names, must
     assert not any(n.startswith(("outcore/tests/", "outcore/scripts/")) for n in names)

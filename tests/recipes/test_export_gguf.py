@@ -121,7 +121,7 @@ def test_modelfile_maps_chatml(tmp_path):
 def test_bad_input_is_one_line(tmp_path, capsys):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from outcore.tui.cli import main
+    from outcore.cli import main
 
     _saved(tmp_path, "llama")
     with pytest.raises(ConfigError, match="--gguf-type 'q4_0' is not one of f16, bf16, q8_0"):
@@ -152,7 +152,7 @@ def _finetune(inputs: Path, out: Path, **kw):
 def test_run_exports_from_final_or_its_checkpoint(tiny_run_inputs, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from outcore.tui.cli import main
+    from outcore.cli import main
 
     run = tmp_path / "run"
     _finetune(tiny_run_inputs, run, offload="nvme")  # out of core: the checkpoint holds one file per unit

@@ -226,7 +226,7 @@ def test_offloaded_resume_is_bit_identical(tiny_run_inputs, tmp_path, dtype, com
 def test_export_command_and_its_errors(tiny_run_inputs, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
-    from outcore.tui.cli import main
+    from outcore.cli import main
 
     res = finetune(_cfg(tiny_run_inputs, tmp_path / "run", max_steps=2, eval_every=0, export=False),
                    sink=RecordingSink())

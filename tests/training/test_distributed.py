@@ -45,7 +45,7 @@ if os.environ["RANK"] == "1":  # only rank 1 dies, in step 3's gradient all-redu
             open(os.environ["KILLED_AT"], "w").write(repr(time.time()))
         kill(name)
     faults.fault_point = noted
-from outcore.tui.cli import main
+from outcore.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -53,7 +53,7 @@ RESTART_WRAPPER = """\
 import os, sys
 if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":  # the first attempt only
     os.environ["OUTCORE_FAULT_AT"] = os.environ["DIE_AT"]
-from outcore.tui.cli import main
+from outcore.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -129,7 +129,7 @@ def test_the_dashboard_shows_a_row_per_rank():
 
 
 def test_outcore_plan_says_what_one_rank_of_n_holds(capsys):
-    from outcore.tui.cli import main
+    from outcore.cli import main
 
     assert dist.plan_note(load_config(overrides={"offload": "none", "grad_accum": 2}), 2) == (
         "plan per rank (2 ranks, data parallel: every rank holds a replica of the model and optimizer state "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]  # the package outcore
 # what may import training/: the recipes and what sits above them
-ABOVE = {"recipes", "tui", "integrations", "api.py", "__init__.py", "__main__.py", "scripts", "tests"}
+ABOVE = {"recipes", "cli", "tui", "integrations", "api.py", "__init__.py", "__main__.py", "scripts", "tests"}
 
 
 def _sources(top: str) -> list[Path]:

@@ -44,7 +44,7 @@ def test_bad_ssd_tbw_is_a_one_line_config_error(bad):
 
 
 def test_ssd_tbw_flag(capsys):
-    from outcore.tui.cli import main
+    from outcore.cli import main
 
     assert main(["finetune", "--ssd-tbw", "-1", "--dry-run"]) == 2
     err = capsys.readouterr().err

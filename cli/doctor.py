@@ -11,7 +11,7 @@ import argparse
 import json
 from typing import Any
 
-from .format import fmt_bytes, fmt_gbps
+from ..tui.format import fmt_bytes, fmt_gbps
 from .jsonout import emit_json
 
 HELP = "show devices, memory, swap-disk bandwidth and backends"

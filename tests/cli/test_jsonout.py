@@ -26,7 +26,7 @@ def test_everything_but_the_document_goes_to_stderr():
     and a child process: all on stderr; the document alone on stdout; stdout back afterwards."""
     code = textwrap.dedent("""
         import json, logging, os, subprocess, sys
-        from outcore.tui.jsonout import emit_json, json_stdout
+        from outcore.cli.jsonout import emit_json, json_stdout
 
         def bound(name):
             log = logging.getLogger(name)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pexpect
 import pytest
 
-from outcore.tui.cli import main
+from outcore.cli import main
 from tests._helpers import ROOT
 
 

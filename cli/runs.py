@@ -6,7 +6,7 @@ import json
 import sys
 from typing import Any
 
-from .format import fmt_float
+from ..tui.format import fmt_float
 from .jsonout import emit_json
 
 HELP = "list the runs under a folder: finished, running, interrupted (resumable) or failed"
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Print the runs as a table (rich on a terminal) or JSON. Returns 0."""
     from ..training.runs import describe_run, find_runs
-    from .metrics import METRICS_FILENAME, read_metrics
+    from ..tui.metrics import METRICS_FILENAME, read_metrics
 
     infos = [describe_run(path, read_metrics(path / METRICS_FILENAME)) for path in find_runs(args.dir)]
     if args.json:

@@ -10,8 +10,8 @@ import pytest
 from rich.console import Console
 
 from outcore.errors import SwapDirError
-from outcore.tui.cli import main
-from outcore.tui.doctor import render
+from outcore.cli import main
+from outcore.cli.doctor import render
 
 GiB = 1 << 30
 FIELDS = ("cpu_threads", "ram_total_bytes", "ram_available_bytes", "devices", "swap_dir", "swap_free_bytes",

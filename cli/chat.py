@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 
-from .generate_cmd import STREAMING_NOTE, add_model_arguments, add_sampling_arguments, open_generator
+from .generate import STREAMING_NOTE, add_model_arguments, add_sampling_arguments, open_generator
 
 HELP = "chat with a model or a fine-tuning run's result (answers streamed)"
 DESCRIPTION = f"""\

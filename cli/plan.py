@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, ModelError
-from .finetune_cmd import add_config_arguments, config_from_args
+from .finetune import add_config_arguments, config_from_args
 from .jsonout import emit_json
 
 HELP = "show where a run's tensors would live and the expected step time"

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from outcore.errors import ModelError
-from outcore.tui.cli import main
+from outcore.cli import main
 
 TEXT = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128)

@@ -9,9 +9,9 @@ import pytest
 
 from outcore.training.config import load_config, save_config
 from outcore.training.runs import describe_run, find_runs
-from outcore.tui.cli import main
+from outcore.cli import main
 from outcore.tui.metrics import MetricsWriter
-from outcore.tui.runs_cmd import plain_table
+from outcore.cli.runs import plain_table
 
 
 class _MetricsThenCtrlC(MetricsWriter):

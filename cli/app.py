@@ -2,7 +2,7 @@
 
 Subcommands are listed once, in :func:`commands`; each is a module with
 ``HELP``, ``DESCRIPTION``, ``add_arguments(parser)`` and ``run(args) -> int``
-(``finetune_cmd.py``, ``plan_cmd.py``, ``doctor.py``, ...).
+(``finetune.py``, ``plan.py``, ``doctor.py``, ...).
 
 Exit codes (defined once, in :mod:`outcore.errors`): 0 success; 2 bad input (an
 :class:`outcore.errors.OutcoreError`, printed as exactly one line ``outcore: error:
@@ -45,22 +45,21 @@ class Command:
 
 def commands() -> list[Command]:
     """Every subcommand, in the order ``--help`` lists them (add new ones here)."""
-    from . import (chat_cmd, doctor, eval_cmd, export_cmd, finetune_cmd, generate_cmd, plan_cmd,
-                   runs_cmd)
+    from . import chat, doctor, eval, export, finetune, generate, plan, runs
 
     def command(name, module, accepts_overrides=False):
         return Command(name, module.HELP, module.DESCRIPTION, module.add_arguments, module.run,
                        accepts_overrides)
 
     return [
-        command("finetune", finetune_cmd, accepts_overrides=True),
-        command("plan", plan_cmd, accepts_overrides=True),
+        command("finetune", finetune, accepts_overrides=True),
+        command("plan", plan, accepts_overrides=True),
         command("doctor", doctor),
-        command("export", export_cmd),
-        command("eval", eval_cmd),
-        command("generate", generate_cmd),
-        command("chat", chat_cmd),
-        command("runs", runs_cmd),
+        command("export", export),
+        command("eval", eval),
+        command("generate", generate),
+        command("chat", chat),
+        command("runs", runs),
     ]
 
 
@@ -131,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().print_help(sys.stderr)
         return EXIT_USAGE
     try:
-        # --json: stdout holds the command's JSON document alone (tui/jsonout.py)
+        # --json: stdout holds the command's JSON document alone (cli/jsonout.py)
         with json_stdout(getattr(args, "json", False) is True):
             return int(cmd.run(args) or EXIT_OK)
     except OutcoreError as e:

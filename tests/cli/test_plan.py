@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from outcore.tui.cli import main
+from outcore.cli import main
 
 pytest.importorskip("outcore.planner.plan")
 

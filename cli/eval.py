@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
 def report_lines(report: Any) -> list[str]:
     """The plain-text report, e.g. ``held-out perplexity  23.41  (loss 3.1532 over 4,096 tokens of default)``."""
-    from .format import fmt_duration, fmt_float
+    from ..tui.format import fmt_duration, fmt_float
 
     where = "in memory" if report.offload == "none" else f"streamed from {report.offload}"
     rows = []

@@ -12,7 +12,7 @@ import pytest
 import outcore
 from outcore.errors import DataError, DiskFullError, IntegrityError, Interrupted, ModelError
 from outcore.training.config import METHODS, OPTIMIZERS, FinetuneConfig
-from outcore.tui.cli import main
+from outcore.cli import main
 
 
 @pytest.fixture
@@ -176,6 +176,28 @@ def test_each_kind_of_failure_has_its_exit_code_and_one_line(exc, code, line, mo
     assert _one_error_line(capsys) == line
 
 
+def test_a_lost_rank_exits_5_with_one_line(monkeypatch, capsys):
+    from outcore.errors import RankLostError
+
+    def lost(config):
+        raise RankLostError("rank 0 of 2: rank 1 died or stopped answering during the step")
+
+    monkeypatch.setattr(outcore, "finetune", lost, raising=False)
+    assert main(["finetune"]) == 5
+    assert _one_error_line(capsys) == "outcore: error: rank 0 of 2: rank 1 died or stopped answering during the step"
+
+
+def test_the_module_docstring_lists_every_exit_code():
+    import re
+
+    from outcore import errors
+    from outcore.cli import app
+
+    codes = {v for k, v in vars(errors).items() if k.startswith("EXIT_")} | {130, 143}
+    missing = [c for c in sorted(codes) if not re.search(rf"(?<![\w.]){c}(?![\w.])", app.__doc__)]
+    assert missing == []
+
+
 def test_bugs_keep_their_traceback(monkeypatch):
     def bug(config):
         raise RuntimeError("a bug")
@@ -206,8 +228,8 @@ def _run(args, **kw):
 def test_cli_and_views_import_no_torch():
     code = (
         "import io, sys\n"
-        "import outcore.tui.cli, outcore.tui\n"
-        "from outcore.tui.cli import main\n"
+        "import outcore.cli, outcore.tui\n"
+        "from outcore.cli import main\n"
         "assert main(['finetune', '--help']) == 0\n"
         "assert main(['finetune', '--dry-run']) == 0\n"
         "from outcore.events import RunStarted, StepEvent\n"
@@ -241,7 +263,8 @@ def test_python_m_outcore_error_is_one_line():
 
 def test_closed_pipe_exits_quietly():
     code = ("import sys\n"
-            "from outcore.tui import cli, doctor\n"
+            "from outcore import cli\n"
+            "from outcore.cli import doctor\n"
             "def run(args):\n"
             "    raise BrokenPipeError(32, 'Broken pipe')\n"
             "doctor.run = run\n"
