@@ -211,6 +211,7 @@ def test_bugs_keep_their_traceback(monkeypatch):
     (["finetune", "--max-steps", "many"], "invalid int value: 'many'"),
     (["finetune", "--nope"], "unrecognized arguments: --nope"),
     (["finetune", "lr"], "override 'lr' must look like key=value"),
+    (["finetune", "optim_args=x", "optim_args.a=1"], "optim_args='x' is not a mapping"),
     (["doctor", "lr=1"], "unrecognized arguments: lr=1"),
     (["bogus"], "invalid choice: 'bogus'"),
 ])
