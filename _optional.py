@@ -1,4 +1,4 @@
-"""Optional dependencies, probed lazily (docs/architecture.md §11).
+"""Optional dependencies, probed lazily (docs/architecture.md §13).
 
 Nothing here imports an optional package at outcore import time: each check
 uses ``importlib.util.find_spec`` (cheap, no import) and caches the answer.

@@ -1,7 +1,7 @@
 """Events the trainers emit and the UIs render.
 
 Plain dataclasses with no torch import: ``tui/`` renders these without ever
-touching a tensor (docs/architecture.md §1, §9). Trainers build them only at
+touching a tensor (docs/architecture.md §1, §11). Trainers build them only at
 log intervals, because filling ``loss`` costs a host sync (``.item()``).
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ checkpoint folders. What changes sits under four of its methods:
   weights and optimizer state move to the tiers and stream through the engine's hooks. The
   Trainer gets an :class:`EngineOptimizer` whose ``param_groups`` its scheduler drives.
 * ``training_step`` runs the Trainer's own forward and backward inside the engine's micro-batch
-  (docs/architecture.md §4): without clipping or accumulation each unit updates in the
+  (docs/architecture.md §5): without clipping or accumulation each unit updates in the
   backward (step-in-backward), else after it.
 * ``_clip_grad_norm`` is the engine's global-norm clip; ``optimizer.step()`` ends the step.
 * ``_save`` / ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler`` write and

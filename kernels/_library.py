@@ -3,10 +3,10 @@
 Every fused op in ``kernels/`` is declared once as ``outcore::<name>`` with
 ``torch.library.custom_op`` (schema + fake impl), has a pure-PyTorch reference
 that serves CPU (and any device without a faster impl), and may register a
-Triton impl for ``cuda`` (docs/architecture.md §8). This module holds the few
+Triton impl for ``cuda`` (docs/architecture.md §9). This module holds the few
 helpers those modules share; keep it tiny and stable.
 
-Nothing here imports triton at module import time (docs/architecture.md §11).
+Nothing here imports triton at module import time (docs/architecture.md §13).
 """
 from __future__ import annotations
 

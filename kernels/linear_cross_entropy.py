@@ -14,7 +14,7 @@ four, ~1.33x the time); the price is that ``d_weight`` ([V, H]) is held from the
 forward until the backward. ``reduction="none"`` needs one gradient per row, so
 its backward recomputes the logits chunk by chunk (a second op).
 
-Ops (docs/architecture.md §8), declared with ``torch.library.custom_op``:
+Ops (docs/architecture.md §9), declared with ``torch.library.custom_op``:
 
 - ``outcore::linear_cross_entropy_fwd`` -> (loss, d_hidden, d_weight, d_bias)
 - ``outcore::linear_cross_entropy_bwd`` -> (d_hidden, d_weight, d_bias)

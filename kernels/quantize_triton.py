@@ -6,7 +6,7 @@ contraction where the reference rounds twice. Each program handles ``BLOCKS`` qu
 blocks of 256 elements as one 2-D tile. Tested on CPU with ``TRITON_INTERPRET=1``.
 
 This module imports triton: import it only where a Triton launch is about to happen
-(``kernels/quantize.py`` does so lazily), never at outcore import time (docs/architecture.md §11).
+(``kernels/quantize.py`` does so lazily), never at outcore import time (docs/architecture.md §13).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 ``out[i] = SR(x[i])``: of the two bf16 values around ``x[i]`` take the one farther from zero
 with probability (dropped low 16 bits) / 2^16, so ``E[SR(x)] == x`` exactly (the update of a
 weight too small for one bf16 ulp still moves it on average: what round-to-nearest loses
-when a run keeps no fp32 master, docs/architecture.md §4). On the bit pattern that is
+when a run keeps no fp32 master, docs/architecture.md §5). On the bit pattern that is
 ``bits(x) + r`` truncated to its top 16 bits, ``r`` uniform in [0, 2^16): adding to a
 sign-magnitude pattern grows the magnitude, and a carry moves into the exponent exactly when
 the value crosses a binade (subnormals and the largest finite values round the same way;

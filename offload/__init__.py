@@ -1,6 +1,6 @@
 """outcore.offload — three memory tiers (DEVICE, HOST, NVME) as one store.
 
-See docs/architecture.md §2–§4 and §7.
+See docs/architecture.md §3–§5 and §7.
 
 Every swappable tensor (a block's weights, gradients, optimizer state, a saved
 activation) is one :class:`TensorHandle` in a :class:`TieredStore`. Its

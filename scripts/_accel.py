@@ -13,7 +13,7 @@ scripts/ is not a package, so they import it with scripts/ on ``sys.path``.
 * ``cpu``: the CPU.
 * ``auto``: cuda if there is one, else sim if it enables, else cpu.
 
-Timing (docs/BENCHMARKING.md): on CUDA a pair of CUDA events brackets each repeat on the
+Timing: on CUDA a pair of CUDA events brackets each repeat on the
 stream, so the time is the GPU's and the host's launch overhead is hidden as it is in
 training; elsewhere ``perf_counter`` after a device synchronize. Warm-up runs first (Triton
 compiles, cuBLAS picks algorithms, the allocator grows), and medians are quoted with min/max.

@@ -13,7 +13,7 @@ measures, over ``--steps`` steps after one warm-up step:
   layer from this process: the extents, and the swap directory's journal);
 * ``disk_per_param`` — the swap file's extents held on NVMe after training
   (``tier_stats()["NVME"].held_bytes``), per parameter, and the file's allocated blocks
-  (``st_blocks``, see docs/architecture.md §2).
+  (``st_blocks``, see docs/architecture.md §3).
 
 Measured (2026-11-24, SmolLM2-135M, 134,515,008 parameters, bf16-lean AdamW8bit, 2 steps):
 3.99996 B written per parameter per step by the store's counter and 4.00002 by

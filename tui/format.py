@@ -2,7 +2,7 @@
 
 Pure functions, no third-party imports: the dashboard, the plain log lines, the
 summary and ``outcore doctor`` all print numbers through these, so a value is
-spelled the same way everywhere (one name per concept, docs/architecture.md §11).
+spelled the same way everywhere (one name per concept, docs/architecture.md §13).
 """
 from __future__ import annotations
 

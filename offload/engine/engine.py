@@ -3,7 +3,7 @@
 ``OutOfCoreEngine`` wraps an unmodified Hugging Face causal LM. Its weights and
 optimizer state live in a :class:`StoreUnitMemory` (over the ``TieredStore``);
 module hooks bring each unit in just before it computes and let it go just after,
-prefetching along the static order of a step (docs/architecture.md §4):
+prefetching along the static order of a step (docs/architecture.md §2):
 
     forward   embed, block 0 … block L-1, head       (prefetch the next k units)
     backward  head, block L-1 … block 0, embed       (prefetch the next k, and their

@@ -1,6 +1,6 @@
 """Forward-only streaming: a model's weights read through the tiers for inference (generation).
 
-The training engine serves as it is (docs/architecture.md §4): its module hooks bind each
+The training engine serves as it is (docs/architecture.md §11): its module hooks bind each
 unit before it computes and let it go after, prefetching the next *k* units; under
 ``torch.no_grad`` no backward is registered, so a forward is just that walk
 ``embed, block 0 … block L-1, head``. What inference adds is the turn between two

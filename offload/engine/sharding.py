@@ -1,6 +1,6 @@
 """Sharded out-of-core data parallelism: each rank owns 1/N of every unit's optimizer state.
 
-ZeRO's idea with outcore's streaming underneath (docs/architecture.md §4; issue #17). Every
+ZeRO's idea with outcore's streaming underneath (docs/architecture.md §10; issue #17). Every
 rank holds the whole model's weights (streamed from its own swap directory) and computes
 the forward and backward of its own micro-batches; a unit's trainable elements are cut into
 ``world`` equal ranges and rank ``r`` keeps the optimizer state (and spilled gradients) of

@@ -9,7 +9,7 @@ out-of-core matmuls take the same code paths — and give the same bits — as
 in-memory ones.
 
 A :class:`Unit` is the one object that knows everything about its piece of the model
-(docs/architecture.md §3): what it is (modules, parameter slots, borrowed tied
+(docs/architecture.md §4): what it is (modules, parameter slots, borrowed tied
 weights), where its buffers live in the store (a handle per :class:`Part`, its home
 tiers, the optimizer state's layout, pieces, NF4 layout) and where it stands in the
 step (its weights bound to the parameters, gradients still to come, the norms of its

@@ -1,4 +1,4 @@
-"""Arenas: a tier's working memory carved from a few preallocated slabs (docs/architecture.md §2).
+"""Arenas: a tier's working memory carved from a few preallocated slabs (docs/architecture.md §3).
 
 Tensors are not allocated one by one: a tier owns slabs whose sizes add up to
 its budget, and hands out 4 KiB-aligned blocks from them with a first-fit

@@ -1,6 +1,6 @@
 """Direct file I/O: ``O_DIRECT`` files, a bounded I/O thread pool.
 
-The lowest layer of the NVMe tier (docs/architecture.md §2). Everything above it
+The lowest layer of the NVMe tier (docs/architecture.md §3). Everything above it
 (extents, checksums, the swap directory) lives in ``nvme.py`` / ``swapdir.py``.
 
 - Its buffers are ``outcore.offload.device.aligned_empty``'s: page (4 KiB) aligned,

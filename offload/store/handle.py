@@ -1,4 +1,4 @@
-"""Tiers, residency states and the one handle per swappable tensor (docs/architecture.md §2).
+"""Tiers, residency states and the one handle per swappable tensor (docs/architecture.md §3).
 
 All state of a tensor lives on its :class:`TensorHandle`: per tier, whether a
 copy is there (:class:`Residency`), where its bytes are (an arena block or an

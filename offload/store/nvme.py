@@ -1,4 +1,4 @@
-"""The NVMe tier: checksummed extents in one preallocated swap file (docs/architecture.md §2).
+"""The NVMe tier: checksummed extents in one preallocated swap file (docs/architecture.md §3).
 
 Layout of a swap directory::
 

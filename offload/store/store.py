@@ -1,4 +1,4 @@
-"""The tiered store: handles, byte budgets, and asynchronous moves between tiers (docs/architecture.md §2).
+"""The tiered store: handles, byte budgets, and asynchronous moves between tiers (docs/architecture.md §3).
 
 One :class:`TieredStore` owns every swappable tensor of a run as a
 :class:`TensorHandle`. Each handle has an authoritative copy in its *home* tier

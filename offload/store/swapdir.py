@@ -1,4 +1,4 @@
-"""The swap directory: where the NVMe tier keeps its files (docs/architecture.md §2).
+"""The swap directory: where the NVMe tier keeps its files (docs/architecture.md §3).
 
 Lifecycle:
 - ``SwapDir(path)`` creates ``path`` with mode ``0700`` (its parent must exist),

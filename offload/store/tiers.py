@@ -1,4 +1,4 @@
-"""The bytes of every tier behind one budgeted allocator (docs/architecture.md §2).
+"""The bytes of every tier behind one budgeted allocator (docs/architecture.md §3).
 
 :class:`TierSpace` owns the physical memory of a :class:`~outcore.offload.store.store.TieredStore`:
 the DEVICE and HOST :class:`Arena` s and the NVMe :class:`NvmeBackend` (its swap

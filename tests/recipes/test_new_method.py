@@ -1,5 +1,5 @@
 """A new training method is one recipe and one entry in ``outcore.methods.METHODS``
-(docs/architecture.md, "Adding a training method"): a toy method registered here is checked
+(docs/architecture.md §12, "A training method"): a toy method registered here is checked
 by the config, sized by the planner and run end to end by ``outcore.finetune``, in the run
 lifecycle every method gets (events, metrics, checkpoints, export, resume)."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The recipe's swap file: the plan's NVMe figure reserved before the units are written, then
-trimmed to the units' extents plus the spilled gradients' room (docs/architecture.md §2)."""
+trimmed to the units' extents plus the spilled gradients' room (docs/architecture.md §3)."""
 from __future__ import annotations
 
 import pytest
