@@ -39,7 +39,7 @@ from pathlib import Path
 from outcore.tui.jsonout import emit_json, json_stdout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
-from _measure import storage_io  # noqa: E402
+from _measure import storage_io
 
 
 SHAPES = {

@@ -50,9 +50,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
-from _accel import (Device, add_device_argument, machine, peak_memory, reset_peak_memory,  # noqa: E402
+from _accel import (Device, add_device_argument, machine, peak_memory, reset_peak_memory,
                     resolve, summarize, synchronize, time_repeats, timer_name)
-from outcore.tui.jsonout import emit_json, json_stdout  # noqa: E402
+from outcore.tui.jsonout import emit_json, json_stdout
 
 KERNELS = ("adamw8bit", "quantize", "dequantize", "stochastic_round", "zo_perturb", "lce_fp32", "lce_bf16")
 BLOCK = 256  # elements per quantization block (kernels/quantize.py BLOCKSIZE)

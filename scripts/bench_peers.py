@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
-from outcore.tui.jsonout import emit_json, json_stdout  # noqa: E402
+from outcore.tui.jsonout import emit_json, json_stdout
 
 PEERS = ("plain", "fsdp2_cpu_offload", "torchao_cpu_offload", "deepspeed_zero3_cpu", "deepspeed_zero3_nvme",
          "deepspeed_zero2_cpu", "plain_bf16")  # in the order they run: the budget may end the list

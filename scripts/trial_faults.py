@@ -64,11 +64,11 @@ from pathlib import Path
 
 from outcore.tui.jsonout import emit_json, json_stdout
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _trial_disk import disk_trials, unavailable, unmount_all  # noqa: E402  (scripts/ is not a package)
-from _trial_kinds import corrupt_trials, kill_trials, signal_trials, two_runs_trials  # noqa: E402
-from _trial_run import build_inputs  # noqa: E402
-from _trial_soak import soak  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
+from _trial_disk import disk_trials, unavailable, unmount_all
+from _trial_kinds import corrupt_trials, kill_trials, signal_trials, two_runs_trials
+from _trial_run import build_inputs
+from _trial_soak import soak
 
 TRIALS = {"kill": kill_trials, "disk": disk_trials, "corrupt": corrupt_trials, "signal": signal_trials,
           "two_runs": two_runs_trials}
