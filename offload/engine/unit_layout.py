@@ -65,7 +65,7 @@ def store_unit(store: TieredStore, unit: Unit, optimizer: Any, homes: tuple[Tier
     inits = _state_layout(unit, optimizer, masters)
     states = list(unit.flat.items())[1:]
     in_ram = ram_kinds({kind: numel * dtype.itemsize for kind, (numel, dtype) in states}) if s_home is Tier.NVME else ()
-    for kind, (numel, dtype) in states:
+    for kind, (_numel, dtype) in states:
         home = Tier.HOST if kind in in_ram else s_home  # a small kind (scales) stays in RAM
         for part, lo, hi in unit.kind_parts(kind):
             unit.handles[part] = store.register(f"{unit.name}:{part}", home=home, shape=(hi - lo,), dtype=dtype,
