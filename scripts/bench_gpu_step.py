@@ -108,7 +108,7 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
     from outcore.models._lazy import materialize_buffers
     from outcore.offload.device import resolve_device
     from outcore.offload.store import probe_hardware
-    from outcore.planner import budgets_from_probe, parse_bytes, plan_for_config
+    from outcore.planner import budgets_from_probe, plan_for_config
     from outcore.training.build import build_optimizer, offload_from_plan
     from outcore.training.config import load_config
 
