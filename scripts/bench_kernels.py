@@ -525,7 +525,10 @@ def main(argv=None) -> int:
         "concurrent_load": os.environ.get("PROOF_BACKGROUND") or None,
     }
     results: dict[str, dict[str, Any]] = {}
-    log = (lambda s: print(s, file=sys.stderr, flush=True))
+
+    def log(s: str) -> None:
+        print(s, file=sys.stderr, flush=True)
+
     try:
         run_all(c, args.only, results, log)
         report["status"] = overall(results)
