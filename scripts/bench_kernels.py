@@ -324,7 +324,8 @@ def bench_stochastic_round(c: Ctx) -> dict[str, Any]:
     run(out, x, key, offset)
     reference(ref, x, key, offset)
     m = cpu_prefix_check(n)
-    chk = {"bit_identical": bits_equal(out, ref), "mismatches": int((out.view(torch.int16) != ref.view(torch.int16)).sum())}
+    chk = {"bit_identical": bits_equal(out, ref),
+           "mismatches": int((out.view(torch.int16) != ref.view(torch.int16)).sum())}
     if c.dev.kind != "cpu":
         cpu = torch.empty(m, dtype=torch.bfloat16)
         sr.stochastic_round_(cpu, x[:m].cpu(), key, offset)  # on the CPU the op is the reference

@@ -132,7 +132,8 @@ def setup_plain(model, dev, args, bf16_weights: bool):
         return loss.detach()
 
     what = {"precision": "bf16 weights and AdamW state, no fp32 master" if bf16_weights else
-            "fp32 master weights, bf16 autocast" if autocast else "fp32", "optimizer": f"torch.optim.AdamW(fused={fused}) on the device",
+            "fp32 master weights, bf16 autocast" if autocast else "fp32",
+            "optimizer": f"torch.optim.AdamW(fused={fused}) on the device",
             "offload": "none"}
     return step, (lambda: None), what
 

@@ -37,7 +37,8 @@ signal
     signal 0.3 s later): exit code other than 0, 1 and 2 and not death by the signal
     itself, within 30 s of the last signal; at most one line on stderr and no traceback;
     a complete checkpoint at the step reached (or one completed at most 60 s before the
-    signal; a ZO run's checkpoint is its log of steps); the swap directory removed; ``--resume`` gives the reference weights.
+    signal; a ZO run's checkpoint is its log of steps); the swap directory removed; ``--resume`` gives the
+    reference weights.
 two_runs
     A second run on the output directory (with and without ``--overwrite``) or on the
     swap directory of a live run (stopped with SIGSTOP while the second starts): the
