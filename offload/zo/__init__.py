@@ -9,7 +9,7 @@ from ..._exports import lazy_exports
 
 _EXPORTS = {
     "ZOBlockTrainer": ".engine", "Exchange": ".engine", "CausalLMBlocks": ".model",
-    "make_exchange": ".distributed", "distributed_trainer": ".distributed",
+    "make_exchange": ".distributed", "distributed_trainer": ".distributed", "StoreWeights": ".weights",
 }
 __all__ = list(sorted(_EXPORTS))
 
