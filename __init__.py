@@ -22,13 +22,13 @@ _LAZY = {
     "OutcoreError": ".errors",
 }
 
-__all__ = sorted(_LAZY) + ["__version__"]
+__all__ = list(sorted(_LAZY)) + ["__version__"]
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .errors import OutcoreError
-    from .training.config import FinetuneConfig, load_config
-    from .api import evaluate, finetune
-    from .recipes.generate import generate, load_generator
+if TYPE_CHECKING:  # pragma: no cover - for type checkers; `X as X` marks a re-export
+    from .errors import OutcoreError as OutcoreError
+    from .training.config import FinetuneConfig as FinetuneConfig, load_config as load_config
+    from .api import evaluate as evaluate, finetune as finetune
+    from .recipes.generate import generate as generate, load_generator as load_generator
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _LAZY)

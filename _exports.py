@@ -1,7 +1,9 @@
 """Lazy exports (PEP 562): a package's public names, imported on first use.
 
 ``import outcore`` and its packages stay free of torch until a name that needs it is
-used, so the command line's ``--help`` and the config checks start fast.
+used, so the command line's ``--help`` and the config checks start fast. A package names
+them once, in ``_EXPORTS``, and lists them as ``__all__ = list(sorted(_EXPORTS))`` (the
+``list(...)`` is the form ruff reads as a list of names: PLE0605).
 """
 from __future__ import annotations
 

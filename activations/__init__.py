@@ -18,7 +18,7 @@ _EXPORTS = {
     "ActivationPolicy": ".policy", "BlockProfile": ".policy", "choose_policy": ".policy",
     "expand_policy": ".policy", "ACTIVATION_POLICIES": ".policy", "ACTIVATION_COMPRESSION": ".policy",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = list(sorted(_EXPORTS))
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

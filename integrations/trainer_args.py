@@ -41,10 +41,12 @@ def _refusals(args: Any, adapters: bool) -> list[tuple[bool, str]]:
         (args.world_size > 1 or args.n_gpu > 1,
          f"world_size={args.world_size}, n_gpu={args.n_gpu}: the out-of-core engine runs in one process on one "
          "device; launch one process (CUDA_VISIBLE_DEVICES=0)"),
-        (streamed and optim not in ADAMW_NAMES, f"optim={optim!r}: the out-of-core Trainer computes AdamW ({', '.join(ADAMW_NAMES)}); "
-                                   "for another optimizer pass optimizers=(outcore.optim.<Name>(...), None)"),
-        (streamed and args.weight_decay > 0, f"weight_decay={args.weight_decay}: the Trainer exempts biases and norms from "
-                                "decay and the out-of-core updates take one decay for all; set weight_decay=0"),
+        (streamed and optim not in ADAMW_NAMES,
+         f"optim={optim!r}: the out-of-core Trainer computes AdamW ({', '.join(ADAMW_NAMES)}); "
+         "for another optimizer pass optimizers=(outcore.optim.<Name>(...), None)"),
+        (streamed and args.weight_decay > 0,
+         f"weight_decay={args.weight_decay}: the Trainer exempts biases and norms from "
+         "decay and the out-of-core updates take one decay for all; set weight_decay=0"),
         (args.gradient_checkpointing, "activation_checkpointing (gradient_checkpointing)=True: the engine streams "
                                       "each block's weights for one forward; drop it"),
         (args.torch_compile, "torch_compile=True: the engine's module hooks stream the weights; drop torch_compile"),

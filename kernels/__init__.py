@@ -18,7 +18,7 @@ _EXPORTS = {
     "CausalLMHeadLoss": "linear_cross_entropy", "quantize_blockwise": "quantize",
     "dequantize_blockwise": "quantize", "adamw8bit_update": "adamw8bit", "zo_perturb_": "zo_perturb",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = list(sorted(_EXPORTS))
 
 
 def __getattr__(name: str) -> Any:

@@ -43,7 +43,7 @@ def triton_importable() -> bool:
     if not is_triton_available():
         return False
     try:
-        import triton  # noqa: F401
+        import triton
         import triton.language  # noqa: F401
     except Exception:  # noqa: BLE001 - any import failure means "no Triton here"
         return False

@@ -122,7 +122,7 @@ def _stochastic_round_op(out: torch.Tensor, x: torch.Tensor, key: int, offset: i
 
 
 @_stochastic_round_op.register_fake
-def _(out, x, key, offset) -> None:  # noqa: ANN001 - fake impl: shapes only, nothing to return
+def _(out, x, key, offset) -> None:  # fake impl: shapes only, nothing to return
     return None
 
 

@@ -137,7 +137,7 @@ def _zo_perturb_op(w: torch.Tensor, seed: int, scale: float, mask: torch.Tensor 
 
 
 @_zo_perturb_op.register_fake
-def _(w, seed, scale, mask, src) -> None:  # noqa: ANN001 - fake impl: shapes only, nothing to return
+def _(w, seed, scale, mask, src) -> None:  # fake impl: shapes only, nothing to return
     return None
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "check_streamable",
     "count_parameters", "decoder_layers", "default_cache_dir", "default_model_path",
     "gguf_cache_path", "hub_offline", "is_adapter", "load_model", "load_model_lazily", "load_tokenizer",
-    "max_positions", "merge_lora", "meta_model", "model_parts", "parameter_bytes", "plain_name", "read_model_config", "resolve_model_spec",
+    "max_positions", "merge_lora", "meta_model", "model_parts", "parameter_bytes", "plain_name", "read_model_config",
+    "resolve_model_spec",
     "unwrap_peft",
 ]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from ..errors import ModelError
 
@@ -61,7 +61,7 @@ def weight_headers(directory: Path) -> dict[str, tuple[Path, tuple[int, ...], st
                 for name in st.keys():
                     sl = st.get_slice(name)
                     headers[name] = (f, tuple(sl.get_shape()), sl.get_dtype())
-        except Exception as err:  # safetensors raises its own SafetensorError (or OSError)
+        except (SafetensorError, OSError) as err:  # a truncated or foreign file; a directory, unreadable
             raise ModelError(f"weights file '{f}' is truncated or not a safetensors file ({err}); "
                              "download or export the model again") from None
     return headers

@@ -55,7 +55,7 @@ def _library_versions() -> dict[str, str]:
     try:
         from importlib.metadata import version
         gguf_version = version("gguf")
-    except Exception:  # pragma: no cover - metadata missing
+    except ImportError:  # pragma: no cover - metadata missing (PackageNotFoundError is an ImportError)
         gguf_version = "unknown"
     return {"transformers": transformers.__version__, "gguf": gguf_version}
 

@@ -127,7 +127,7 @@ def read_model_config(spec: str | Path, cache_dir: str | Path | None = None) -> 
     try:
         location, kwargs = pretrained_args(source, cache_dir)
         return AutoConfig.from_pretrained(location, **kwargs)
-    except Exception as err:  # transformers raises OSError, ValueError, TypeError and its validators' own
+    except Exception as err:  # noqa: BLE001 - transformers raises OSError, ValueError, TypeError, its validators' own
         raise ModelError(f"cannot read the config of '{source.location}': {_first_line(err)}; "
                          "fix its config.json or pass the model's original directory") from None
 

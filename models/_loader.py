@@ -163,7 +163,7 @@ def _load_source(source: ModelSource, dtype: torch.dtype, cache_dir: str | Path 
 def _load_dir(location: str, dtype: torch.dtype, what: str, quantize_4bit: bool = False, tokenizer: bool = True):
     try:
         loaded = _from_pretrained(location, dtype, quantize_4bit=quantize_4bit, tokenizer=tokenizer)
-    except Exception as err:  # transformers' and safetensors' many errors on a damaged directory
+    except Exception as err:  # noqa: BLE001 - transformers' and safetensors' many errors on a damaged directory
         raise ModelError(f"cannot load the model in {what}: {_first_line(err)}") from None
     # from_pretrained initializes at random what the files lack and ignores what they add: refuse both
     check_model_dir(Path(location))

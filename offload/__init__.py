@@ -38,7 +38,7 @@ _EXPORTS = {
     "parse_bytes": "..bytesize", "format_bytes": "..bytesize", "OutOfCoreEngine": ".engine",
     "offload_model": ".engine", "ZOBlockTrainer": ".zo",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = list(sorted(_EXPORTS))
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

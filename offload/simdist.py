@@ -134,7 +134,7 @@ class SimGlooGroup(dist.ProcessGroup if dist.is_available() else object):
         # CPU tensors are gloo's: torch's object collectives and DCP ask the group's devices
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
 
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+    def getBackendName(self) -> str:  # torch's name
         return NAME
 
     def __repr__(self) -> str:

@@ -12,6 +12,6 @@ _EXPORTS = {
     "MemoryPlan": ".plan", "UnitPlacement": ".plan", "make_plan": ".plan", "plan_for_config": ".plan",
     "Budgets": ".budget", "budgets_from_probe": ".budget",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = list(sorted(_EXPORTS))
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

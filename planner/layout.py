@@ -265,7 +265,7 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
     unit's state crosses to the device and back, its updated weights go back to their home,
     and gradients never leave the device unless they are spilled.
     """
-    b, us, n = w.budgets, w.units, len(w.units)
+    b, us = w.budgets, w.units
     io = dict.fromkeys(LINKS, 0)
     trains_weights = w.method.trains_weights
     streamed = lay.streamed

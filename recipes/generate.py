@@ -193,7 +193,7 @@ class Generator:
             try:
                 self._run([prompt], max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, chat=chat,
                           streamer=streamer, stop=stop)
-            except BaseException as err:  # handed to the caller's thread below
+            except BaseException as err:  # noqa: BLE001 - handed to the caller's thread below
                 failed.append(err)
                 streamer.end()  # wake the reader
 

@@ -174,7 +174,8 @@ class ZORecipe:
 
     def evaluate(self, step: int) -> Evaluation:
         """The held-out loss (forward passes of the current weights)."""
-        return Evaluation(mean_eval_loss(self.trainer.eval_loss, self.val_set, self.cfg.batch_size, self.cfg.eval_batches))
+        return Evaluation(mean_eval_loss(self.trainer.eval_loss, self.val_set, self.cfg.batch_size,
+                                         self.cfg.eval_batches))
 
     def save(self) -> None:
         """Nothing to write: every finished step is in the log already."""

@@ -60,7 +60,7 @@ class Device:
 
 def _enable_sim() -> torch.device:
     """Register the simulated accelerator and return its device (ImportError until it exists)."""
-    from outcore.offload import simdevice  # noqa: PLC0415 - optional, being written beside this
+    from outcore.offload import simdevice  # optional, being written beside this
 
     got = simdevice.enable()
     if isinstance(got, torch.device):

@@ -156,8 +156,8 @@ class OutcoreTrainer:
         if self.plan.activations != "keep":
             from outcore.activations import apply_activation_policy
 
-            store = (self.offloaded.store if self.plan.activations == "offload" and self.offloaded.store.nvme is not None
-                     else None)  # as the recipe does
+            offloads = self.plan.activations == "offload" and self.offloaded.store.nvme is not None
+            store = self.offloaded.store if offloads else None  # as the recipe does
             self.activations = apply_activation_policy(self.model, self.plan.activations, store=store)
 
     def _loss(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
-from outcore.cli.jsonout import emit_json, json_stdout  # noqa: E402
+from outcore.cli.jsonout import emit_json, json_stdout
 
 ROOT = Path(__file__).resolve().parent.parent
 STATUSES = ("passed", "partial", "failed", "skipped", "missing", "timeout", "not_run", "error")

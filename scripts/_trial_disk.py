@@ -79,7 +79,8 @@ def fill(fs: Path, leave: int) -> Path:
 def _full_before(inputs: Inputs, root: Path, mode: str, on: str) -> Trial:
     fs = small_fs(root / f"{mode}-{on}-before-fs", 32)
     fill(fs, 64 << 10)
-    out, extra = (fs / "run", ()) if on == "output" else (root / f"{mode}-{on}-before", ("--swap-dir", str(fs / "swap")))
+    out, extra = ((fs / "run", ()) if on == "output"
+                  else (root / f"{mode}-{on}-before", ("--swap-dir", str(fs / "swap"))))
     done = cli(finetune_args(inputs, out, mode, *extra), root / f"{mode}-{on}-before.log")
     problem = error_problem(done, codes=None) or (f"left {debris(out)}" if debris(out) else "")
     return Trial(f"{mode} {on} dir full before the run", not problem, problem)
@@ -87,7 +88,8 @@ def _full_before(inputs: Inputs, root: Path, mode: str, on: str) -> Trial:
 
 def _full_during(inputs: Inputs, root: Path, mode: str, on: str, ref: dict) -> Trial:
     fs = small_fs(root / f"{mode}-{on}-during-fs", 64 if on == "output" else 1200)
-    out, extra = (fs / "run", ()) if on == "output" else (root / f"{mode}-{on}-during", ("--swap-dir", str(fs / "swap")))
+    out, extra = ((fs / "run", ()) if on == "output"
+                  else (root / f"{mode}-{on}-during", ("--swap-dir", str(fs / "swap"))))
     log = root / f"{mode}-{on}-during.log"
     proc = start(finetune_args(inputs, out, mode, *extra), log)
     name = f"{mode} {on} dir filled during the run"

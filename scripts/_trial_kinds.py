@@ -204,7 +204,8 @@ def _two_runs_trial(inputs: Inputs, root: Path, mode: str, shared: str) -> Trial
         problem = f"first run exited {done.rc}: {done.err.strip()[-300:]}"
     problem = problem or same_weights(final_weights(first), ref)
     if not problem and (steps_logged(first) != STEPS or not (first / "config.yaml").is_file()):
-        problem = f"the first run's metrics.jsonl or config.yaml was removed under it (steps logged: {steps_logged(first)})"
+        problem = (f"the first run's metrics.jsonl or config.yaml was removed under it "
+                   f"(steps logged: {steps_logged(first)})")
     return Trial(label, not problem, problem)
 
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 import time
 
@@ -129,7 +128,7 @@ def train_and_score(model, optimizer, train_set, val, args) -> dict:
 def _child(name: str, args, conn, runner=None) -> None:
     try:
         conn.send((runner or run_one)(name, args))
-    except BaseException as exc:  # report, do not hang the parent
+    except BaseException as exc:  # noqa: BLE001 - report, do not hang the parent
         conn.send({"error": repr(exc)})
     finally:
         conn.close()

@@ -39,7 +39,7 @@ from pathlib import Path
 from outcore.cli.jsonout import emit_json, json_stdout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
-from _measure import storage_io  # noqa: E402
+from _measure import storage_io
 
 
 SHAPES = {
@@ -153,12 +153,14 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
         apply_activation_policy(base, args.activations)
     out = {
         "shape": args.shape, "params": n_params, "layers": hf.num_hidden_layers, "method": args.method,
-        "dtype": args.dtype, "config_overrides": list(args.set) + ([f"precision={args.precision}"] if args.precision else []),
+        "dtype": args.dtype,
+        "config_overrides": list(args.set) + ([f"precision={args.precision}"] if args.precision else []),
         "trainable_params": n_trainable, "optim": cfg.optim, "seq_len": args.seq, "batch_size": args.batch,
         "activations": args.activations, "prefetch": plan.prefetch_depth, "setup_s": setup_s,
         "weights_bytes": n_params * torch.empty((), dtype=getattr(torch, args.dtype)).element_size(),
         "plan": {"peak_rss_bytes": plan.expected_peak_rss_bytes, "step_s": plan.time.step_s,
-                 "nvme_read_bytes": plan.time.io_bytes["nvme_read"], "nvme_write_bytes": plan.time.io_bytes["nvme_write"],
+                 "nvme_read_bytes": plan.time.io_bytes["nvme_read"],
+                 "nvme_write_bytes": plan.time.io_bytes["nvme_write"],
                  "tier_bytes": plan.tier_bytes},
     }
     return {"engine": engine, "base": base, "head": head, "vocab": hf.vocab_size}, out

@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
-from bench_big import SHAPES, _init  # noqa: E402
+from bench_big import SHAPES, _init
 
-from outcore.cli.jsonout import emit_json, json_stdout  # noqa: E402
+from outcore.cli.jsonout import emit_json, json_stdout
 
 # the proof's shapes by short name; "tiny" is the dry run's (seconds on the simulated device)
 SHAPE_NAMES = {"1.7b": "smollm2-1.7b", "8b": "llama3-8b"}

@@ -244,7 +244,8 @@ def main(argv: list[str] | None = None) -> dict:
         "baseline_read_gbps": med(bl, "read_gbps"), "baseline_write_gbps": med(bl, "write_gbps"),
         "baseline_tool": tool if tool == "dd" else f"fio (libaio, iodepth {a.queue_depth}, bs 1M, direct)",
         "headline_tensor_mib": headline // MiB,
-        "engine_by_size": {str(s // MiB): {"read_gbps": med(eng[s], "read_gbps"), "write_gbps": med(eng[s], "write_gbps"),
+        "engine_by_size": {str(s // MiB): {"read_gbps": med(eng[s], "read_gbps"),
+                                           "write_gbps": med(eng[s], "write_gbps"),
                                            "read_min_max": rng(eng[s], "read_gbps"),
                                            "write_min_max": rng(eng[s], "write_gbps")} for s in sizes},
         "baseline_read_min_max": rng(bl, "read_gbps"), "baseline_write_min_max": rng(bl, "write_gbps"),
@@ -269,7 +270,8 @@ def main(argv: list[str] | None = None) -> dict:
         for s in sizes:
             e = res["engine_by_size"][str(s // MiB)]
             print(f"{'engine ' + str(s // MiB) + ' MiB tensors':28s} {e['read_gbps']:7.2f} {e['write_gbps']:7.2f}")
-        print(f"{'bare pool (no checksums)':28s} {res['engine_raw_read_gbps']:7.2f} {res['engine_raw_write_gbps']:7.2f}")
+        print(f"{'bare pool (no checksums)':28s} {res['engine_raw_read_gbps']:7.2f} "
+              f"{res['engine_raw_write_gbps']:7.2f}")
         print(f"{res['baseline_tool'][:28]:28s} {res['baseline_read_gbps']:7.2f} {res['baseline_write_gbps']:7.2f}")
         print(f"ratio engine/baseline: read {res['read_ratio']:.2f}  write {res['write_ratio']:.2f}")
         print(f"xxh3 {res['checksum_xxh3_gbps']:.1f} GB/s/thread; checksum cost read {res['checksum_cost_read']:+.1%}, "

@@ -50,9 +50,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
-from _accel import (Device, add_device_argument, machine, peak_memory, reset_peak_memory,  # noqa: E402
+from _accel import (Device, add_device_argument, machine, peak_memory, reset_peak_memory,
                     resolve, summarize, synchronize, time_repeats, timer_name)
-from outcore.cli.jsonout import emit_json, json_stdout  # noqa: E402
+from outcore.cli.jsonout import emit_json, json_stdout
 
 KERNELS = ("adamw8bit", "quantize", "dequantize", "stochastic_round", "zo_perturb", "lce_fp32", "lce_bf16")
 BLOCK = 256  # elements per quantization block (kernels/quantize.py BLOCKSIZE)
@@ -324,7 +324,8 @@ def bench_stochastic_round(c: Ctx) -> dict[str, Any]:
     run(out, x, key, offset)
     reference(ref, x, key, offset)
     m = cpu_prefix_check(n)
-    chk = {"bit_identical": bits_equal(out, ref), "mismatches": int((out.view(torch.int16) != ref.view(torch.int16)).sum())}
+    chk = {"bit_identical": bits_equal(out, ref),
+           "mismatches": int((out.view(torch.int16) != ref.view(torch.int16)).sum())}
     if c.dev.kind != "cpu":
         cpu = torch.empty(m, dtype=torch.bfloat16)
         sr.stochastic_round_(cpu, x[:m].cpu(), key, offset)  # on the CPU the op is the reference
@@ -525,7 +526,10 @@ def main(argv=None) -> int:
         "concurrent_load": os.environ.get("PROOF_BACKGROUND") or None,
     }
     results: dict[str, dict[str, Any]] = {}
-    log = (lambda s: print(s, file=sys.stderr, flush=True))
+
+    def log(s: str) -> None:
+        print(s, file=sys.stderr, flush=True)
+
     try:
         run_all(c, args.only, results, log)
         report["status"] = overall(results)

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _measure import storage_io  # noqa: E402
+from _measure import storage_io
 
 
 def measure(args) -> dict:

@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_adamw8bit_convergence as base  # noqa: E402 - the shared loop, loss and evaluation
+import bench_adamw8bit_convergence as base  # the shared loop, loss and evaluation
 
 
 def _round_to_nearest(monkey: bool) -> None:

@@ -66,8 +66,8 @@ from pathlib import Path
 from outcore.cli.jsonout import emit_json, json_stdout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
-from _loss_gap import CODECS, loss_gap  # noqa: E402
-from _measure import storage_io  # noqa: E402
+from _loss_gap import CODECS, loss_gap
+from _measure import storage_io
 
 ACT_POLICIES = ("keep", "recompute", "offload", "offload_int8", "offload_fp8")
 INTERLEAVED = ("keep", "offload")  # the pair whose step-time ratio is the acceptance figure

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
-from outcore.cli.jsonout import emit_json, json_stdout  # noqa: E402
+from outcore.cli.jsonout import emit_json, json_stdout
 
 PEERS = ("plain", "fsdp2_cpu_offload", "torchao_cpu_offload", "deepspeed_zero3_cpu", "deepspeed_zero3_nvme",
          "deepspeed_zero2_cpu", "plain_bf16")  # in the order they run: the budget may end the list
@@ -132,7 +132,8 @@ def setup_plain(model, dev, args, bf16_weights: bool):
         return loss.detach()
 
     what = {"precision": "bf16 weights and AdamW state, no fp32 master" if bf16_weights else
-            "fp32 master weights, bf16 autocast" if autocast else "fp32", "optimizer": f"torch.optim.AdamW(fused={fused}) on the device",
+            "fp32 master weights, bf16 autocast" if autocast else "fp32",
+            "optimizer": f"torch.optim.AdamW(fused={fused}) on the device",
             "offload": "none"}
     return step, (lambda: None), what
 

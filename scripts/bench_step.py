@@ -47,8 +47,8 @@ from typing import Any
 from outcore.cli.jsonout import emit_json, json_stdout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
-from _measure import reset_peak_rss, time_steps  # noqa: E402
-from _rss_trace import RssTrace, status_bytes  # noqa: E402
+from _measure import reset_peak_rss, time_steps
+from _rss_trace import RssTrace, status_bytes
 
 MODES = ("in_memory", "outcore_nvme", "outcore_nvme_8bit", "outcore_host", "deepspeed_nvme", "deepspeed_cpu")
 #: outcore mode -> (the recipe's offload, its optim)

@@ -34,8 +34,8 @@ from pathlib import Path
 from outcore.cli.jsonout import emit_json, json_stdout
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
-from _measure import reset_peak_rss, storage_io  # noqa: E402
-from _rss_trace import status_bytes  # noqa: E402
+from _measure import reset_peak_rss, storage_io
+from _rss_trace import status_bytes
 
 
 def _reset_peak() -> None:

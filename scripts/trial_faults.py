@@ -37,7 +37,8 @@ signal
     signal 0.3 s later): exit code other than 0, 1 and 2 and not death by the signal
     itself, within 30 s of the last signal; at most one line on stderr and no traceback;
     a complete checkpoint at the step reached (or one completed at most 60 s before the
-    signal; a ZO run's checkpoint is its log of steps); the swap directory removed; ``--resume`` gives the reference weights.
+    signal; a ZO run's checkpoint is its log of steps); the swap directory removed; ``--resume`` gives the
+    reference weights.
 two_runs
     A second run on the output directory (with and without ``--overwrite``) or on the
     swap directory of a live run (stopped with SIGSTOP while the second starts): the
@@ -64,11 +65,11 @@ from pathlib import Path
 
 from outcore.cli.jsonout import emit_json, json_stdout
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _trial_disk import disk_trials, unavailable, unmount_all  # noqa: E402  (scripts/ is not a package)
-from _trial_kinds import corrupt_trials, kill_trials, signal_trials, two_runs_trials  # noqa: E402
-from _trial_run import build_inputs  # noqa: E402
-from _trial_soak import soak  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
+from _trial_disk import disk_trials, unavailable, unmount_all
+from _trial_kinds import corrupt_trials, kill_trials, signal_trials, two_runs_trials
+from _trial_run import build_inputs
+from _trial_soak import soak
 
 TRIALS = {"kill": kill_trials, "disk": disk_trials, "corrupt": corrupt_trials, "signal": signal_trials,
           "two_runs": two_runs_trials}

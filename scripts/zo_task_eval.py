@@ -183,13 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     curve = []
     for step in range(1, args.steps + 1):
         idx = torch.randint(0, len(train), (args.batch,), generator=g)
-        loss = opt.step(lambda: F.cross_entropy(logits(tr_h[idx], tr_ext[idx], tr_mask[idx]), tr_y[idx]))
+        loss = opt.step(lambda i=idx: F.cross_entropy(logits(tr_h[i], tr_ext[i], tr_mask[i]), tr_y[i]))
         sched.step()
         if step % max(1, args.steps // 10) == 0:
             curve.append([step, round(loss, 4)] + [round(v, 4) for v in evaluate(te_h, te_ext, te_mask, te_y)])
             if not args.json:
-                print(f"step {step:5d}  train loss {loss:.4f}  held-out loss {curve[-1][2]:.4f}  acc {curve[-1][3]:.3f}",
-                      flush=True)
+                print(f"step {step:5d}  train loss {loss:.4f}  held-out loss {curve[-1][2]:.4f}  "
+                      f"acc {curve[-1][3]:.3f}", flush=True)
     train_s = time.perf_counter() - t0
     after = evaluate(te_h, te_ext, te_mask, te_y)
     reference = None

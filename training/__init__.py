@@ -29,7 +29,7 @@ _EXPORTS = {
     "FinetuneResult": ".runs", "RunInfo": ".runs", "describe_run": ".runs", "find_runs": ".runs",
     "push_to_hub": ".hub", "HubError": ".hub",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = list(sorted(_EXPORTS))
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -335,7 +335,7 @@ def load_checkpoint(ckpt_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict
     except pickle.UnpicklingError as e:  # weights_only refused an object: never run it
         raise CheckpointError(f"checkpoint {str(d)!r} holds objects outcore does not load (they could run "
                               f"code: {' '.join(str(e).split())[:160]}); start over with --overwrite") from None
-    except Exception as e:  # unreadable despite its digest: name it, never continue silently
+    except Exception as e:  # noqa: BLE001 - unreadable despite its digest: name it, never continue silently
         raise CheckpointError(f"checkpoint {str(d)!r} is unreadable ({type(e).__name__}: {e}); "
                               "delete it to resume from the previous one") from None
     if is_distributed(d):  # written under torchrun: the trainable tensors are DCP's
@@ -383,7 +383,7 @@ def dcp_model_state(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
         state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
                  if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
         load_dcp_in_process(state, path)
-    except Exception as e:  # digests matched, yet unreadable: name it
+    except Exception as e:  # noqa: BLE001 - digests matched, yet unreadable: name it
         raise CheckpointError(f"checkpoint {str(ckpt_dir)!r} has unreadable DCP state ({type(e).__name__}: "
                               f"{' '.join(str(e).split())[:160]}); delete it to resume from the previous one") from None
     return {k[len(prefix):]: v for k, v in state.items()}

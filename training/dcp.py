@@ -118,7 +118,7 @@ def save_distributed(output_dir: str | Path, step: int, model: torch.nn.Module,
             raise tmp
         try:
             write(tmp)
-        except (Exception, CheckpointException):
+        except (Exception, CheckpointException):  # noqa: BLE001 - the verdict comes below
             pass  # dcp reports a failure to every rank: rank 0's verdict (or a lost rank) follows
         outcome = announce(None, "the checkpoint's commit")
         if isinstance(outcome, BaseException):
@@ -162,7 +162,7 @@ def restore_trainable(ckpt_dir: str | Path, weights: dict[str, torch.Tensor], op
         state = {_OPTIM: get_optimizer_state_dict(model, optimizer, options=_options())}
         try:
             load_dcp_in_process(state, Path(ckpt_dir) / DCP_DIR)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any mismatch of keys, shapes or dtypes: named
             raise CheckpointError(f"checkpoint {str(ckpt_dir)!r} does not hold this run's optimizer state "
                                   f"({' '.join(str(e).split())[:160]}); resume with the same --optim") from None
         set_optimizer_state_dict(model, optimizer, state[_OPTIM], options=_options())
@@ -208,7 +208,7 @@ def sharded_unit_weights(ckpt_dir: str | Path, unit_name: str) -> dict[str, torc
         state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
                  if not k.startswith("state.") and isinstance(m, TensorStorageMetadata)}
         load_dcp_in_process(state, path)
-    except Exception as e:  # digests matched, yet unreadable: name it
+    except Exception as e:  # noqa: BLE001 - digests matched, yet unreadable: name it
         raise CheckpointError(f"checkpoint {str(ckpt_dir)!r}: unit {unit_name} is unreadable ({type(e).__name__}: "
                               f"{' '.join(str(e).split())[:160]}); delete it to export the previous one") from None
     return state

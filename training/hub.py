@@ -41,7 +41,7 @@ def push_to_hub(final_dir: str | Path, repo_id: str, *, private: bool | None = N
         api.create_repo(repo_id, private=private, exist_ok=True)
         commit = api.upload_folder(folder_path=str(final), repo_id=repo_id,
                                    commit_message="Upload model fine-tuned with outcore")
-    except Exception as e:  # offline, DNS, HTTP 401/403/404, ...: any of them leaves the outputs be
+    except Exception as e:  # noqa: BLE001 - offline, DNS, HTTP 401/403/404, ...: any of them leaves the outputs be
         cause = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise HubError(f"push_to_hub={repo_id!r} failed ({type(e).__name__}: {cause}); {retry}") from None
     return str(getattr(commit, "commit_url", commit))

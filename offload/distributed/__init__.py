@@ -12,6 +12,6 @@ _EXPORTS = {
     "leave": ".ranks", "elastic_attempt": ".ranks",
     "flat_collectives": ".collectives", "global_norm": ".collectives",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = list(sorted(_EXPORTS))
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -13,6 +13,6 @@ _EXPORTS = {
     "causal_lm_units": ".units", "place_rest": ".units", "StoreUnitMemory": ".unit_memory",
     "step_in_memory": ".update", "save_sharded": ".sharded_checkpoint", "load_sharded": ".sharded_checkpoint",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = list(sorted(_EXPORTS))
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

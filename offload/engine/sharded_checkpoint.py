@@ -61,7 +61,7 @@ def _kind_tensor(unit: Unit, kind: str, ratio: int, flat: torch.Tensor) -> torch
     width, lo_row = PIECE_ALIGN // ratio, shard.lo // PIECE_ALIGN
     rows = max(0, min(shard.length // PIECE_ALIGN, _rows(shard) - lo_row))
     out = torch.zeros(rows * width, dtype=flat.dtype)
-    for k, lo, hi, at, n in _spans(unit, kind, ratio, shard):
+    for k, lo, _hi, at, n in _spans(unit, kind, ratio, shard):
         out[at:at + n] = flat[unit.layout[k][kind].offset + lo // ratio:][:n]
     return out.view(rows, width)
 
@@ -165,6 +165,6 @@ def load_sharded(engine: OutOfCoreEngine, path: str | Path) -> None:
                 flat.copy_(value)
             else:
                 local = (value.to_local() if mesh is not None else value).reshape(-1)
-                for k, lo, hi, at, n in _spans(unit, kind, ratios[kind], _shard(unit)):
+                for k, lo, _hi, at, n in _spans(unit, kind, ratios[kind], _shard(unit)):
                     flat[unit.layout[k][kind].offset + lo // ratios[kind]:][:n] = local[at:at + n]
             mem.overwrite(unit.index, kind, flat)

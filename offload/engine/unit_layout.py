@@ -51,7 +51,8 @@ def store_unit(store: TieredStore, unit: Unit, optimizer: Any, homes: tuple[Tier
         if split is None and unit.shard:
             raise ValueError(f"the optimizer state of {unit.name} cannot be cut into ranges (sharding.shard_units)")
         if split is not None:
-            unit.pieces, unit.segments, unit.spans, unit.ratios = split.ranges, split.segments, split.spans, split.ratios
+            unit.pieces, unit.segments = split.ranges, split.segments
+            unit.spans, unit.ratios = split.spans, split.ratios
     w, masters = _initial_weights(unit, init_weights, master_weights)
     if quantize_frozen and NF4Layout.any_quantized(unit):
         unit.nf4 = NF4Layout(unit, w.dtype)
@@ -65,7 +66,7 @@ def store_unit(store: TieredStore, unit: Unit, optimizer: Any, homes: tuple[Tier
     inits = _state_layout(unit, optimizer, masters)
     states = list(unit.flat.items())[1:]
     in_ram = ram_kinds({kind: numel * dtype.itemsize for kind, (numel, dtype) in states}) if s_home is Tier.NVME else ()
-    for kind, (numel, dtype) in states:
+    for kind, (_numel, dtype) in states:
         home = Tier.HOST if kind in in_ram else s_home  # a small kind (scales) stays in RAM
         for part, lo, hi in unit.kind_parts(kind):
             unit.handles[part] = store.register(f"{unit.name}:{part}", home=home, shape=(hi - lo,), dtype=dtype,

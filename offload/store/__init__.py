@@ -16,6 +16,6 @@ _EXPORTS = {
     "LockHeld": ".swapdir", "hold_lock": ".swapdir", "is_locked": ".swapdir",
     "HardwareProbe": ".probe", "probe_hardware": ".probe",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = list(sorted(_EXPORTS))
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -11,6 +11,6 @@ _EXPORTS = {
     "ZOBlockTrainer": ".engine", "Exchange": ".engine", "CausalLMBlocks": ".model", "StoreWeights": ".weights",
     "make_exchange": ".distributed", "distributed_trainer": ".distributed",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = list(sorted(_EXPORTS))
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

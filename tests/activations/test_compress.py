@@ -88,7 +88,8 @@ def test_pack_encodes_covered_float_groups_and_keeps_the_rest_exact():
     assert raw.numel() == pack.raw_nbytes
     got = [BlockPack.view(raw, r) for r in refs]
     assert all(g.shape == t.shape and g.stride() == t.stride() for g, t in zip(got, (x, flat, rsqrt, ids, lse, gap)))
-    assert not torch.equal(got[0], x.detach()) and torch.allclose(got[0], x.detach(), atol=float(x.detach().abs().max()) / 200)
+    assert not torch.equal(got[0], x.detach()) and torch.allclose(got[0], x.detach(),
+                                                                  atol=float(x.detach().abs().max()) / 200)
     assert got[0].untyped_storage().data_ptr() == got[1].untyped_storage().data_ptr()
     for g, t in zip(got[2:], (rsqrt, ids, lse, gap)):
         assert torch.equal(g, t.detach())

@@ -34,7 +34,8 @@ def tokenizers(trial_inputs):
 
 
 ANY_JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
-                        lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(max_size=10), kids, max_size=3),
+                        lambda kids: (st.lists(kids, max_size=3)
+                                      | st.dictionaries(st.text(max_size=10), kids, max_size=3)),
                         max_leaves=8)
 ROW = st.one_of(
     st.fixed_dictionaries({"instruction": st.text(max_size=30), "output": st.text(max_size=30)},

@@ -53,6 +53,11 @@ def _weights(trainer, out) -> dict[str, torch.Tensor]:
     return exported_weights(out)
 
 
+def _logged(key: str):
+    """A trainer's logged values of ``key``, in order."""
+    return lambda t: [h[key] for h in t.state.log_history if key in h]
+
+
 @pytest.mark.parametrize("accum,clip", [(1, 0.0), (2, 1.0)], ids=["step-in-backward", "accum-clip"])
 def test_out_of_core_trainer_equals_in_memory(tmp_path, accum, clip, use_cpu):
     kw = dict(gradient_accumulation_steps=accum, max_grad_norm=clip, eval_strategy="steps", eval_steps=2,
@@ -70,14 +75,14 @@ def test_out_of_core_trainer_equals_in_memory(tmp_path, accum, clip, use_cpu):
     assert want.keys() == got.keys()
     for name in want:
         assert torch.equal(want[name], got[name]), name
-    losses = lambda t: [h["loss"] for h in t.state.log_history if "loss" in h]
+    losses = _logged("loss")
     assert losses(ooc) == losses(ref) and len(losses(ref)) == 4
-    lrs = lambda t: [h["learning_rate"] for h in t.state.log_history if "learning_rate" in h]
+    lrs = _logged("learning_rate")
     assert lrs(ooc) == lrs(ref)
-    evals = lambda t: [h["eval_loss"] for h in t.state.log_history if "eval_loss" in h]
+    evals = _logged("eval_loss")
     assert evals(ooc) == evals(ref) and len(evals(ref)) == 2  # evaluation streams through the engine too
     if clip:
-        norms = lambda t: [h["grad_norm"] for h in t.state.log_history if "grad_norm" in h]
+        norms = _logged("grad_norm")
         assert norms(ooc) == norms(ref)
     # the step changed the weights (the comparison above is not of two untouched models)
     assert not torch.equal(got["model.norm.weight"], make_tiny_llama().model.norm.weight)
@@ -166,6 +171,6 @@ def test_lora_trainer_streams_the_base_and_equals_in_memory(tmp_path, use_cpu):
     assert want.keys() == got.keys() and len(want) == 16
     for name in want:
         assert torch.equal(want[name], got[name]) and torch.equal(want[name], again[name]), name
-    norms = lambda t: [h["grad_norm"] for h in t.state.log_history if "grad_norm" in h]
+    norms = _logged("grad_norm")
     assert norms(ooc) == norms(ref) and len(norms(ref)) == 4
     assert (tmp_path / "ooc" / "checkpoint-2" / "adapter_model.safetensors").is_file()

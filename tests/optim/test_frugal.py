@@ -21,7 +21,9 @@ def _dense_reference(p0, grads, lr, wd, density, gap, free, seed, betas=(0.9, 0.
     for t, g in enumerate(grads):
         if t > 0 and t % gap == 0:
             seed = next_seed(seed)
-            m.zero_(); v.zero_(); t_sub = 0
+            m.zero_()
+            v.zero_()
+            t_sub = 0
         cols = subspace_columns(n, k, seed, p.device)
         t_sub += 1
         p = p * (1 - lr * wd)

@@ -157,13 +157,15 @@ def test_junit_summary_counts_and_names_failures(tmp_path, monkeypatch):
     xml = tmp_path / "j.xml"
     xml.write_text("""<testsuites><testsuite name="pytest">
       <testcase classname="tests.kernels.test_quantize" name="test_a"/>
-      <testcase classname="tests.kernels.test_quantize" name="test_b"><failure message="assert 1 == 2">tb</failure></testcase>
+      <testcase classname="tests.kernels.test_quantize" name="test_b">
+        <failure message="assert 1 == 2">tb</failure></testcase>
       <testcase classname="tests.offload.test_engine" name="test_c"><skipped message="needs a CUDA device"/></testcase>
       <testcase classname="tests.offload.test_engine" name="test_d"><error message="fixture broke"/></testcase>
     </testsuite></testsuites>""")
     s = junit_summary(xml)
     assert s["counts"] == {"passed": 1, "failed": 1, "errors": 1, "skipped": 1}
-    assert [f["id"] for f in s["failed"]] == ["tests.kernels.test_quantize::test_b", "tests.offload.test_engine::test_d"]
+    assert [f["id"] for f in s["failed"]] == ["tests.kernels.test_quantize::test_b",
+                                              "tests.offload.test_engine::test_d"]
     assert s["failed"][0]["message"] == "assert 1 == 2" and s["skipped_reasons"] == {"needs a CUDA device": 1}
     assert _suite_status({**s, "timed_out": False, "exit_code": 1}) == "failed"
     only_skips = {"counts": {"passed": 0, "failed": 0, "errors": 0, "skipped": 3}, "timed_out": False, "exit_code": 0}
@@ -237,7 +239,8 @@ srt.stochastic_round_triton_ = off_by_one_bit
 dev = bk.resolve("cpu")
 c = bk.Ctx(dev, "triton", 4096 * 3 + 5, bk.LCE_DRY, 1, 0)
 print(json.dumps({{"broken": bk.bench_stochastic_round(c)["status"],
-                   "real": (setattr(srt, "stochastic_round_triton_", real), bk.bench_stochastic_round(c))[1]["status"]}}))
+                   "real": (setattr(srt, "stochastic_round_triton_", real),
+                            bk.bench_stochastic_round(c))[1]["status"]}}))
 """
 
 

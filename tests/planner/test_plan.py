@@ -227,7 +227,7 @@ def test_nvme_mode_streams_everything_and_counts_the_traffic(tiny):
 
 def test_clipping_keeps_gradients_in_their_tier(tiny):
     plan = make_plan(tiny, offload="nvme", budgets=BIG, seq_len=32, max_grad_norm=1.0)
-    n, t = _total(tiny), _tensors(tiny)
+    n = _total(tiny)
     assert plan.grads_kept
     assert plan.tier_bytes["NVME"]["grads"] == 4 * n
     assert plan.time.io_bytes["nvme_write"] == 4 * n + 4 * n + 8 * n  # (step counts stay in RAM)

@@ -11,7 +11,6 @@ f16 1.3e-3, bf16 1.3e-2, Q8_0 3.1e-2; the bounds below are those with some headr
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path

@@ -74,7 +74,8 @@ def _torchrun(args: dict, *, script: list[str] | None = None, env: dict | None =
     entry = script or ["-m", "outcore"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *launcher,
            *entry, "finetune", *words]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "CI": "1", **(env or {})})
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "CI": "1", **(env or {})})
 
 
 def _one_rank(args: dict):

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from outcore.offload.engine import Part, offload_model
-from outcore.offload.store import Tier
 from outcore.recipes.export import export_offloaded, unit_weights
 from tests._helpers import causal_lm_loss, reference_step
 

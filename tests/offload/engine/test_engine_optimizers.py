@@ -1,8 +1,8 @@
 """Every memory-lean optimizer streams exactly: out-of-core == in memory, bit for bit.
 
 Weights and optimizer state live on NVMe (a ``tmp_path`` swap directory) behind a DEVICE
-budget of three transformer blocks (2-block model: fewer than its units); the engine fetches each unit's state, calls the
-optimizer's ``update`` on it (step-in-backward, or after the backward when gradients are
+budget of three transformer blocks (2-block model: fewer than its units); the engine fetches each unit's state,
+calls the optimizer's ``update`` on it (step-in-backward, or after the backward when gradients are
 clipped) and writes it back. The same optimizer stepping the same model in memory must give
 the same losses and the same weights. Several steps include projection / subspace refreshes
 (``update_proj_gap=2``): GaLore's SVD written into its streamed ``proj`` state, APOLLO's and

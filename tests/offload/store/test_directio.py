@@ -26,7 +26,7 @@ def test_aligned_empty_is_page_aligned_and_populated():
 def test_pool_round_trip_o_direct_reaches_the_disk(tmp_path):
     """O_DIRECT I/O shows up in /proc/self/io (the block layer), not only the page cache."""
     def io():
-        return {k: int(v) for k, v in (l.split(":") for l in open("/proc/self/io"))}
+        return {k: int(v) for k, v in (line.split(":") for line in open("/proc/self/io"))}
     assert supports_o_direct(tmp_path)
     fd, direct = open_direct(tmp_path / "f")
     assert direct

@@ -108,7 +108,8 @@ def test_budget_full_names_what_is_held(store):
     a = store.register("a", data=torch.zeros(1536 * 1024))  # 6 MiB
     b = store.register("b", data=torch.zeros(768 * 1024))  # 3 MiB
     store.fetch(a, Tier.DEVICE).result()
-    with pytest.raises(BudgetError, match=r"DEVICE tier budget 8.0 MiB cannot hold 'b' \(3.0 MiB requested, 6.0 MiB held"):
+    with pytest.raises(BudgetError,
+                       match=r"DEVICE tier budget 8.0 MiB cannot hold 'b' \(3.0 MiB requested, 6.0 MiB held"):
         store.fetch(b, Tier.DEVICE)
     store.release(a, Tier.DEVICE)
     store.evict(a, Tier.DEVICE).result()
