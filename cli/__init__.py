@@ -10,6 +10,6 @@ _EXPORTS = {
     "main": ".app", "build_parser": ".app", "parse_args": ".app", "commands": ".app", "Command": ".app",
     "emit_json": ".jsonout", "json_stdout": ".jsonout",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = list(sorted(_EXPORTS))
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -160,8 +160,8 @@ def test_ctrl_c_exits_130_with_one_line(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("exc, code, line", [
-    (DiskFullError("checkpoint directory /o/checkpoints needs 5.00 MiB but its disk has 1.00 MiB free; free space"),
-     3, "outcore: error: checkpoint directory /o/checkpoints needs 5.00 MiB but its disk has 1.00 MiB free; free space"),
+    (DiskFullError("checkpoint directory /o/checkpoints needs 5.00 MiB but its disk has 1.00 MiB free; free space"), 3,
+     "outcore: error: checkpoint directory /o/checkpoints needs 5.00 MiB but its disk has 1.00 MiB free; free space"),
     (IntegrityError("checksum mismatch in swap file /s/extents.bin, extent 'block1.w'"),
      4, "outcore: error: checksum mismatch in swap file /s/extents.bin, extent 'block1.w'"),
     (Interrupted(signal.SIGTERM, 7, "/o"),
@@ -172,7 +172,7 @@ def test_each_kind_of_failure_has_its_exit_code_and_one_line(exc, code, line, mo
         raise exc
 
     monkeypatch.setattr(outcore, "finetune", fail, raising=False)
-    assert main(["finetune"]) == code == getattr(exc, "exit_code")
+    assert main(["finetune"]) == code == exc.exit_code
     assert _one_error_line(capsys) == line
 
 

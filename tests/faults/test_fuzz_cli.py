@@ -67,7 +67,8 @@ def test_fuzzed_yaml_config(tmp_path, values):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.one_of(st.binary(max_size=200), st.text(max_size=200).map(str.encode),
-                 st.sampled_from([b"\xff\xfe\x00x", b"- a\n- b", b"a: [", b"\t- x", b"{", b"!!python/object:os.system {}"])))
+                 st.sampled_from([b"\xff\xfe\x00x", b"- a\n- b", b"a: [", b"\t- x", b"{",
+                                  b"!!python/object:os.system {}"])))
 def test_garbage_yaml_file(tmp_path, raw):
     f = tmp_path / "run.yaml"
     f.write_bytes(raw)
