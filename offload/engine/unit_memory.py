@@ -3,7 +3,8 @@
 Each unit of the model (see ``units.py``) has one handle per :class:`Part`: its
 weights, each optimizer-state kind (``exp_avg``, ``exp_avg_sq``, ``step`` …, or their
 pieces), its spilled gradient. Weights are computed on in DEVICE; optimizer state is
-updated in HOST (the CPU runs the update). The authoritative copies live in the unit's
+updated where the update runs: in DEVICE on an accelerator (streamed to it, in pieces when
+large), in HOST on a CPU-only machine. The authoritative copies live in the unit's
 home tiers (NVME or HOST). Every fact about a unit is on the unit; this class holds the
 policy and the list of units.
 
