@@ -12,6 +12,8 @@ import textwrap
 import pytest
 import torch
 
+from tests.conftest import require_sim
+
 WORKER = textwrap.dedent('''
     import datetime, sys, torch, torch.distributed as dist
     from outcore.offload.device import distributed_backend, resolve_device
@@ -97,10 +99,7 @@ WORKER = textwrap.dedent('''
 
 @pytest.mark.slow(ci=True)
 def test_every_collective_on_sim_tensors_equals_gloo_on_cpu_tensors(tmp_path):
-    from outcore.offload import simdevice
-
-    if (why := simdevice.unavailable_reason()) is not None:
-        pytest.skip(f"the simulated accelerator cannot run here: {why}")
+    require_sim()
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path / "init")],
