@@ -30,8 +30,8 @@ from ..errors import ConfigError
 from ..events import EventSink, TaskEvalEvent
 from ..training import checkpoint as ckpt
 from ..training import distributed as dist
-from ..training.build import (build_optimizer, check_offload_supported, make_plan, offload_from_plan, swap_dir_of,
-                              with_lora)
+from ..training.build import (check_offload_supported, offload_from_plan, optimizer_for_config, plan_this_run,
+                              swap_dir_of, with_lora)
 from ..training.config import FinetuneConfig
 from ..training.dcp import restore_trainable, restore_units, save_distributed
 from ..training.in_memory import InMemoryModel
@@ -88,7 +88,7 @@ class FullFinetune:
             # unit by unit: the model is built on the meta device, never whole in RAM.
             check_offload_supported(cfg)
             self.model, self.tokenizer, fill = load_model_lazily(cfg.model, dtype=torch_dtype(cfg.dtype))
-            self.plan = make_plan(cfg, self.model)
+            self.plan = plan_this_run(cfg, self.model)
             if self.plan.layout == "none":  # `auto` found that everything fits in memory
                 self.plan.notes.append("everything fits in memory: training in memory")
                 fill = None
@@ -126,11 +126,11 @@ class FullFinetune:
         the model was built on the meta device (``fill`` reads its weights)."""
         cfg, run = self.cfg, self.run
         if fill is None:
-            self.optimizer = build_optimizer(cfg, self.params)
+            self.optimizer = optimizer_for_config(cfg, self.params)
             return InMemoryModel(self.model, self.optimizer, self.params, cfg.max_grad_norm, run.ranks, str(run.out))
         # Full fine-tune: the optimizer streams its state with the units. LoRA: the
         # adapters and their state stay resident; only the frozen base streams.
-        self.optimizer = build_optimizer(cfg, self.params, streaming=not cfg.uses_adapters)
+        self.optimizer = optimizer_for_config(cfg, self.params, streaming=not cfg.uses_adapters)
         self.engine = offload_from_plan(cfg, self.model, self.optimizer, self.plan, run.out, self.scorer.head_loss,
                                         fill, run.ranks, run.device)  # (the head's loss is a unit of the head)
         return dist.data_parallel(self.engine, run.ranks, str(run.out))  # LoRA under torchrun

@@ -10,7 +10,7 @@ out-of-core trainer built exactly as a user gets it (the full-finetune recipe's 
   filled unit by unit hold the same bits without writing gigabytes of weights to disk.
 
 The outcore trainer (:class:`OutcoreTrainer`) goes through the recipe's own builders
-(``build_optimizer(streaming=True)``, ``make_plan``, ``offload_from_plan``) with the
+(``optimizer_for_config(streaming=True)``, ``plan_this_run``, ``offload_from_plan``) with the
 chunked LM-head loss (``CausalLMHeadLoss``, no [tokens, vocab] logits) and the plan's
 activation policy, so the whole fp32 model never sits in its process's RAM.
 """
@@ -128,8 +128,8 @@ class OutcoreTrainer:
         from outcore.kernels.linear_cross_entropy import CausalLMHeadLoss
         from outcore.models import model_parts
         from outcore.training.config import FinetuneConfig
-        from outcore.training.build import (build_optimizer, check_offload_supported, make_plan,
-                                           offload_from_plan)
+        from outcore.training.build import (check_offload_supported, offload_from_plan, optimizer_for_config,
+                                           plan_this_run)
 
         cfg = FinetuneConfig(offload=offload, optim=optim, seq_len=seq_len, batch_size=batch_size,
                              max_grad_norm=0.0, grad_accum=1, seed=seed, dtype=dtype,
@@ -140,7 +140,7 @@ class OutcoreTrainer:
         check_offload_supported(cfg)
         self.model, fill = lazy_model(kind, config, seed, torch_dtype(dtype))
         if budgets is None:
-            self.plan = make_plan(cfg, self.model)
+            self.plan = plan_this_run(cfg, self.model)
         else:  # the plan `outcore plan` prints after `outcore doctor` measured the machine
             from outcore.planner import plan_for_config
 
@@ -149,7 +149,7 @@ class OutcoreTrainer:
         self.decoder = self.model.model
         self.head_loss = CausalLMHeadLoss(model_parts(self.model).lm_head)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(cfg, params, streaming=True)
+        self.optimizer = optimizer_for_config(cfg, params, streaming=True)
         self.offloaded = offload_from_plan(cfg, self.model, self.optimizer, self.plan, self.work,
                                            self.head_loss, fill)
         self.activations = None

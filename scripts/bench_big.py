@@ -4,7 +4,7 @@ The model is built on the meta device; each unit is initialized (random, seeded)
 straight into the tiered store, so the whole model never exists in RAM. Weights
 and optimizer state live on NVMe; blocks are recomputed in the backward; the loss
 is the chunked LM-head loss. The run is set up by the recipe's own builders from a
-``FinetuneConfig`` (``make_plan``, ``build_optimizer``, ``offload_from_plan``), so what
+``FinetuneConfig`` (``plan_this_run``, ``optimizer_for_config``, ``offload_from_plan``), so what
 the plan estimates is what the engine is given. Prints step time, bytes moved per step
 (as the storage layer saw them, /proc/self/io) and peak RSS, each beside the plan's
 estimate.
@@ -123,7 +123,7 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
     from outcore.models._lazy import materialize_buffers
     from outcore.offload.store import probe_hardware
     from outcore.planner import budgets_from_probe, plan_for_config
-    from outcore.training.build import build_optimizer, offload_from_plan, with_lora
+    from outcore.training.build import offload_from_plan, optimizer_for_config, with_lora
 
     cfg = _config(args, swap)
     shape = dict(SHAPES[args.shape])
@@ -145,7 +145,7 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
     head = CausalLMHeadLoss(base.lm_head)
     trainable = [p for p in model.parameters() if p.requires_grad]
     n_trainable = sum(p.numel() for p in trainable)  # before the engine empties streamed parameters
-    opt = build_optimizer(cfg, trainable, streaming=True)
+    opt = optimizer_for_config(cfg, trainable, streaming=True)
     t0 = time.perf_counter()
     engine = offload_from_plan(cfg, model, opt, plan, Path(cfg.output), head_loss=head, fill=_init)
     setup_s = time.perf_counter() - t0

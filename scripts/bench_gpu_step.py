@@ -109,7 +109,7 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
     from outcore.offload.device import resolve_device
     from outcore.offload.store import probe_hardware
     from outcore.planner import budgets_from_probe, plan_for_config
-    from outcore.training.build import build_optimizer, offload_from_plan
+    from outcore.training.build import offload_from_plan, optimizer_for_config
     from outcore.training.config import load_config
 
     device = resolve_device(args.device)
@@ -134,7 +134,7 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
                                   ram_bytes=1 << 40)
     plan = plan_for_config(cfg, model, budgets=budgets)
     head = CausalLMHeadLoss(model.lm_head)
-    opt = build_optimizer(cfg, [p for p in model.parameters() if p.requires_grad], streaming=True)
+    opt = optimizer_for_config(cfg, [p for p in model.parameters() if p.requires_grad], streaming=True)
     t0 = time.perf_counter()
     engine = offload_from_plan(cfg, model, opt, plan, Path(cfg.output), head_loss=head, fill=_init, device=device)
     setup_s = time.perf_counter() - t0

@@ -45,9 +45,10 @@ def load_zo_model(spec: str, dtype: str, seed: int, lora: dict[str, Any] | None)
     return wrapped.get_base_model(), tok, wrapped
 
 
-def build_optimizer(cfg: FinetuneConfig, params: list[torch.nn.Parameter], streaming: bool = False
-                    ) -> torch.optim.Optimizer:
-    """The optimizer named by ``cfg.optim`` over ``params``.
+def optimizer_for_config(cfg: FinetuneConfig, params: list[torch.nn.Parameter], streaming: bool = False
+                         ) -> torch.optim.Optimizer:
+    """The optimizer named by ``cfg.optim`` over ``params``, with the config's hyperparameters and
+    precision (``outcore.optim.build_optimizer`` builds one from a name and keyword arguments).
 
     In memory, ``adamw`` is torch's fused AdamW: the reference. Streamed
     (``streaming=True``), it is ``outcore.optim.AdamW``, whose per-unit update is
@@ -74,8 +75,9 @@ def check_offload_supported(cfg: FinetuneConfig) -> None:
                           "use --method full|lora|qlora")
 
 
-def make_plan(cfg: FinetuneConfig, model: torch.nn.Module):
-    """The MemoryPlan of this run (budgets from --device-mem / --host-mem and this machine)."""
+def plan_this_run(cfg: FinetuneConfig, model: torch.nn.Module):
+    """The MemoryPlan of this run: ``planner.plan_for_config`` with this machine's probe (budgets from
+    --device-mem / --host-mem, the swap directory's disk) and the launcher's world size."""
     from ..offload.store import probe_hardware
     from ..planner import plan_for_config
 
