@@ -25,7 +25,8 @@ from .engine import OutOfCoreEngine
 from .sharding import shard_units
 from .unit_memory import StoreUnitMemory
 from .unit_sizes import working_set
-from .units import causal_lm_units
+from .units import Unit, causal_lm_units
+
 
 def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_dir: str | Path | None,
                   prefetch: int = 2, max_grad_norm: float = 0.0, grad_accum: int = 1,
@@ -89,29 +90,18 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
     units = causal_lm_units(model, resident_trainable=resident_trainable, head_modules=head_modules)
     world = shard_units(units, optimizer, ranks, resident_trainable)
     homes = homes or [(Tier.NVME if offload == NVME else Tier.HOST,) * 2] * len(units)
-    uses_nvme = any(Tier.NVME in h for h in homes)
-    if uses_nvme and swap_dir is None:
-        raise ConfigError("offload=nvme needs a swap directory; pass --swap-dir DIR on a fast disk")
     k = max(1, prefetch)
     master_weights = master_weights and getattr(optimizer, "wants_master", True)  # see OutcoreOptimizer
     if spill_grads is None:  # (sharded: the ranks' gradients are summed as each unit's completes)
         spill_grads = world > 1 or any(s is Tier.NVME for _, s in homes)
     spill_grads = spill_grads and (max_grad_norm > 0 or grad_accum > 1) and not resident_trainable
-    compute = Device(device)  # the store's, closed with it
-    need = working_set(units, optimizer, homes, k, master_weights=master_weights, spill_grads=spill_grads,
-                       quantize_frozen=quantize_frozen, split_state=split_state, accelerator=compute.is_accelerator)
-    device_cap = min(device_bytes, need.device) if device_bytes else need.device
-    host = min(host_bytes, need.host) if host_bytes else need.host
-    store = TieredStore(device_bytes=device_cap, host_bytes=max(host, 4096),
-                        swap_dir=swap_dir if uses_nvme else None, nvme_reserve=nvme_reserve, device=compute)
+    store, memory = _store_and_memory(units, optimizer, homes, k, device, caps=(device_bytes, host_bytes),
+                                      swap_dir=swap_dir, nvme_reserve=nvme_reserve, init_weights=init_weights,
+                                      master_weights=master_weights, spill_grads=spill_grads,
+                                      quantize_frozen=quantize_frozen, split_state=split_state)
     try:
-        engine = OutOfCoreEngine(model, optimizer,
-                                 lambda us, opt: StoreUnitMemory(store, us, opt, homes=homes, init_weights=init_weights,
-                                                                 master_weights=master_weights,
-                                                                 quantize_frozen=quantize_frozen,
-                                                                 state_piece_bytes=need.piece_bytes),
-                                 prefetch=k, max_grad_norm=max_grad_norm, grad_accum=grad_accum, units=units,
-                                 spill_grads=spill_grads, world=world)
+        engine = OutOfCoreEngine(model, optimizer, memory, prefetch=k, max_grad_norm=max_grad_norm,
+                                 grad_accum=grad_accum, units=units, spill_grads=spill_grads, world=world)
         if store.nvme is not None:
             store.nvme.trim(keep=nvme_keep)
     except BaseException:
@@ -119,3 +109,45 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
         raise
     return engine
 
+
+def _store_and_memory(units: list[Unit], optimizer: Any, homes: list[tuple[Tier, Tier]], k: int,
+                      device: str | torch.device | None, *,
+                      caps: tuple[int | None, int | None], swap_dir: str | Path | None, nvme_reserve: int,
+                      init_weights: Callable[[Any, torch.Tensor], None] | None, master_weights: bool,
+                      spill_grads: bool, quantize_frozen: bool, split_state: bool
+                      ) -> tuple[TieredStore, Callable[[list[Unit], Any], StoreUnitMemory]]:
+    """The store of ``units``, its DEVICE and HOST arenas sized to their working set, and the
+    engine's unit memory on it.
+
+    Args:
+        units, optimizer, homes: as :func:`offload_model` resolved them.
+        k: the prefetch depth.
+        device: where the model computes (the store's ``Device``, closed with it).
+        caps: ``(device_bytes, host_bytes)``: caps on the arenas (None: the working set).
+        swap_dir, nvme_reserve, init_weights, master_weights, spill_grads, quantize_frozen,
+            split_state: as in :func:`offload_model`.
+
+    Returns:
+        ``(store, memory)``: ``memory(units, optimizer)`` makes the ``StoreUnitMemory`` the
+        engine takes.
+
+    Raises:
+        ConfigError: a unit homed on NVMe and no ``swap_dir``.
+    """
+    uses_nvme = any(Tier.NVME in h for h in homes)
+    if uses_nvme and swap_dir is None:
+        raise ConfigError("offload=nvme needs a swap directory; pass --swap-dir DIR on a fast disk")
+    compute = Device(device)  # the store's, closed with it
+    need = working_set(units, optimizer, homes, k, master_weights=master_weights, spill_grads=spill_grads,
+                       quantize_frozen=quantize_frozen, split_state=split_state, accelerator=compute.is_accelerator)
+    device_bytes, host_bytes = caps
+    device_cap = min(device_bytes, need.device) if device_bytes else need.device
+    host = min(host_bytes, need.host) if host_bytes else need.host
+    store = TieredStore(device_bytes=device_cap, host_bytes=max(host, 4096),
+                        swap_dir=swap_dir if uses_nvme else None, nvme_reserve=nvme_reserve, device=compute)
+
+    def memory(us: list[Unit], opt: Any) -> StoreUnitMemory:
+        return StoreUnitMemory(store, us, opt, homes=homes, init_weights=init_weights, master_weights=master_weights,
+                               quantize_frozen=quantize_frozen, state_piece_bytes=need.piece_bytes)
+
+    return store, memory
