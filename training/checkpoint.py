@@ -49,8 +49,8 @@ from safetensors.torch import load_file, save_file
 from .._faults import fault_point
 from ..bytesize import format_bytes
 from ..errors import CheckpointError, DiskFullError
-from ..offload.device import rng_state as device_rng_state
-from ..offload.device import set_rng_state as set_device_rng_state
+from ..offload.device_runtime import rng_state as device_rng_state
+from ..offload.device_runtime import set_rng_state as set_device_rng_state
 from ..offload.engine import WEIGHTS
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -31,7 +31,8 @@ import torch
 
 from ..errors import Interrupted, RankLostError
 from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent, TaskEvalEvent, perplexity
-from ..offload.device import device_memory, resolve_device
+from ..offload.device import resolve_device
+from ..offload.device_runtime import device_memory
 from ..offload.distributed import Ranks
 from . import distributed as dist
 from .config import FinetuneConfig

@@ -210,6 +210,7 @@ def probe_hardware(swap_dir: str | Path | None = None, measure: bool = True,
         A :class:`HardwareProbe`.
     """
     from .. import device as dev
+    from ..device_runtime import list_devices
 
     target = Path(swap_dir or os.environ.get("OUTCORE_SWAP_DIR") or os.getcwd()).expanduser().absolute()
     where = _existing_ancestor(target)
@@ -251,7 +252,7 @@ def probe_hardware(swap_dir: str | Path | None = None, measure: bool = True,
 
     return HardwareProbe(
         cpu_threads=threads, ram_total_bytes=int(vm.total), ram_available_bytes=int(vm.available),
-        devices=dev.list_devices(), swap_dir=str(target), swap_free_bytes=int(free),
+        devices=list_devices(), swap_dir=str(target), swap_free_bytes=int(free),
         swap_fs_type=kind, o_direct=o_direct, disk_read_gbps=r, disk_write_gbps=w,
         h2d_gbps=h2d, d2h_gbps=d2h, checksum_gbps=hashing, backends=backend_versions(), warnings=warnings,
         leftover_swap_dirs=leftovers)

@@ -172,7 +172,7 @@ def test_checkpoints_save_one_devices_rng_state():
 
 @pytest.mark.gpu
 def test_device_memory_reports_the_current_gpu():
-    from outcore.offload.device import device_memory
+    from outcore.offload.device_runtime import device_memory
 
     index = torch.cuda.device_count() - 1
     torch.cuda.set_device(index)
