@@ -6,7 +6,7 @@ dashboard or plain log, ``OUTPUT/metrics.jsonl`` and the ``report_to`` trackers;
 never import ``tui``), runs the recipe that ``methods.METHODS`` names for ``config.method``
 and, with ``push_to_hub``, uploads the export. ``outcore finetune`` calls it too. Under
 ``torchrun`` (or Ray Train) every rank calls it: rank 0 gets the view, the others their
-``metrics.rankR.jsonl`` only (``training/distributed.py``).
+``metrics.rankR.jsonl`` only (``training/distributed/across_ranks.py``).
 """
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from ..offload.distributed import from_env
     from ..offload.store import probe_hardware
     from ..planner import plan_for_config
-    from ..training.distributed import plan_note
+    from ..training.distributed.across_ranks import plan_note
 
     if args.ranks < 0:
         raise ConfigError(f"--ranks {args.ranks} must be >= 1 (or 0: torchrun's WORLD_SIZE)")

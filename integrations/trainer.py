@@ -18,7 +18,7 @@ checkpoint folders. What changes sits under four of its methods:
 * ``_clip_grad_norm`` is the engine's global-norm clip; ``optimizer.step()`` ends the step.
 * ``_save`` / ``_save_optimizer_and_scheduler`` / ``_load_optimizer_and_scheduler`` write and
   read the model (a Hugging Face directory, streamed one unit at a time) and the units'
-  weights and state (``outcore-units/``, training/checkpoint.py's ``save_units``).
+  weights and state (``outcore-units/``, training/checkpoint/run_state.py's ``save_units``).
 
 A peft model (LoRA; TRL's ``peft_config=``) streams only its frozen base: its adapters stay
 resident and the Trainer's own optimizer, clipping and adapter-only saving serve them as usual.
@@ -228,14 +228,14 @@ class OutOfCoreMixin:
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         super()._save_optimizer_and_scheduler(output_dir)
         if self.engine is not None and not self.adapters:  # (a frozen base never changes)
-            from ..training.checkpoint import save_units
+            from ..training.checkpoint.run_state import save_units
 
             save_units(self.engine, Path(output_dir) / UNITS_DIR)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None and self.engine is not None and not self.adapters:
-            from ..training.checkpoint import load_units
+            from ..training.checkpoint.run_state import load_units
 
             units = Path(checkpoint) / UNITS_DIR
             if not units.is_dir():

@@ -278,7 +278,7 @@ def _export_units(cfg: Any, last: Path, out: Path) -> Path:
     from ..models import load_model_lazily
     from ..offload.engine import WEIGHTS, causal_lm_units
     from ..dtypes import torch_dtype
-    from ..training.dcp import sharded_unit_weights
+    from ..training.checkpoint.dcp import sharded_unit_weights
 
     def weights(unit: Any) -> dict[str, torch.Tensor]:
         if (last / "units").is_dir():

@@ -33,7 +33,7 @@ from ..training import distributed as dist
 from ..training.build import (check_offload_supported, offload_from_plan, optimizer_for_config, plan_this_run,
                               swap_dir_of, with_lora)
 from ..training.config import FinetuneConfig
-from ..training.dcp import restore_trainable, restore_units, save_distributed
+from ..training.checkpoint.dcp import restore_trainable, restore_units, save_distributed
 from ..training.in_memory import InMemoryModel
 from ..training.lifecycle import Built, Evaluation, Run, Stepped
 from ..training.loss import CausalLMScorer

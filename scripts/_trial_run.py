@@ -190,7 +190,7 @@ def latest_step(out: Path) -> int | None:
     """The step of the newest complete checkpoint of the run in ``out`` (None: none). A ZO
     run's checkpoint is its log of (seed, scalar) records: a header line, then one per step."""
     from outcore.optim.zo_replay import LOG_NAME
-    from outcore.training.checkpoint import latest_checkpoint
+    from outcore.training.checkpoint.files import latest_checkpoint
 
     last = latest_checkpoint(out)
     if last is not None:
@@ -202,7 +202,7 @@ def latest_step(out: Path) -> int | None:
 
 def checkpoint_age(out: Path, at: float) -> float:
     """Seconds between the newest complete checkpoint's completion and ``at`` (inf: none)."""
-    from outcore.training.checkpoint import latest_checkpoint
+    from outcore.training.checkpoint.files import latest_checkpoint
 
     last = latest_checkpoint(out)
     return float("inf") if last is None else at - (last / "COMPLETE").stat().st_mtime

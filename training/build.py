@@ -10,9 +10,9 @@ import torch
 
 from ..dtypes import EXACT
 from ..errors import ConfigError
-from ..offload.distributed import Ranks
-from . import distributed as dist
+from ..offload.distributed import Ranks, from_env
 from .config import FinetuneConfig
+from .distributed.across_ranks import rank_swap_dir
 
 
 def with_lora(model: torch.nn.Module, cfg: FinetuneConfig) -> torch.nn.Module:
@@ -82,7 +82,7 @@ def plan_this_run(cfg: FinetuneConfig, model: torch.nn.Module):
     from ..planner import plan_for_config
 
     probe = probe_hardware(swap_dir_of(cfg, Path(cfg.output)).parent, measure=False)
-    return plan_for_config(cfg, model, probe=probe, world=dist.from_env().world)
+    return plan_for_config(cfg, model, probe=probe, world=from_env().world)
 
 
 def _nvme_during_steps(plan: Any) -> int:
@@ -94,7 +94,7 @@ def _nvme_during_steps(plan: Any) -> int:
 
 def swap_dir_of(cfg: FinetuneConfig, out: Path) -> Path:
     """This rank's swap directory: ``--swap-dir`` or OUTPUT/swap (``rankR`` under it with several ranks)."""
-    return dist.rank_swap_dir(Path(cfg.swap_dir) if cfg.swap_dir else out / "swap", dist.from_env())
+    return rank_swap_dir(Path(cfg.swap_dir) if cfg.swap_dir else out / "swap", from_env())
 
 
 def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: Any, plan: Any, out: Path,
@@ -106,7 +106,8 @@ def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: An
     ``fill(name, out)`` reads a weight of a meta-device model (see ``load_model_lazily``);
     ``device`` is where it computes (default: ``cfg.device``).
     With several ``ranks`` a full fine-tune's optimizer state is sharded across them
-    (``offload/engine/sharding.py``); LoRA's resident adapters are not (``distributed.data_parallel``).
+    (``offload/engine/sharding.py``); LoRA's resident adapters are not
+    (``distributed.across_ranks.data_parallel``).
     """
     from ..bytesize import parse_bytes
     from ..models import plain_name

@@ -4,7 +4,7 @@ So the recipe runs one loop whether the weights stream through the tiers or not.
 This is the numerical reference every out-of-core mode is checked against, bit for
 bit: per micro-batch forward and backward of ``loss / n``, then clip, step, zero.
 Under torchrun each rank runs its share of the micro-batches and the gradients are summed
-across the ranks before the step (``training/distributed.py``): the same step.
+across the ranks before the step (``training/distributed/across_ranks.py``): the same step.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 from ..offload.distributed import Ranks
 from ..offload.engine import step_in_memory
-from .distributed import SINGLE, accumulate
+from .distributed.across_ranks import SINGLE, accumulate
 from .trainer import LossFn
 
 

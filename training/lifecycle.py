@@ -10,7 +10,8 @@ everything around them, in this order:
 3. ``recipe.setup()`` builds the model, data and trainer and restores the newest checkpoint;
 4. the steps, while a SIGINT / SIGTERM waits for the end of the step it comes in
    (``StopOnSignal``, agreed by every rank): ``RunStarted``, the base eval, then per step its
-   log line, the eval and checkpoint cadences;
+   learning rate (:func:`lr_lambda`: linear warmup, then cosine decay), log line, the eval and
+   checkpoint cadences;
 5. the end: the final eval, a checkpoint and (rank 0) the export, ``recipe.close``, ``RunFinished``.
 
 A signal between steps writes a checkpoint unless the newest one is younger than
@@ -34,12 +35,11 @@ from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, St
 from ..offload.device import resolve_device
 from ..offload.device_runtime import device_memory
 from ..offload.distributed import Ranks
-from . import distributed as dist
+from .distributed import across_ranks as dist
 from .config import FinetuneConfig
 from .output_dir import holding_output_dir
 from .process import peak_rss_bytes, ram_total_bytes, rss_bytes, set_threads
 from .runs import FinetuneResult
-from .schedule import lr_lambda
 from .signals import StopOnSignal
 from .wear import WearMeter
 
@@ -111,6 +111,18 @@ class Recipe(Protocol):
         ``completed`` is False when a step may have been cut or the run failed."""
 
 
+def lr_lambda(warmup_steps: int, max_steps: int, min_lr_ratio: float) -> Callable[[int], float]:
+    """The learning-rate schedule every recipe follows, as a factor of ``lr`` per step: linear
+    warmup to 1, then cosine decay to ``min_lr_ratio`` at ``max_steps``."""
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        span = max(1, max_steps - warmup_steps)
+        progress = min(1.0, (step - warmup_steps) / span)
+        return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return factor
+
+
 class Run:
     """One fine-tuning run: the lifecycle around a :class:`Recipe`; executes once.
 
@@ -166,7 +178,7 @@ class Run:
     def open(self) -> None:
         """Join the run's ranks, pick this rank's device and threads, take the output directory."""
         cfg = self.cfg
-        self.ranks, self.joined = dist.join_run(cfg)  # under torchrun: this rank (training/distributed.py)
+        self.ranks, self.joined = dist.join_run(cfg)  # under torchrun: this rank (distributed/across_ranks.py)
         self.device = resolve_device(cfg.device)  # (after join_run: under torchrun, this rank's GPU)
         set_threads(dist.rank_threads(cfg.threads, self.ranks))
         self.out, self.out_lock = dist.prepare_run_dir(cfg, self.ranks)

@@ -16,7 +16,7 @@ RUN_LOCK = ".outcore-run.lock"  # held by the live run of an output directory
 _RUN_MARKERS = ("config.yaml", "metrics.jsonl", "checkpoints")
 # Fields a resumed run must share with the run it continues (others, such as
 # max_steps or eval_every, may change).
-# (grad_accum may change with the number of ranks, their product kept: training/distributed.py)
+# (grad_accum may change with the number of ranks, their product kept: distributed/across_ranks.py)
 _RUN_DEFINING = ("model", "data", "data_max_bytes", "val_fraction", "seq_len", "method", "optim",
                  "optim_args", "batch_size", "seed", "dtype", "lora_r", "lora_alpha",
                  "lora_targets", "offload")

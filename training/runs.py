@@ -108,7 +108,7 @@ def describe_run(run_dir: str | Path, metrics_rows: Iterable[dict[str, Any]] = (
     Returns:
         Its :class:`RunInfo`.
     """
-    from . import checkpoint as ckpt
+    from .checkpoint.files import latest_checkpoint
     from .config import load_config
 
     path = Path(run_dir)
@@ -124,7 +124,7 @@ def describe_run(run_dir: str | Path, metrics_rows: Iterable[dict[str, Any]] = (
     if cfg.zeroth_order:
         saved = _zo_steps(path / ZO_LOG_NAME)
     else:
-        last = ckpt.latest_checkpoint(path)
+        last = latest_checkpoint(path)
         saved = int(last.name.removeprefix("step_")) if last is not None else 0
     method = f"{cfg.method}/{cfg.optim}"
     steps = max(logged, saved)

@@ -3,8 +3,8 @@
 * ``training.in_memory.InMemoryModel`` — the model and optimizer in memory: the numerical
   reference every out-of-core mode is checked against, bit for bit;
 * ``offload.engine.OutOfCoreEngine`` — weights and optimizer state streamed through the tiers;
-* ``training.distributed.DataParallelAdapters`` — an engine training resident adapters on one
-  of several ranks, their gradients summed before the step.
+* ``training.distributed.across_ranks.DataParallelAdapters`` — an engine training resident
+  adapters on one of several ranks, their gradients summed before the step.
 
 A recipe's loop sees only :class:`Trainer`. What else a run reports of its memory — the bytes
 and traffic per tier, the time compute waited for a transfer — belongs to the run's

@@ -26,7 +26,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..events import RunFinished, StepEvent
 from ..offload.store import Tier
-from .checkpoint import checkpoints
+from .checkpoint.files import checkpoints
 
 TB = 10**12  # TBW ratings are in decimal terabytes
 PER_STEPS = 1000  # the projection: the share of the rating this many steps would use

@@ -9,7 +9,7 @@ and DCP reads any rows back into any other cut. So a checkpoint saved by 2 ranks
 (or the other way round) and training goes on with the same state. Kinds kept whole per
 tensor (a step count) and the weights (which every rank holds) are plain tensors, written
 once. The atomic commit (a ``.tmp`` folder renamed, ``COMPLETE``) is the caller's
-(``training/checkpoint.py``: rank 0 renames after a barrier).
+(``training/checkpoint/files.py``: rank 0 renames after a barrier).
 """
 from __future__ import annotations
 

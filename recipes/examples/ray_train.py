@@ -2,9 +2,9 @@
 
 Ray starts the workers (on one machine or a Ray cluster), sets their ranks and joins them in
 one ``torch.distributed`` process group; ``outcore.finetune`` finds that group and runs as it
-does under ``torchrun`` (``training/distributed.py``): every worker trains on its share of each
-step's micro-batches, rank 0 writes ``config.yaml``, the checkpoints' commit and ``final/``,
-every rank its metrics file. The output directory must be one file system every worker sees
+does under ``torchrun`` (``training/distributed/across_ranks.py``): every worker trains on its
+share of each step's micro-batches, rank 0 writes ``config.yaml``, the checkpoints' commit and
+``final/``, every rank its metrics file. The output directory must be one file system every worker sees
 (an NFS mount, or one machine)::
 
     pip install 'ray[train]'

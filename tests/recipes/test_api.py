@@ -33,7 +33,8 @@ def test_public_api_builds_the_sink_and_the_recipe_alone_reports_nothing(tiny_ru
 
 
 def test_recipes_do_not_import_the_ui():
-    code = ("import sys, outcore.recipes.full_finetune, outcore.recipes.export, outcore.training.checkpoint; "
+    code = ("import sys, outcore.recipes.full_finetune, outcore.recipes.export, outcore.training.checkpoint.files, "
+            "outcore.training.checkpoint.run_state, outcore.training.checkpoint.dcp; "
             "print([m for m in sys.modules if m.startswith('outcore.tui')])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

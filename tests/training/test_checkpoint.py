@@ -10,14 +10,15 @@ import pytest
 import torch
 
 from outcore.errors import EXIT_DISK_FULL, CheckpointError, DiskFullError
-from outcore.training import checkpoint as ckpt
+from outcore.training.checkpoint import files as ckpt
+from outcore.training.checkpoint.run_state import rng_state, set_rng_state
 
 
 def _save(out: Path, step: int, keep: int = 2, **kw) -> Path:
     model = {"w": torch.full((256,), float(step))}
     optim = {"state": {0: {"exp_avg": torch.ones(256) * step, "step": torch.tensor(float(step))}},
              "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0]}]}
-    trainer = {"step": step, "rng": ckpt.rng_state(), "loader": {"epoch": 0, "position": step}}
+    trainer = {"step": step, "rng": rng_state(), "loader": {"epoch": 0, "position": step}}
     return ckpt.save_checkpoint(out, step, model, optim, trainer, keep=keep, **kw)
 
 
@@ -30,7 +31,7 @@ def test_round_trip_loads_without_pickle_and_files_are_private(tmp_path):
     model, optim, trainer = ckpt.load_checkpoint(d)
     assert torch.equal(model["w"], torch.full((256,), 3.0)) and trainer["step"] == 3
     assert optim["param_groups"][0]["betas"] == (0.9, 0.999)
-    ckpt.set_rng_state(trainer["rng"])  # NumPy's RNG state (an ndarray) comes back without pickle
+    set_rng_state(trainer["rng"])  # NumPy's RNG state (an ndarray) comes back without pickle
     for p in [d.parent, d, *d.rglob("*")]:
         mode = stat.S_IMODE(p.stat().st_mode)
         assert mode == (0o700 if p.is_dir() else 0o600), (p, oct(mode))

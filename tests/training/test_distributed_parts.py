@@ -11,7 +11,7 @@ import pytest
 from outcore.errors import CheckpointError, ConfigError
 from outcore.events import RankStats, RunStarted, StepEvent, TierStats
 from outcore.offload.distributed import Ranks
-from outcore.training import distributed as dist
+from outcore.training.distributed import across_ranks as dist
 from outcore.training.config import load_config
 
 

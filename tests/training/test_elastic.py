@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from outcore.training.config import load_config
-from outcore.training.elastic import LAUNCH_MARKER, continue_after_restart, launch_id, mark_launch
+from outcore.training.distributed.elastic import LAUNCH_MARKER, continue_after_restart, launch_id, mark_launch
 
 
 @pytest.fixture

@@ -52,7 +52,8 @@ def test_nothing_below_training_imports_it_or_the_recipes():
 
 
 def test_importing_training_loads_no_recipe_and_no_ui():
-    modules = sorted(f"outcore.training.{p.stem}" for p in (ROOT / "training").glob("*.py") if p.stem != "__init__")
+    modules = sorted("outcore." + ".".join(p.relative_to(ROOT).with_suffix("").parts)
+                     for p in (ROOT / "training").rglob("*.py") if p.stem != "__init__")
     code = (f"import sys, {', '.join(modules)}; "
             "print([m for m in sys.modules if m.startswith(('outcore.recipes', 'outcore.tui'))])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -13,7 +13,7 @@ from outcore.offload.engine import OutOfCoreEngine
 from outcore.offload.distributed import Ranks
 from outcore.offload.engine import offload_model
 from outcore.optim import AdamW
-from outcore.training.distributed import DataParallelAdapters, data_parallel
+from outcore.training.distributed.across_ranks import DataParallelAdapters, data_parallel
 from outcore.training.in_memory import InMemoryModel
 from outcore.training.trainer import Trainer
 

@@ -11,7 +11,7 @@ from outcore.offload.device import is_accelerator
 from outcore.offload.engine import offload_model
 from outcore.offload.store import Tier
 from outcore.optim import AdamW
-from outcore.training.checkpoint import load_units, save_units
+from outcore.training.checkpoint.run_state import load_units, save_units
 from outcore.recipes.export import export_offloaded, unit_weights
 from tests._helpers import causal_lm_loss, reference_step
 

@@ -11,7 +11,7 @@ import torch
 from outcore.offload.engine import offload_model
 from outcore.optim import AdamW, AdamW8bit, LeanOptimizer
 from outcore.planner.sizes import model_spec, unit_bytes
-from outcore.training.checkpoint import load_units, save_units
+from outcore.training.checkpoint.run_state import load_units, save_units
 from outcore.recipes.export import unit_weights
 from tests._helpers import causal_lm_loss, reference_step
 

@@ -10,7 +10,7 @@ from outcore.offload.store import Tier
 from outcore.offload.engine import offload_model, unit_sizes
 from outcore.offload.engine.unit_sizes import PIECE_ALIGN, state_pieces, step_window, weights_arena_bytes, window_bytes
 from outcore.optim import AdamW, GaLore
-from outcore.training.checkpoint import load_units, save_units
+from outcore.training.checkpoint.run_state import load_units, save_units
 from outcore.recipes.export import unit_weights
 from tests._helpers import causal_lm_loss, reference_step
 

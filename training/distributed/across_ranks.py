@@ -15,7 +15,7 @@ each joins the process group here (:func:`join_run`, ``offload.distributed.join`
   (:class:`DataParallelAdapters`); a full fine-tune out of core shards its optimizer state
   across the ranks inside the engine (``offload/engine/sharding.py``: reduce-scatter, update, all-gather);
 * **what is written once** — rank 0 holds the output directory's lock, writes ``config.yaml``,
-  ``final/`` and commits checkpoints (:func:`prepare_run_dir`; ``dcp.py``); every
+  ``final/`` and commits checkpoints (:func:`prepare_run_dir`; ``checkpoint/dcp.py``); every
   rank writes its own metrics file (``tui.sinks.make_sink(rank=)``), rank 0's with every rank's
   stats (:func:`with_ranks`);
 * **ZO** — the ``samples`` split of ``offload/zo/distributed.py`` (:func:`zo_split`);
@@ -38,17 +38,17 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .._faults import fault_point
-from ..errors import CheckpointError, OutcoreError, RankLostError
-from ..offload.device_runtime import distributed_backend
-from ..offload.distributed import Ranks, from_env, join, leave
+from ..._faults import fault_point
+from ...errors import CheckpointError, OutcoreError, RankLostError
+from ...offload.device_runtime import distributed_backend
+from ...offload.distributed import Ranks, from_env, join, leave
+from ..output_dir import prepare_output_dir
+from ..signals import StopOnSignal
+from ..trainer import LossFn, Trainer
 from .elastic import continue_after_restart, mark_launch
-from .output_dir import prepare_output_dir
-from .signals import StopOnSignal
-from .trainer import LossFn, Trainer
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..offload.engine import OutOfCoreEngine
+    from ...offload.engine import OutOfCoreEngine
 
 SINGLE = Ranks()  # one process: what every recipe is when not launched distributed
 
@@ -359,7 +359,7 @@ def with_ranks(ranks: Ranks, event: Any, output: str | Path | None = None) -> An
     """
     if not ranks.distributed:
         return event
-    from ..events import RankStats
+    from ...events import RankStats
 
     mine = RankStats(rank=ranks.rank, step_s=event.step_s, stall_s=event.stall_s, rss_bytes=event.rss_bytes,
                      tiers=dict(event.tiers))
@@ -399,7 +399,7 @@ def zo_split(ranks: Ranks, output: str | Path | None = None) -> dict[str, Any]:
     """
     if not ranks.distributed:
         return {}
-    from ..offload.zo import make_exchange
+    from ...offload.zo import make_exchange
 
     exchange = make_exchange("samples")
 

@@ -1,5 +1,5 @@
 """Checkpoints of a data-parallel run with ``torch.distributed.checkpoint`` (DCP), inside
-``training/checkpoint.py``'s atomic protocol.
+``files.py``'s atomic protocol.
 
 A run under torchrun writes, besides ``trainer.pt`` (rank 0's: the step, the data position and
 the RNG states are the same on every rank), its model and optimizer state as one DCP
@@ -8,7 +8,7 @@ names every tensor by its parameter's name (not by ``id``), and ``dcp.save`` spr
 writing over the ranks (a replicated tensor is written once, by one rank). In order:
 
 1. rank 0 checks the free space, clears ``.tmp`` debris and creates ``step_X.tmp``
-   (``checkpoint.save_checkpoint``), then tells every rank where (a broadcast);
+   (``files.save_checkpoint``), then tells every rank where (a broadcast);
 2. every rank writes its share (``dcp.save``, collective: its last step is rank 0 writing
    ``.metadata``);
 3. rank 0 fsyncs and digests every file into ``COMPLETE`` and renames ``step_X.tmp`` to
@@ -17,8 +17,8 @@ writing over the ranks (a replicated tensor is written once, by one rank). In or
 A rank killed at any point leaves the previous checkpoint intact (``.tmp`` debris is never
 read). Loading reads the files on each rank (``no_dist``): the state is a replica, so a
 checkpoint written by 2 ranks resumes on 1 and one written by 1 rank (the single-process
-format) on 2. ``checkpoint.load_checkpoint`` reads the model part too
-(``checkpoint.dcp_model_state``), so ``outcore export`` of a distributed run is the one-rank export.
+format) on 2. ``files.load_checkpoint`` reads the model part too
+(``files.dcp_model_state``), so ``outcore export`` of a distributed run is the one-rank export.
 
 A full fine-tune out of core across ranks (its state sharded, ``offload/engine/sharding.py``) writes
 ``step_X/units_dcp/<unit>`` instead, one DCP checkpoint per unit in a world-independent shard
@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import CheckpointError, OutcoreError
-from ..offload.distributed import Ranks
-from . import checkpoint as ckpt
-from .checkpoint import DCP_DIR, DCP_MODEL, is_distributed, load_dcp_in_process
-from .distributed import broadcast_from_main
+from ...errors import CheckpointError, OutcoreError
+from ...offload.distributed import Ranks
+from ..distributed.across_ranks import broadcast_from_main
+from .files import DCP_DIR, DCP_MODEL, is_distributed, load_dcp_in_process, save_checkpoint, tensor_bytes
+from .run_state import load_units, trainable_state, units_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..offload.engine import OutOfCoreEngine
+    from ...offload.engine import OutOfCoreEngine
 
 SHARDED_UNITS_DIR = "units_dcp"  # a sharded out-of-core run's: one DCP checkpoint per unit
 _OPTIM = "optim"
@@ -53,11 +53,11 @@ def _options() -> Any:
 
 
 def app_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The model's trainable tensors (``checkpoint.trainable_state``: a tied weight once, as the
+    """The model's trainable tensors (``run_state.trainable_state``: a tied weight once, as the
     single-process format) and the optimizer state keyed by parameter name."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return {DCP_MODEL: ckpt.trainable_state(model),
+    return {DCP_MODEL: trainable_state(model),
             _OPTIM: get_optimizer_state_dict(model, optimizer, options=_options())}
 
 
@@ -90,14 +90,14 @@ def save_distributed(output_dir: str | Path, step: int, model: torch.nn.Module,
 
     if engine is None:
         state = app_state(model, optimizer)
-        nbytes = ckpt.tensor_bytes(state)
+        nbytes = tensor_bytes(state)
 
         def write(tmp: Path) -> None:
             dcp.save(state, checkpoint_id=tmp / DCP_DIR)
     else:
-        from ..offload.engine import save_sharded
+        from ...offload.engine import save_sharded
 
-        nbytes = ckpt.units_bytes(engine)
+        nbytes = units_bytes(engine)
 
         def write(tmp: Path) -> None:
             save_sharded(engine, tmp / SHARDED_UNITS_DIR)
@@ -132,7 +132,7 @@ def save_distributed(output_dir: str | Path, step: int, model: torch.nn.Module,
         write_dcp(tmp)
 
     try:
-        path = ckpt.save_checkpoint(output_dir, step, {}, {}, trainer_state, keep=keep,
+        path = save_checkpoint(output_dir, step, {}, {}, trainer_state, keep=keep,
                                     write_extra=start_and_write, extra_bytes=nbytes)
     except (Exception, CheckpointException) as e:  # dcp's is a BaseException
         announce(e, "the checkpoint's start" if not started else "the checkpoint's commit")
@@ -147,7 +147,7 @@ def restore_trainable(ckpt_dir: str | Path, weights: dict[str, torch.Tensor], op
 
     Args:
         ckpt_dir: the checkpoint (DCP or the single-process format).
-        weights: its trainable tensors (``checkpoint.load_checkpoint``'s first value).
+        weights: its trainable tensors (``files.load_checkpoint``'s first value).
         optim_state: its ``optimizer.pt`` (``optimizer.state_dict()``; empty for DCP).
         model: the run's model (a fresh replica on every rank).
         optimizer: its optimizer, with no state yet.
@@ -184,11 +184,11 @@ def restore_units(engine: OutOfCoreEngine, ckpt_dir: str | Path) -> None:
     """
     sharded = Path(ckpt_dir) / SHARDED_UNITS_DIR
     if sharded.is_dir():
-        from ..offload.engine import load_sharded
+        from ...offload.engine import load_sharded
 
         load_sharded(engine, sharded)
     else:
-        ckpt.load_units(engine, Path(ckpt_dir) / "units")
+        load_units(engine, Path(ckpt_dir) / "units")
 
 
 def sharded_unit_weights(ckpt_dir: str | Path, unit_name: str) -> dict[str, torch.Tensor]:

@@ -19,8 +19,8 @@ from typing import Any
 
 import psutil
 
-from ..offload.distributed import elastic_attempt
-from .checkpoint import latest_checkpoint
+from ...offload.distributed import elastic_attempt
+from ..checkpoint.files import latest_checkpoint
 
 LAUNCH_MARKER = ".outcore-launch"  # in the output directory: the launch that wrote it
 
