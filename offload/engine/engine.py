@@ -11,8 +11,8 @@ prefetching along the static order of a step (docs/architecture.md §2):
 
 This module binds units to the model (hooks, parameters pointed into the resident
 buffers, saved tensors kept by reference) and is the one writer of where each unit stands
-(``Unit.step``: bound, trainable, pending — but the updater's norms); ``update.py`` runs each unit's optimizer
-update — in the backward as soon as the unit's gradients are complete
+(``Unit.step``: bound, trainable, pending; the norms are the updater's); ``update.py`` runs
+each unit's optimizer update — in the backward as soon as the unit's gradients are complete
 (step-in-backward), or after it when clipping or accumulation needs every gradient.
 
 How a saved activation that *is* a weight survives the weight leaving memory:

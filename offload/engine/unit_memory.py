@@ -6,7 +6,7 @@ pieces), its spilled gradient. Weights are computed on in DEVICE; optimizer stat
 updated where the update runs: in DEVICE on an accelerator (streamed to it, in pieces when
 large), in HOST on a CPU-only machine. The authoritative copies live in the unit's
 home tiers (NVME or HOST). Every fact about a unit is on the unit; this class holds the
-policy and the list of units, and is the one writer of each unit's ``residency`` (what is
+policy and the list of units, and is the one writer of each unit's ``memory`` (what is
 prefetched, kept, decoded, and its spilled gradient's handles).
 
 Residency policy (the order of a step is static, so no guessing): the engine
@@ -17,7 +17,7 @@ full, kept copies are evicted least recently released first and the fetch is
 retried; only when nothing unpinned is left does the budget error reach the user.
 
 Pins: every consumer of a part holds one store pin (``TensorHandle`` copies count
-them); a prefetch holds one for the consumer to come (``UnitResidency.prefetched``). Stalls:
+them); a prefetch holds one for the consumer to come (``UnitMemoryState.prefetched``). Stalls:
 waits on transfers go through the store, which counts them (``TieredStore.stall_s``).
 """
 from __future__ import annotations
@@ -88,7 +88,7 @@ class StoreUnitMemory:
         if h is None or h.copies[self._tier(part)].pins:
             return
         try:
-            unit.residency.prefetched[part] = self._fetch(unit, part)
+            unit.memory.prefetched[part] = self._fetch(unit, part)
         except BudgetError:
             return
 
@@ -97,19 +97,19 @@ class StoreUnitMemory:
         Each acquire pins once: call :meth:`release` once per acquire."""
         unit, part = self.units[index], Part.of(part)
         # the prefetch's pin (if any) is this consumer's
-        fetch = unit.residency.prefetched.pop(part, None) or self._fetch(unit, part)
+        fetch = unit.memory.prefetched.pop(part, None) or self._fetch(unit, part)
         flat = self.store.result(fetch)  # the consumer stalls here while the transfer runs
         nf4 = unit.layout.nf4
         if part.kind != WEIGHTS or nf4 is None:
             return flat
-        if unit.residency.decoded is None:  # decoded where it computes
-            unit.residency.decoded = nf4.decode(flat, torch.empty(unit.numel, dtype=nf4.dtype, device=flat.device))
-        return unit.residency.decoded
+        if unit.memory.decoded is None:  # decoded where it computes
+            unit.memory.decoded = nf4.decode(flat, torch.empty(unit.numel, dtype=nf4.dtype, device=flat.device))
+        return unit.memory.decoded
 
     def pins(self, index: int, part: Part | str = WEIGHTS) -> int:
         """How many consumers hold ``part`` of unit ``index`` now."""
         unit, part = self.units[index], Part.of(part)
-        return _handles(unit, part)[part].copies[self._tier(part)].pins - (part in unit.residency.prefetched)
+        return _handles(unit, part)[part].copies[self._tier(part)].pins - (part in unit.memory.prefetched)
 
     def before_update(self, index: int, part: Part | str) -> None:
         """Return once no earlier write-back still reads this copy: it must not change under
@@ -133,20 +133,20 @@ class StoreUnitMemory:
         if h.copies[tier].pins:
             return  # another consumer still holds it
         if part.kind == WEIGHTS and unit.layout.nf4 is not None:
-            unit.residency.decoded = None  # freed once no parameter points at it any more
+            unit.memory.decoded = None  # freed once no parameter points at it any more
         if tier is h.home:
             return
         if h.dirty_tier is tier:
             fault_point("unit_write_back")
             self._writes.append(self.store.write_back(h))
         if keep:
-            unit.residency.kept[part] = next(self._tick)
+            unit.memory.kept[part] = next(self._tick)
         else:
             self._writes.append(self.store.evict(h, tier))
 
     def _fetch(self, unit: Unit, part: Part) -> Future:
         h, tier = _handles(unit, part)[part], self._tier(part)
-        unit.residency.kept.pop(part, None)
+        unit.memory.kept.pop(part, None)
         while True:
             try:
                 return self.store.fetch(h, tier)
@@ -156,11 +156,11 @@ class StoreUnitMemory:
 
     def _evict_one(self, tier: Tier) -> bool:
         """Evict the least recently released kept copy in ``tier``; False if none."""
-        kept = [(tick, unit, part) for unit in self.units for part, tick in unit.residency.kept.items()
+        kept = [(tick, unit, part) for unit in self.units for part, tick in unit.memory.kept.items()
                 if self._tier(part) is tier and not _handles(unit, part)[part].copies[tier].pins]
         if kept:
             _, unit, part = min(kept, key=lambda c: c[0])
-            del unit.residency.kept[part]
+            del unit.memory.kept[part]
             self.store.evict(_handles(unit, part)[part], tier).result()  # must be free before retrying
             return True
         # Evictions started on release may still be writing back: wait for them to free.
@@ -175,11 +175,11 @@ class StoreUnitMemory:
         a fetch needed now wins over one needed later (which ``acquire`` fetches again). Without
         it a tight window can fill with later pieces' prefetches, or fragment around them."""
         for unit in reversed(self.units):
-            for part in reversed(list(unit.residency.prefetched)):
+            for part in reversed(list(unit.memory.prefetched)):
                 if self._tier(part) is not tier:
                     continue
                 h = _handles(unit, part)[part]
-                self.store.result(unit.residency.prefetched.pop(part))  # the transfer lands, then its slot goes
+                self.store.result(unit.memory.prefetched.pop(part))  # the transfer lands, then its slot goes
                 self.store.release(h, tier)
                 if not h.copies[tier].pins and tier is not h.home:
                     self.store.evict(h, tier).result()
@@ -221,7 +221,7 @@ class StoreUnitMemory:
                               next(iter(grads.values())).dtype, first)
             return None
         if first:
-            unit.residency.spilled[Part(GRADS)] = self.store.register(
+            unit.memory.spilled[Part(GRADS)] = self.store.register(
                 f"{unit.name}:{GRADS}", shape=(unit.numel,), dtype=_unit_dtype(unit), home=unit.layout.homes[1])
         flat = self.acquire(index, GRADS)
         for k, g in grads.items():
@@ -241,7 +241,7 @@ class StoreUnitMemory:
         for i, piece in enumerate(pieces):
             part = Part(GRADS, i)
             if first:
-                unit.residency.spilled[part] = self.store.register(
+                unit.memory.spilled[part] = self.store.register(
                     f"{unit.name}:{part}", shape=(piece.hi - piece.lo,), dtype=dtype, home=unit.layout.homes[1])
             elif i + 1 < len(pieces):
                 self.prefetch(unit.index, Part(GRADS, i + 1))
@@ -257,9 +257,9 @@ class StoreUnitMemory:
     def drop_grads(self, index: int) -> None:
         """Forget a unit's spilled gradient (its update has consumed it)."""
         unit = self.units[index]
-        for part in list(unit.residency.spilled):
-            unit.residency.kept.pop(part, None)
-            self.store.unregister(unit.residency.spilled.pop(part))
+        for part in list(unit.memory.spilled):
+            unit.memory.kept.pop(part, None)
+            self.store.unregister(unit.memory.spilled.pop(part))
 
     # -- whole buffers, for checkpoints and tests -----------------------------------------
     def weights(self, index: int) -> torch.Tensor:
@@ -305,10 +305,10 @@ class StoreUnitMemory:
             self.store.release(h, tier)
             if tier is not h.home:
                 self.store.evict(h, tier).result()
-                unit.residency.kept.pop(part, None)
+                unit.memory.kept.pop(part, None)
 
 
 def _handles(unit: Unit, part: Part) -> dict[Part, TensorHandle]:
-    """Where ``part``'s handle is kept: a spilled gradient's is the step's (``UnitResidency``),
-    the weights' and the state's the layout's."""
-    return unit.residency.spilled if part.kind == GRADS else unit.layout.handles
+    """Where ``part``'s handle is kept: a spilled gradient's registers each step (``Unit.memory``),
+    the weights' and the state's are the unit's layout."""
+    return unit.memory.spilled if part.kind == GRADS else unit.layout.handles

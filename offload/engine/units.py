@@ -19,7 +19,7 @@ A :class:`Unit` is the one object that knows everything about its piece of the m
 - where it stands in the step (``Unit.step``, a :class:`UnitStep`): its weights bound to the
   parameters and the gradients still to come, by the engine (engine.py); the norms of its
   spilled gradients, by the updater (update.py);
-- its copies on the move (``Unit.residency``, a :class:`UnitResidency`: prefetched, kept,
+- its copies on the move (``Unit.memory``, a :class:`UnitMemoryState`: prefetched, kept,
   decoded, its spilled gradient's handles): by ``StoreUnitMemory`` (unit_memory.py).
 
 The store's own pin count of the weights' DEVICE copy is how many phases hold the unit:
@@ -107,7 +107,7 @@ class UnitLayout:
     """A unit's buffers in the store: made by ``unit_layout.store_unit``, fixed afterwards."""
 
     homes: "tuple[Tier, Tier]"  # (weights' home tier, optimizer state's home tier)
-    handles: "dict[Part, TensorHandle]"  # the weights and each state part (a spilled gradient: UnitResidency)
+    handles: "dict[Part, TensorHandle]"  # the weights', each state part's (a spilled gradient's: Unit.memory)
     states: tuple[dict[str, StateSlot], ...]  # per slot: where its state of each kind lies
     flat: dict[str, tuple[int, torch.dtype]]  # kind (WEIGHTS too) -> (numel, dtype) of its flat buffer
     pieces: tuple[Piece, ...] = ()  # a pieced state's pieces (none: every kind whole)
@@ -161,8 +161,8 @@ class UnitStep:
 
 
 @dataclass(eq=False)
-class UnitResidency:
-    """A unit's copies on the move between tiers: ``StoreUnitMemory``'s (unit_memory.py) alone."""
+class UnitMemoryState:
+    """A unit's copies on the move between tiers, written by ``StoreUnitMemory`` (unit_memory.py) alone."""
 
     prefetched: "dict[Part, Future]" = field(default_factory=dict)  # fetched ahead, no consumer yet
     kept: dict[Part, int] = field(default_factory=dict)  # released but kept resident: part -> LRU tick
@@ -184,10 +184,11 @@ class Unit:
     # data parallel: the range of its state this rank owns (``sharding.shard_units``, before layout)
     shard: "Shard | None" = None
 
-    # -- in the store (``unit_layout.store_unit``, once) and in the step -----------------------
+    # -- in the store: set once by ``unit_layout.store_unit`` (None before) -------------------
     layout: UnitLayout | None = None
+    # -- in the step: the engine's (the norms: the updater's), and the unit memory's ---------
     step: UnitStep = field(default_factory=UnitStep)
-    residency: UnitResidency = field(default_factory=UnitResidency)
+    memory: UnitMemoryState = field(default_factory=UnitMemoryState)
 
     def view(self, flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
         """The parameter ``slot`` as a view into ``flat`` [numel] (no copy)."""
@@ -203,7 +204,7 @@ class Unit:
         one is registered)."""
         parts = [Part(kind, piece) for kind, (lo, hi) in self.layout.pieces[piece].spans.items() if lo < hi]
         grad = Part(GRADS, piece)
-        return parts + ([grad] if grad in self.residency.spilled else [])
+        return parts + ([grad] if grad in self.memory.spilled else [])
 
 
 def _pad(n: int, itemsize: int) -> int:

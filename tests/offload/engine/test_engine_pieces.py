@@ -186,7 +186,7 @@ def test_pieced_spill_with_accumulation_is_bit_identical(tiny_llama_factory, tmp
     for unit in om.units:
         for name, w in unit_weights(om, unit).items():
             assert torch.equal(w, params[name].detach().cpu()), name
-    assert not any(part.kind == "g" for u in om.mem.units for part in u.residency.spilled)  # spilled pieces dropped
+    assert not any(part.kind == "g" for u in om.mem.units for part in u.memory.spilled)  # spilled pieces dropped
     om.close()
 
 
