@@ -74,7 +74,7 @@ def _rank(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     eng = offload_model(model, opt, offload=args.offload, swap_dir=swap, prefetch=1, init_weights=init, ranks=ranks)
     setup_s = time.perf_counter() - t0
-    state = sum(h.numel * h.dtype.itemsize for u in eng.units for p, h in u.handles.items() if p.kind != WEIGHTS)
+    state = sum(h.numel * h.dtype.itemsize for u in eng.units for p, h in u.layout.handles.items() if p.kind != WEIGHTS)
     reset_peak_rss()
     g = torch.Generator().manual_seed(1000 + ranks.rank)  # each rank its own micro-batch
 

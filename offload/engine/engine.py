@@ -10,8 +10,9 @@ prefetching along the static order of a step (docs/architecture.md §2):
                                                       optimizer state)
 
 This module binds units to the model (hooks, parameters pointed into the resident
-buffers, saved tensors kept by reference); ``update.py`` runs each unit's optimizer
-update — in the backward as soon as the unit's gradients are complete
+buffers, saved tensors kept by reference) and is the one writer of where each unit stands
+(``Unit.step``: bound, trainable, pending; the norms are the updater's); ``update.py`` runs
+each unit's optimizer update — in the backward as soon as the unit's gradients are complete
 (step-in-backward), or after it when clipping or accumulation needs every gradient.
 
 How a saved activation that *is* a weight survives the weight leaving memory:
@@ -110,14 +111,14 @@ class OutOfCoreEngine:
         place_rest(model, self.units, self.device)
         # optimizer state passes through the HOST window rather than living there
         self._state_streams = any(h.home is Tier.NVME for u in self.units
-                                  for part, h in u.handles.items() if part.kind != WEIGHTS)
+                                  for part, h in u.layout.handles.items() if part.kind != WEIGHTS)
         self.updater = None if optimizer is None else UnitUpdater(self.mem, optimizer, self.prefetch_depth,
                                                                   max_grad_norm, spill)
         self._frozen_in_backward: list[Unit] = []  # frozen units bound for their backward, newest last
         self._phase = "forward"
         self.last_grad_norm: torch.Tensor | None = None
         for u in self.units:
-            u.trainable = len(u.train_slots)
+            u.step.trainable = len(u.train_slots)
             for s in u.slots:
                 s.param.data = _empty(s.param.dtype, self.device)
         self._handles = []
@@ -148,7 +149,7 @@ class OutOfCoreEngine:
         accumulation (autograd adds (head + rows) to the earlier micro-batches' sum, this
         would add them one by one), nor untied with clipping (the norm is the dense one's)."""
         embed = self.units[0] if self.units else None
-        if (embed is None or len(embed.modules) != 1 or grad_accum != 1 or embed.trainable != 1
+        if (embed is None or len(embed.modules) != 1 or grad_accum != 1 or embed.step.trainable != 1
                 or not supports_sparse(self.device)):
             return None
         tied = 0 in self.units[-1].borrows
@@ -156,7 +157,7 @@ class OutOfCoreEngine:
             return None
         restore = row_gradient_embedding(embed.modules[0], self._embedding_rows)
         if restore is not None and tied:
-            embed.trainable += 1
+            embed.step.trainable += 1
         return restore
 
     # ------------------------------------------------------------------ binding
@@ -164,10 +165,10 @@ class OutOfCoreEngine:
         """Hold unit ``index`` resident (one store pin per holder) and point its parameters at it."""
         flat = self.mem.acquire(index, WEIGHTS)
         unit = self.units[index]
-        if unit.bound is None:
+        if unit.step.bound is None:
             for slot in unit.slots:
                 slot.param.data = unit.view(flat, slot)
-            unit.bound = flat
+            unit.step.bound = flat
 
     def _unbind(self, index: int, dirty: bool = False) -> None:
         """Drop one hold; at the last (or after an update, which ends every phase that held the
@@ -182,7 +183,7 @@ class OutOfCoreEngine:
             return
         for slot in unit.slots:
             slot.param.data = _empty(slot.param.dtype, self.device)
-        unit.bound = None
+        unit.step.bound = None
         self.mem.release(index, WEIGHTS, dirty=dirty, keep=self._needed_soon(index))
 
     def _needed_soon(self, index: int) -> bool:
@@ -247,10 +248,11 @@ class OutOfCoreEngine:
         for i in self._needs(index):
             self._bind(i)
         unit = self.units[index]
-        if unit.pending is None:  # (a tied embedding's head gradient may have counted already)
-            unit.pending = unit.trainable
-        if unit.pending == 0:
-            unit.pending = None
+        step = unit.step
+        if step.pending is None:  # (a tied embedding's head gradient may have counted already)
+            step.pending = step.trainable
+        if step.pending == 0:
+            step.pending = None
             self._frozen_in_backward.append(unit)
         self._prefetch(range(index - 1, max(-1, index - 1 - self.prefetch_depth), -1))
         if self.step_in_backward:
@@ -260,10 +262,11 @@ class OutOfCoreEngine:
     def _grad_ready(self, index: int) -> None:
         """One more parameter of unit ``index`` has its gradient; the last one ends its backward."""
         unit = self.units[index]
-        unit.pending = (unit.trainable if unit.pending is None else unit.pending) - 1
-        if unit.pending > 0:
+        step = unit.step
+        step.pending = (step.trainable if step.pending is None else step.pending) - 1
+        if step.pending > 0:
             return
-        unit.pending = None
+        step.pending = None
         for i in unit.borrows:
             self._unbind(i)  # a borrowed (tied) weight was needed for this unit's backward only
         if self.step_in_backward:
@@ -299,7 +302,7 @@ class OutOfCoreEngine:
     def _pack(self, t: torch.Tensor) -> Any:
         ptr = t.data_ptr()
         for unit in self.units:
-            flat = unit.bound
+            flat = unit.step.bound
             if flat is None:
                 continue
             start = flat.data_ptr()
@@ -314,9 +317,9 @@ class OutOfCoreEngine:
         if not isinstance(packed, _ParamRef):
             return packed
         unit = self.units[packed.unit]
-        if unit.bound is None:  # not bound by a backward hook (unusual graph): fetch it now
+        if unit.step.bound is None:  # not bound by a backward hook (unusual graph): fetch it now
             self._bind(packed.unit)
-        flat = unit.bound
+        flat = unit.step.bound
         return flat.as_strided(packed.size, packed.stride, flat.storage_offset() + packed.offset)
 
     def train_step(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor], micro_batches: list[Any],
@@ -385,7 +388,7 @@ class OutOfCoreEngine:
 
     def _update_units(self) -> None:
         """Update every unit after the backward (gradients clipped), its weights and state prefetched."""
-        trainable = [u for u in self.units if u.trainable]
+        trainable = [u for u in self.units if u.step.trainable]
         for at, unit in enumerate(trainable):
             for ahead in trainable[at:at + self.prefetch_depth]:
                 self.mem.prefetch(ahead.index, WEIGHTS)

@@ -29,13 +29,13 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def _ratios(unit: Unit, optimizer: Any) -> dict[str, int]:
     """Per state kind, parameter elements per state element (0: kept whole per tensor)."""
-    if unit.ratios:
-        return unit.ratios
+    if unit.layout.ratios:
+        return unit.layout.ratios
     out: dict[str, int] = {}
     group = optimizer.param_groups[0]
     for k in unit.train_slots:
         slot = unit.slots[k]
-        master = "master" in unit.layout[k]
+        master = "master" in unit.layout.states[k]
         meta = torch.empty(slot.shape, dtype=MASTER_DTYPE if master else slot.param.dtype, device="meta")
         own = optimizer.elementwise_state(meta, group)
         if own is None:
@@ -62,14 +62,14 @@ def _kind_tensor(unit: Unit, kind: str, ratio: int, flat: torch.Tensor) -> torch
     rows = max(0, min(shard.length // PIECE_ALIGN, _rows(shard) - lo_row))
     out = torch.zeros(rows * width, dtype=flat.dtype)
     for k, lo, _hi, at, n in _spans(unit, kind, ratio, shard):
-        out[at:at + n] = flat[unit.layout[k][kind].offset + lo // ratio:][:n]
+        out[at:at + n] = flat[unit.layout.states[k][kind].offset + lo // ratio:][:n]
     return out.view(rows, width)
 
 
 def _spans(unit: Unit, kind: str, ratio: int, shard: Shard) -> list[tuple[int, int, int, int, int]]:
     """(slot, lo, hi, local index, count) of ``kind``'s elements this rank owns."""
     return [(k, lo, hi, shard.at(k, lo) // ratio, -(-hi // ratio) - lo // ratio)
-            for k, lo, hi in shard.spans if kind in unit.layout[k]]
+            for k, lo, hi in shard.spans if kind in unit.layout.states[k]]
 
 
 def _whole(unit: Unit, kind: str, flat: torch.Tensor) -> torch.Tensor:
@@ -81,8 +81,8 @@ def _whole(unit: Unit, kind: str, flat: torch.Tensor) -> torch.Tensor:
         return flat
     shard, out = unit.shard, torch.zeros_like(flat)
     for k, base in shard.bases.items():
-        if kind in unit.layout[k] and base // shard.length == shard.rank:
-            s = unit.layout[k][kind]
+        if kind in unit.layout.states[k] and base // shard.length == shard.rank:
+            s = unit.layout.states[k][kind]
             out[s.offset:s.offset + s.shape.numel()] = flat[s.offset:s.offset + s.shape.numel()]
     dist.all_reduce(out)  # one rank adds each value to zeros: exact
     return out
@@ -97,7 +97,7 @@ def _state_dict(engine: OutOfCoreEngine, unit: Unit, mesh: Any) -> dict[str, Any
     for slot in unit.slots:
         sd[f"{slot.name}"] = unit.view(weights, slot).clone()
     ratios = _ratios(unit, engine.optimizer)
-    for kind in unit.kinds():
+    for kind in unit.layout.kinds():
         flat = mem.state(unit.index, kind)
         if not ratios.get(kind):
             sd[f"state.{kind}"] = _whole(unit, kind, flat)
@@ -152,19 +152,20 @@ def load_sharded(engine: OutOfCoreEngine, path: str | Path) -> None:
     for unit in engine.units:
         sd = _state_dict(engine, unit, mesh)  # the right shapes (and this rank's shards) to read into
         dcp.load(sd, checkpoint_id=str(Path(path) / unit.name))
-        numel, dtype = unit.flat[WEIGHTS]
+        numel, dtype = unit.layout.flat[WEIGHTS]
         weights = torch.zeros(numel, dtype=dtype)
         for slot in unit.slots:
             unit.view(weights, slot).copy_(sd[slot.name])
         mem.overwrite(unit.index, WEIGHTS, weights)
         ratios = _ratios(unit, engine.optimizer)
-        for kind in unit.kinds():
+        for kind in unit.layout.kinds():
             value = sd[f"state.{kind}"]
-            flat = torch.zeros(unit.flat[kind][0], dtype=unit.flat[kind][1])
+            numel, dtype = unit.layout.flat[kind]
+            flat = torch.zeros(numel, dtype=dtype)
             if not ratios.get(kind):
                 flat.copy_(value)
             else:
                 local = (value.to_local() if mesh is not None else value).reshape(-1)
                 for k, lo, _hi, at, n in _spans(unit, kind, ratios[kind], _shard(unit)):
-                    flat[unit.layout[k][kind].offset + lo // ratios[kind]:][:n] = local[at:at + n]
+                    flat[unit.layout.states[k][kind].offset + lo // ratios[kind]:][:n] = local[at:at + n]
             mem.overwrite(unit.index, kind, flat)

@@ -15,7 +15,7 @@ multiple of ``PIECE_ALIGN`` elements, and the total padded up to ``world`` equal
 multiple of ``PIECE_ALIGN`` each (``torch.chunk`` of ``[rows, PIECE_ALIGN]`` rows: the
 layout ``Shard(0)`` of a DTensor has, so a checkpoint reshards to another world size). A
 range therefore starts every parameter it cuts on a ``PIECE_ALIGN`` boundary of that
-parameter: it is exactly a run of *pieces* (``Unit.pieces``), and the piece machinery stores
+parameter: it is exactly a run of *pieces* (``UnitLayout.pieces``), and the piece machinery stores
 and updates it — only the rank's range is pieced, nothing else exists on the rank.
 
 **Exactness.** Each rank scales its loss by 1 / (world x micro-batches), as one rank
@@ -158,10 +158,10 @@ def reduce_grads(unit: Unit, grads: dict[int, torch.Tensor]) -> torch.Tensor:
 
 
 def gather_weights(unit: Unit) -> None:
-    """Gather every rank's updated range into ``unit.bound``, the whole weights, on every rank
+    """Gather every rank's updated range into ``unit.step.bound``, the whole weights, on every rank
     (one ``all_gather`` per chunk)."""
     _, all_gather = flat_collectives()
-    shard, flat = unit.shard, unit.bound
+    shard, flat = unit.shard, unit.step.bound
 
     def weights(k: int) -> torch.Tensor:
         return unit.view(flat, unit.slots[k]).view(-1)

@@ -1,9 +1,9 @@
 """A unit laid out in the store: its weights and optimizer state as flat buffers, one handle each.
 
-:func:`store_unit` fills a :class:`Unit`'s store fields (``handles``, ``layout``,
-``flat``, ``pieces``, ``nf4``, ``homes``) and registers its buffers with the
-:class:`TieredStore`, one unit at a time, so a model built on the meta device is
-never whole in RAM. Sizes and the piece split come from ``unit_sizes.py``, which
+:func:`store_unit` registers a :class:`Unit`'s buffers with the :class:`TieredStore` and
+gives the unit its :class:`UnitLayout` (homes, handles, state layout, pieces, NF4 layout) —
+the only writer of it — one unit at a time, so a model built on the meta device is never
+whole in RAM. Sizes and the piece split come from ``unit_sizes.py``, which
 computes them before the store exists.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from ..store import Tier, TieredStore
 from .nf4 import NF4Layout
 from .unit_sizes import MASTER_DTYPE, _unit_dtype, needs_master, ram_kinds, state_pieces
-from .units import WEIGHTS, ParamSlot, Part, StateSlot, Unit, _pad
+from .units import WEIGHTS, ParamSlot, Part, StateSlot, Unit, UnitLayout, _pad
 
 InitWeights = Callable[[ParamSlot, torch.Tensor], None]
 
@@ -24,7 +24,7 @@ def store_unit(store: TieredStore, unit: Unit, optimizer: Any, homes: tuple[Tier
                init_weights: InitWeights | None = None, master_weights: bool = True,
                quantize_frozen: bool = False, state_piece_bytes: int | None = None,
                state_streams: bool = False) -> None:
-    """Register ``unit``'s weights and optimizer state with ``store`` and fill its store fields.
+    """Register ``unit``'s weights and optimizer state with ``store`` and set ``unit.layout``.
 
     Args:
         store: the tiered store.
@@ -44,36 +44,37 @@ def store_unit(store: TieredStore, unit: Unit, optimizer: Any, homes: tuple[Tier
     Raises:
         ValueError: a meta parameter without ``init_weights``, or a state kind mixing dtypes.
     """
-    unit.homes = homes
     w_home, s_home = homes
+    split = None
     if (s_home is Tier.NVME or unit.shard or state_streams) and optimizer is not None:
         split = state_pieces(unit, optimizer, state_piece_bytes, master_weights)
         if split is None and unit.shard:
             raise ValueError(f"the optimizer state of {unit.name} cannot be cut into ranges (sharding.shard_units)")
-        if split is not None:
-            unit.pieces, unit.segments = split.ranges, split.segments
-            unit.spans, unit.ratios = split.spans, split.ratios
     w, masters = _initial_weights(unit, init_weights, master_weights)
+    nf4 = None
     if quantize_frozen and NF4Layout.any_quantized(unit):
-        unit.nf4 = NF4Layout(unit, w.dtype)
-        w4 = torch.zeros(unit.nf4.nbytes, dtype=torch.uint8)
+        nf4 = NF4Layout(unit, w.dtype)
+        w4 = torch.zeros(nf4.nbytes, dtype=torch.uint8)
         for k, slot in enumerate(unit.slots):
-            unit.nf4.encode(k, unit.view(w, slot), w4)
+            nf4.encode(k, unit.view(w, slot), w4)
         w = w4
-    h = unit.handles[Part(WEIGHTS)] = store.register(f"{unit.name}:{WEIGHTS}", data=w, home=w_home)
-    unit.flat[WEIGHTS] = (h.numel, h.dtype)
+    h = store.register(f"{unit.name}:{WEIGHTS}", data=w, home=w_home)
+    flat = {WEIGHTS: (h.numel, h.dtype)}
     del w
-    inits = _state_layout(unit, optimizer, masters)
-    states = list(unit.flat.items())[1:]
-    in_ram = ram_kinds({kind: numel * dtype.itemsize for kind, (numel, dtype) in states}) if s_home is Tier.NVME else ()
-    for kind, (_numel, dtype) in states:
+    states, inits = _state_layout(unit, optimizer, masters, flat)
+    pieces, ratios = (tuple(split.pieces), split.ratios) if split is not None else ((), {})
+    layout = UnitLayout(homes, {Part(WEIGHTS): h}, states, flat, pieces, ratios, nf4)
+    kinds = list(flat.items())[1:]
+    in_ram = ram_kinds({kind: numel * dtype.itemsize for kind, (numel, dtype) in kinds}) if s_home is Tier.NVME else ()
+    for kind, (_numel, dtype) in kinds:
         home = Tier.HOST if kind in in_ram else s_home  # a small kind (scales) stays in RAM
-        for part, lo, hi in unit.kind_parts(kind):
-            unit.handles[part] = store.register(f"{unit.name}:{part}", home=home, shape=(hi - lo,), dtype=dtype,
-                                                data=_initial_state(unit, kind, lo, hi, dtype, inits))
+        for part, lo, hi in layout.kind_parts(kind):
+            layout.handles[part] = store.register(f"{unit.name}:{part}", home=home, shape=(hi - lo,), dtype=dtype,
+                                                  data=_initial_state(states, kind, lo, hi, dtype, inits))
     # The initial state goes before the weights: freed the other way round, glibc's heap
     # stayed fragmented and RSS grew ~8 MB per block (tests/offload/engine/test_bounded_rss.py).
     del masters, inits
+    unit.layout = layout
     for slot in unit.slots:  # the store holds the unit now: free the model's own copy
         slot.param.data = torch.empty(0, dtype=slot.param.dtype)
 
@@ -110,15 +111,17 @@ def _initial_weights(unit: Unit, init_weights: InitWeights | None, master_weight
     return w, masters
 
 
-def _state_layout(unit: Unit, optimizer: Any, masters: dict[int, torch.Tensor]
-                  ) -> list[dict[str, torch.Tensor]]:
-    """Fill ``unit.layout`` (per slot, where each state kind lies) and ``unit.flat`` (each
-    kind's flat size) from the optimizer's ``state_spec``; return each slot's initial state."""
+def _state_layout(unit: Unit, optimizer: Any, masters: dict[int, torch.Tensor],
+                  flat: dict[str, tuple[int, torch.dtype]]
+                  ) -> tuple[tuple[dict[str, StateSlot], ...], list[dict[str, torch.Tensor]]]:
+    """Per slot, where each state kind lies, and each slot's initial state, from the optimizer's
+    ``state_spec``; each kind's flat size goes into ``flat``."""
+    states: list[dict[str, StateSlot]] = []
     inits: list[dict[str, torch.Tensor]] = []
     group = optimizer.param_groups[0] if optimizer is not None else {}
     for k, slot in enumerate(unit.slots):
         entry: dict[str, StateSlot] = {}
-        unit.layout.append(entry)
+        states.append(entry)
         if not slot.param.requires_grad or optimizer is None:  # frozen, or no optimizer state
             inits.append({})
             continue
@@ -136,21 +139,21 @@ def _state_layout(unit: Unit, optimizer: Any, masters: dict[int, torch.Tensor]
             spec = {"master": (slot.shape, MASTER_DTYPE), **spec}
             init = {"master": masters[k], **init}
         for kind, (shape, dtype) in spec.items():
-            numel, have = unit.flat.get(kind, (0, dtype))
+            numel, have = flat.get(kind, (0, dtype))
             if have != dtype:
                 raise ValueError(f"state {kind!r} mixes dtypes {have} and {dtype} in {unit.name}")
             entry[kind] = StateSlot(kind, numel, torch.Size(shape))
-            unit.flat[kind] = (numel + _pad(max(torch.Size(shape).numel(), 1), dtype.itemsize), dtype)
+            flat[kind] = (numel + _pad(max(torch.Size(shape).numel(), 1), dtype.itemsize), dtype)
         inits.append(init)
-    return inits
+    return tuple(states), inits
 
 
-def _initial_state(unit: Unit, kind: str, lo: int, hi: int, dtype: torch.dtype,
+def _initial_state(states: tuple[dict[str, StateSlot], ...], kind: str, lo: int, hi: int, dtype: torch.dtype,
                    inits: list[dict[str, torch.Tensor]]) -> torch.Tensor | None:
     """The initial value of elements [lo, hi) of state ``kind``'s flat buffer (one piece, or the
     whole), or None when it is all zeros (Adam's moments: the store then starts it as zeros,
     with no I/O). Built a piece at a time: an 8B embedding's fp32 master is 2 GiB whole."""
-    values = [(entry[kind], init[kind]) for entry, init in zip(unit.layout, inits)
+    values = [(entry[kind], init[kind]) for entry, init in zip(states, inits)
               if kind in entry and init[kind].any()]
     if not values:
         return None

@@ -6,7 +6,8 @@ pieces), its spilled gradient. Weights are computed on in DEVICE; optimizer stat
 updated where the update runs: in DEVICE on an accelerator (streamed to it, in pieces when
 large), in HOST on a CPU-only machine. The authoritative copies live in the unit's
 home tiers (NVME or HOST). Every fact about a unit is on the unit; this class holds the
-policy and the list of units.
+policy and the list of units, and is the one writer of each unit's ``memory`` (what is
+prefetched, kept, decoded, and its spilled gradient's handles).
 
 Residency policy (the order of a step is static, so no guessing): the engine
 prefetches what comes next and, on release, says whether the unit is needed
@@ -16,7 +17,7 @@ full, kept copies are evicted least recently released first and the fetch is
 retried; only when nothing unpinned is left does the budget error reach the user.
 
 Pins: every consumer of a part holds one store pin (``TensorHandle`` copies count
-them); a prefetch holds one for the consumer to come (``Unit.prefetched``). Stalls:
+them); a prefetch holds one for the consumer to come (``UnitMemoryState.prefetched``). Stalls:
 waits on transfers go through the store, which counts them (``TieredStore.stall_s``).
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 
 from ..._faults import fault_point
 from ...errors import BudgetError
-from ..store import Tier, TieredStore
+from ..store import TensorHandle, Tier, TieredStore
 from .unit_layout import InitWeights, store_unit
 from .unit_sizes import _unit_dtype
 from .units import GRADS, WEIGHTS, Part, Unit
@@ -83,11 +84,11 @@ class StoreUnitMemory:
         """Start bringing ``part`` of unit ``index`` to its working tier (no wait); a no-op when it
         is already fetched or there is no room now (``acquire`` then fetches it when needed)."""
         unit, part = self.units[index], Part.of(part)
-        h = unit.handles.get(part)
+        h = _handles(unit, part).get(part)
         if h is None or h.copies[self._tier(part)].pins:
             return
         try:
-            unit.prefetched[part] = self._fetch(unit, part)
+            unit.memory.prefetched[part] = self._fetch(unit, part)
         except BudgetError:
             return
 
@@ -96,24 +97,25 @@ class StoreUnitMemory:
         Each acquire pins once: call :meth:`release` once per acquire."""
         unit, part = self.units[index], Part.of(part)
         # the prefetch's pin (if any) is this consumer's
-        fetch = unit.prefetched.pop(part, None) or self._fetch(unit, part)
+        fetch = unit.memory.prefetched.pop(part, None) or self._fetch(unit, part)
         flat = self.store.result(fetch)  # the consumer stalls here while the transfer runs
-        if part.kind != WEIGHTS or unit.nf4 is None:
+        nf4 = unit.layout.nf4
+        if part.kind != WEIGHTS or nf4 is None:
             return flat
-        if unit.decoded is None:  # decoded where it computes
-            unit.decoded = unit.nf4.decode(flat, torch.empty(unit.numel, dtype=unit.nf4.dtype, device=flat.device))
-        return unit.decoded
+        if unit.memory.decoded is None:  # decoded where it computes
+            unit.memory.decoded = nf4.decode(flat, torch.empty(unit.numel, dtype=nf4.dtype, device=flat.device))
+        return unit.memory.decoded
 
     def pins(self, index: int, part: Part | str = WEIGHTS) -> int:
         """How many consumers hold ``part`` of unit ``index`` now."""
         unit, part = self.units[index], Part.of(part)
-        return unit.handles[part].copies[self._tier(part)].pins - (part in unit.prefetched)
+        return _handles(unit, part)[part].copies[self._tier(part)].pins - (part in unit.memory.prefetched)
 
     def before_update(self, index: int, part: Part | str) -> None:
         """Return once no earlier write-back still reads this copy: it must not change under
         the disk's read."""
-        part = Part.of(part)
-        self.store.wait_unread(self.units[index].handles[part], self._tier(part))
+        unit, part = self.units[index], Part.of(part)
+        self.store.wait_unread(_handles(unit, part)[part], self._tier(part))
 
     def release(self, index: int, part: Part | str, dirty: bool, keep: bool = False) -> None:
         """Drop one pin (``dirty``: this consumer changed the copy). At the last pin a changed
@@ -122,29 +124,29 @@ class StoreUnitMemory:
         again soon) or evicted."""
         unit, part = self.units[index], Part.of(part)
         self._reap()
-        h, tier = unit.handles[part], self._tier(part)
-        if dirty and part.kind == WEIGHTS and unit.nf4 is not None:
+        h, tier = _handles(unit, part)[part], self._tier(part)
+        if dirty and part.kind == WEIGHTS and unit.layout.nf4 is not None:
             raise ValueError(f"unit {unit.name} holds NF4-quantized frozen weights; they cannot be updated")
         self.store.release(h, tier)
         if dirty:
             self.store.mark_dirty(h, tier)
         if h.copies[tier].pins:
             return  # another consumer still holds it
-        if part.kind == WEIGHTS and unit.nf4 is not None:
-            unit.decoded = None  # freed once no parameter points at it any more
+        if part.kind == WEIGHTS and unit.layout.nf4 is not None:
+            unit.memory.decoded = None  # freed once no parameter points at it any more
         if tier is h.home:
             return
         if h.dirty_tier is tier:
             fault_point("unit_write_back")
             self._writes.append(self.store.write_back(h))
         if keep:
-            unit.kept[part] = next(self._tick)
+            unit.memory.kept[part] = next(self._tick)
         else:
             self._writes.append(self.store.evict(h, tier))
 
     def _fetch(self, unit: Unit, part: Part) -> Future:
-        h, tier = unit.handles[part], self._tier(part)
-        unit.kept.pop(part, None)
+        h, tier = _handles(unit, part)[part], self._tier(part)
+        unit.memory.kept.pop(part, None)
         while True:
             try:
                 return self.store.fetch(h, tier)
@@ -154,12 +156,12 @@ class StoreUnitMemory:
 
     def _evict_one(self, tier: Tier) -> bool:
         """Evict the least recently released kept copy in ``tier``; False if none."""
-        kept = [(tick, unit, part) for unit in self.units for part, tick in unit.kept.items()
-                if self._tier(part) is tier and not unit.handles[part].copies[tier].pins]
+        kept = [(tick, unit, part) for unit in self.units for part, tick in unit.memory.kept.items()
+                if self._tier(part) is tier and not _handles(unit, part)[part].copies[tier].pins]
         if kept:
             _, unit, part = min(kept, key=lambda c: c[0])
-            del unit.kept[part]
-            self.store.evict(unit.handles[part], tier).result()  # must be free before retrying
+            del unit.memory.kept[part]
+            self.store.evict(_handles(unit, part)[part], tier).result()  # must be free before retrying
             return True
         # Evictions started on release may still be writing back: wait for them to free.
         pending = [f for f in self._writes if not f.done()]
@@ -173,11 +175,11 @@ class StoreUnitMemory:
         a fetch needed now wins over one needed later (which ``acquire`` fetches again). Without
         it a tight window can fill with later pieces' prefetches, or fragment around them."""
         for unit in reversed(self.units):
-            for part in reversed(list(unit.prefetched)):
+            for part in reversed(list(unit.memory.prefetched)):
                 if self._tier(part) is not tier:
                     continue
-                h = unit.handles[part]
-                self.store.result(unit.prefetched.pop(part))  # the transfer lands, then its slot goes
+                h = _handles(unit, part)[part]
+                self.store.result(unit.memory.prefetched.pop(part))  # the transfer lands, then its slot goes
                 self.store.release(h, tier)
                 if not h.copies[tier].pins and tier is not h.home:
                     self.store.evict(h, tier).result()
@@ -214,13 +216,13 @@ class StoreUnitMemory:
         A pieced unit spills piece by piece and returns None (see :meth:`spill_pieces`).
         """
         unit = self.units[index]
-        if unit.pieces:
+        if unit.layout.pieces:
             self.spill_pieces(index, lambda k, lo, hi: grads[k].view(-1)[lo:hi],
                               next(iter(grads.values())).dtype, first)
             return None
         if first:
-            unit.handles[Part(GRADS)] = self.store.register(f"{unit.name}:{GRADS}", shape=(unit.numel,),
-                                                            dtype=_unit_dtype(unit), home=unit.homes[1])
+            unit.memory.spilled[Part(GRADS)] = self.store.register(
+                f"{unit.name}:{GRADS}", shape=(unit.numel,), dtype=_unit_dtype(unit), home=unit.layout.homes[1])
         flat = self.acquire(index, GRADS)
         for k, g in grads.items():
             view = unit.view(flat, unit.slots[k])
@@ -235,64 +237,65 @@ class StoreUnitMemory:
         (``old + new``, autograd's order), so the gradients hold the totals the caller takes
         the norms of."""
         unit = self.units[index]
-        for i, ((a, b), segments) in enumerate(zip(unit.pieces, unit.segments)):
+        pieces = unit.layout.pieces
+        for i, piece in enumerate(pieces):
             part = Part(GRADS, i)
             if first:
-                unit.handles[part] = self.store.register(f"{unit.name}:{part}", shape=(b - a,), dtype=dtype,
-                                                         home=unit.homes[1])
-            elif i + 1 < len(unit.pieces):
+                unit.memory.spilled[part] = self.store.register(
+                    f"{unit.name}:{part}", shape=(piece.hi - piece.lo,), dtype=dtype, home=unit.layout.homes[1])
+            elif i + 1 < len(pieces):
                 self.prefetch(unit.index, Part(GRADS, i + 1))
-            piece, at = self.acquire(unit.index, part), 0
-            for k, lo, hi in segments:
+            spilled, at = self.acquire(unit.index, part), 0
+            for k, lo, hi in piece.segments:
                 flat = segment(k, lo, hi)
                 if not first:
-                    torch.add(piece[at:at + hi - lo], flat, out=flat)
-                piece[at:at + hi - lo].copy_(flat)
+                    torch.add(spilled[at:at + hi - lo], flat, out=flat)
+                spilled[at:at + hi - lo].copy_(flat)
                 at += hi - lo
             self.release(unit.index, part, dirty=True)  # written home and evicted, asynchronously
 
     def drop_grads(self, index: int) -> None:
         """Forget a unit's spilled gradient (its update has consumed it)."""
         unit = self.units[index]
-        for part in [p for p in unit.handles if p.kind == GRADS]:
-            unit.kept.pop(part, None)
-            self.store.unregister(unit.handles.pop(part))
+        for part in list(unit.memory.spilled):
+            unit.memory.kept.pop(part, None)
+            self.store.unregister(unit.memory.spilled.pop(part))
 
     # -- whole buffers, for checkpoints and tests -----------------------------------------
     def weights(self, index: int) -> torch.Tensor:
         """A CPU copy of a unit's newest weights (blocks), dequantized when stored in NF4."""
         unit = self.units[index]
-        raw = self.store.load(unit.handles[Part(WEIGHTS)])
-        return raw if unit.nf4 is None else unit.nf4.decode(raw, torch.empty(unit.numel, dtype=unit.nf4.dtype))
+        raw, nf4 = self.store.load(unit.layout.handles[Part(WEIGHTS)]), unit.layout.nf4
+        return raw if nf4 is None else nf4.decode(raw, torch.empty(unit.numel, dtype=nf4.dtype))
 
     def kinds(self, index: int) -> list[str]:
         """Every state kind of unit ``index`` (pieced or not), in ``state_spec`` order."""
-        return self.units[index].kinds()
+        return self.units[index].layout.kinds()
 
     def kind_layout(self, index: int, kind: str) -> tuple[tuple[int, ...], torch.dtype]:
         """(shape, dtype) of the flat buffer of ``kind`` (``WEIGHTS`` or a state kind) as
         :meth:`state` returns it, pieced or not."""
-        numel, dtype = self.units[index].flat[kind]
+        numel, dtype = self.units[index].layout.flat[kind]
         return (numel,), dtype
 
     def state(self, index: int, kind: str) -> torch.Tensor:
         """A CPU copy of the unit's buffer ``kind`` as stored (a pieced kind's pieces joined)."""
-        unit = self.units[index]
-        parts = unit.kind_parts(kind)
-        if not unit.ratios.get(kind):  # kept whole (a sharded unit's pieces cover its range only)
-            return self.store.load(unit.handles[parts[0][0]])
-        numel, dtype = unit.flat[kind]
+        layout = self.units[index].layout
+        parts = layout.kind_parts(kind)
+        if not layout.ratios.get(kind):  # kept whole (a sharded unit's pieces cover its range only)
+            return self.store.load(layout.handles[parts[0][0]])
+        numel, dtype = layout.flat[kind]
         out = torch.zeros(numel, dtype=dtype)  # the padding after the last piece stays zero
         for part, lo, hi in parts:
-            out[lo:hi] = self.store.load(unit.handles[part])
+            out[lo:hi] = self.store.load(layout.handles[part])
         return out
 
     def overwrite(self, index: int, kind: str, value: torch.Tensor) -> None:
         """Replace the unit's buffer ``kind`` (resume from a checkpoint): each part through a
         pinned working copy, marked dirty and written home, so every tier agrees afterwards."""
         unit = self.units[index]
-        for part, lo, hi in unit.kind_parts(kind):
-            h, tier = unit.handles[part], self._tier(part)
+        for part, lo, hi in unit.layout.kind_parts(kind):
+            h, tier = unit.layout.handles[part], self._tier(part)
             view = self.store.fetch(h, tier).result()
             self.store.wait_unread(h, tier)  # a write-back still reading it (through HOST staging) lands first
             view.copy_(value.reshape(-1)[lo:hi].view(h.shape))
@@ -302,4 +305,10 @@ class StoreUnitMemory:
             self.store.release(h, tier)
             if tier is not h.home:
                 self.store.evict(h, tier).result()
-                unit.kept.pop(part, None)
+                unit.memory.kept.pop(part, None)
+
+
+def _handles(unit: Unit, part: Part) -> dict[Part, TensorHandle]:
+    """Where ``part``'s handle is kept: a spilled gradient's registers each step (``Unit.memory``),
+    the weights' and the state's are the unit's layout."""
+    return unit.memory.spilled if part.kind == GRADS else unit.layout.handles

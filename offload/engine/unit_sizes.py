@@ -16,7 +16,7 @@ import torch
 from ..device import align_up
 from ..store import Tier
 from .nf4 import NF4Layout
-from .units import GRADS, Unit, _pad
+from .units import GRADS, Piece, Unit, _pad
 
 
 #: piece boundaries fall on multiples of this many elements: whole 8-bit quantization
@@ -42,9 +42,7 @@ def ram_kinds(kind_bytes: dict[str, int]) -> set[str]:
 class StatePieces:
     """How a unit's optimizer state is split (see :func:`state_pieces`)."""
 
-    ranges: list[tuple[int, int]]  # element ranges [a, b) of the unit's trainable elements, in slot order
-    segments: list[list[tuple[int, int, int]]]  # per piece: (slot index, lo, hi) of the slots it covers
-    spans: dict[str, list[tuple[int, int]]]  # pieced kind -> per piece, its range of the kind's flat buffer
+    pieces: list[Piece]  # in order: ranges of the unit's trainable elements, their segments and spans
     ratios: dict[str, int]  # kind -> parameter elements per state element; 0: kept whole
     handle_bytes: dict[str, int]  # kind -> bytes of its largest handle (a piece, or the whole)
     stored: int = 0  # arena bytes of all its handles (a shard's state: ~1/world of the unit's)
@@ -107,7 +105,9 @@ def state_pieces(unit: Unit, optimizer, piece_bytes: int | None, master_weights:
         dtype = next(spec[kind][1] for spec in specs if kind in spec)
         handle_bytes[kind] = max((hi - lo for lo, hi in spans_of[kind]), default=0) * dtype.itemsize
         stored += sum(_arena_bytes((hi - lo) * dtype.itemsize) for lo, hi in spans_of[kind] if lo < hi)
-    return StatePieces(ranges, segments, spans_of, ratios, handle_bytes, stored)
+    pieces = [Piece(a, b, tuple(seg), {kind: per_piece[i] for kind, per_piece in spans_of.items()})
+              for i, ((a, b), seg) in enumerate(zip(ranges, segments))]
+    return StatePieces(pieces, ratios, handle_bytes, stored)
 
 
 def _kind_spans(kind: str, ratio: int, train: list[int], specs: list[dict], segments: list[list[tuple[int, int, int]]]
@@ -312,13 +312,13 @@ def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier]], k:
         handles = {k: n for k, n in (split.handle_bytes if split else kinds_of[i]).items()
                    if k not in ram or accelerator}
         if split is not None and spill_grads:
-            handles[GRADS] = max((b - a for a, b in split.ranges), default=0) * _unit_dtype(unit).itemsize
+            handles[GRADS] = max((p.hi - p.lo for p in split.pieces), default=0) * _unit_dtype(unit).itemsize
         window_sizes[i] = _arena_bytes(handles)
-        pieces = len(split.ranges) if split else 1
+        pieces = len(split.pieces) if split else 1
         host_home += sum(n + pieces * align_up(1) for k, n in kinds_of[i].items() if k in ram)
         if split is not None and unit.shard:  # the rank stores its range only (and spills its range's gradient)
-            s_sizes[i] = split.stored + sum(_arena_bytes((b - a) * _unit_dtype(unit).itemsize)
-                                            for a, b in split.ranges if spill_grads)
+            s_sizes[i] = split.stored + sum(_arena_bytes((p.hi - p.lo) * _unit_dtype(unit).itemsize)
+                                            for p in split.pieces if spill_grads)
     host_home += sum(w for w, (hw, _) in zip(w_sizes, homes) if hw is Tier.HOST)
     host_home += sum(s for s, (_, hs) in zip(s_sizes, homes) if hs is Tier.HOST)
     streams = any(hs is Tier.NVME for _, hs in homes)

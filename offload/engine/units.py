@@ -9,12 +9,21 @@ out-of-core matmuls take the same code paths — and give the same bits — as
 in-memory ones.
 
 A :class:`Unit` is the one object that knows everything about its piece of the model
-(docs/architecture.md §4): what it is (modules, parameter slots, borrowed tied
-weights), where its buffers live in the store (a handle per :class:`Part`, its home
-tiers, the optimizer state's layout, pieces, NF4 layout) and where it stands in the
-step (its weights bound to the parameters, gradients still to come, the norms of its
-spilled gradients). The store's own pin count of the weights' DEVICE copy is how many
-phases hold the unit: there is no second count.
+(docs/architecture.md §4), in parts that each have one writer:
+
+- what it is (modules, parameter slots, borrowed tied weights): :func:`causal_lm_units`;
+  its ``shard`` of the state across ranks: ``sharding.shard_units``, before layout;
+- where its buffers live in the store (``Unit.layout``, a :class:`UnitLayout`: a handle per
+  :class:`Part`, its home tiers, the optimizer state's layout, its pieces (:class:`Piece`),
+  NF4 layout): made once by ``unit_layout.store_unit`` and fixed from then on;
+- where it stands in the step (``Unit.step``, a :class:`UnitStep`): its weights bound to the
+  parameters and the gradients still to come, by the engine (engine.py); the norms of its
+  spilled gradients, by the updater (update.py);
+- its copies on the move (``Unit.memory``, a :class:`UnitMemoryState`: prefetched, kept,
+  decoded, its spilled gradient's handles): by ``StoreUnitMemory`` (unit_memory.py).
+
+The store's own pin count of the weights' DEVICE copy is how many phases hold the unit:
+there is no second count.
 
 A weight shared by two units (tied input embedding and LM head) is owned by the
 first unit that uses it; later units list its owner in ``borrows``.
@@ -83,37 +92,103 @@ class StateSlot:
     shape: torch.Size
 
 
+@dataclass(frozen=True, eq=False)
+class Piece:
+    """One piece of a unit whose optimizer state streams in pieces (``unit_sizes.state_pieces``)."""
+
+    lo: int  # elements [lo, hi) of the unit's trainable elements, its trainable slots in order
+    hi: int
+    segments: tuple[tuple[int, int, int], ...]  # (slot, lo, hi): the elements of each slot it covers
+    spans: dict[str, tuple[int, int]]  # pieced kind -> its range of the kind's flat buffer (lo == hi: none)
+
+
+@dataclass(frozen=True, eq=False)
+class UnitLayout:
+    """A unit's buffers in the store: made by ``unit_layout.store_unit``, fixed afterwards."""
+
+    homes: "tuple[Tier, Tier]"  # (weights' home tier, optimizer state's home tier)
+    handles: "dict[Part, TensorHandle]"  # the weights', each state part's (a spilled gradient's: Unit.memory)
+    states: tuple[dict[str, StateSlot], ...]  # per slot: where its state of each kind lies
+    flat: dict[str, tuple[int, torch.dtype]]  # kind (WEIGHTS too) -> (numel, dtype) of its flat buffer
+    pieces: tuple[Piece, ...] = ()  # a pieced state's pieces (none: every kind whole)
+    ratios: dict[str, int] = field(default_factory=dict)  # kind -> param elements per element (0: whole)
+    nf4: "NF4Layout | None" = None  # frozen weights stored in NF4 (QLoRA)
+
+    @property
+    def whole_kinds(self) -> list[str]:
+        """The optimizer-state kinds fetched whole (a pieced unit's other kinds stream in pieces)."""
+        return [kind for kind in self.flat if kind not in (WEIGHTS, GRADS) and not self.ratios.get(kind)]
+
+    def kinds(self) -> list[str]:
+        """Every optimizer-state kind (pieced or not), in ``state_spec`` order."""
+        return list(dict.fromkeys(kind for entry in self.states for kind in entry))
+
+    def kind_parts(self, kind: str) -> list[tuple[Part, int, int]]:
+        """(part, first, end) of the elements of ``kind``'s flat buffer: one part, or one per piece."""
+        if not self.ratios.get(kind):
+            return [(Part(kind), 0, self.flat[kind][0])]
+        return [(Part(kind, i), *p.spans[kind]) for i, p in enumerate(self.pieces)
+                if p.spans[kind][0] < p.spans[kind][1]]
+
+    def state_views(self, flats: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
+        """Optimizer state of the ``k``-th parameter as views into the fetched flats (by kind)."""
+        return {kind: flats[kind][s.offset:s.offset + s.shape.numel()].view(s.shape)
+                for kind, s in self.states[k].items()}
+
+    def segment_state(self, piece: int, k: int, lo: int, hi: int, whole: dict[str, torch.Tensor],
+                      part: dict[Part, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The optimizer state of elements [lo, hi) of slot ``k``, a segment of piece ``piece``:
+        slices of the piece's parts (``part``) and views into the kinds kept whole (``whole``)."""
+        state = {}
+        for kind, s in self.states[k].items():
+            ratio = self.ratios.get(kind)
+            if ratio:
+                first = s.offset + lo // ratio - self.pieces[piece].spans[kind][0]
+                state[kind] = part[Part(kind, piece)][first:first + -(-(hi - lo) // ratio)]
+            else:
+                state[kind] = whole[kind][s.offset:s.offset + s.shape.numel()].view(s.shape)
+        return state
+
+
+@dataclass(eq=False)
+class UnitStep:
+    """Where a unit stands in the step: the engine's (engine.py), but ``norms``, the updater's."""
+
+    bound: torch.Tensor | None = None  # the resident flat weights the parameters point into
+    trainable: int = 0  # gradients that end this unit's backward
+    pending: int | None = None  # gradients still to come this backward (None: not started)
+    norms: list[Any] = field(default_factory=list)  # update.py: its spilled gradients' 2-norms, per trainable slot
+
+
+@dataclass(eq=False)
+class UnitMemoryState:
+    """A unit's copies on the move between tiers, written by ``StoreUnitMemory`` (unit_memory.py) alone."""
+
+    prefetched: "dict[Part, Future]" = field(default_factory=dict)  # fetched ahead, no consumer yet
+    kept: dict[Part, int] = field(default_factory=dict)  # released but kept resident: part -> LRU tick
+    decoded: torch.Tensor | None = None  # the NF4 weights dequantized, while fetched
+    spilled: "dict[Part, TensorHandle]" = field(default_factory=dict)  # its spilled gradient, this step
+
+
 @dataclass(eq=False)
 class Unit:
     """A group of modules whose parameters move together, and everything about them."""
 
+    # -- what it is (``causal_lm_units``) -------------------------------------------------
     index: int
     name: str
     modules: list[nn.Module]
     slots: list[ParamSlot] = field(default_factory=list)  # parameters this unit owns
     numel: int = 0  # elements of the flat buffer (with alignment padding)
     borrows: list[int] = field(default_factory=list)  # units whose weights this one also needs
+    # data parallel: the range of its state this rank owns (``sharding.shard_units``, before layout)
+    shard: "Shard | None" = None
 
-    # -- in the store (filled by ``unit_layout.store_unit``) ----------------------------
-    homes: "tuple[Tier, Tier] | None" = None  # (weights' home tier, optimizer state's home tier)
-    handles: "dict[Part, TensorHandle]" = field(default_factory=dict)
-    layout: list[dict[str, StateSlot]] = field(default_factory=list)  # per slot: its state, by kind
-    flat: dict[str, tuple[int, torch.dtype]] = field(default_factory=dict)  # kind -> (numel, dtype)
-    pieces: list[tuple[int, int]] = field(default_factory=list)  # ranges of a pieced state's trainable elements
-    segments: list[list[tuple[int, int, int]]] = field(default_factory=list)  # per piece: (slot, lo, hi)
-    spans: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # pieced kind -> per piece, its flat range
-    ratios: dict[str, int] = field(default_factory=dict)  # pieced kind -> param elements per element
-    nf4: "NF4Layout | None" = None  # frozen weights stored in NF4 (QLoRA)
-    shard: "Shard | None" = None  # data parallel: the range of its state this rank owns (sharding.py)
-    decoded: torch.Tensor | None = None  # the NF4 weights dequantized, while fetched
-    prefetched: dict[Part, Future] = field(default_factory=dict)  # fetched ahead, no consumer yet
-    kept: dict[Part, int] = field(default_factory=dict)  # released but kept resident: part -> LRU tick
-
-    # -- in the step (the engine's) ----------------------------------------------------
-    bound: torch.Tensor | None = None  # the resident flat weights the parameters point into
-    trainable: int = 0  # gradients that end this unit's backward (set by the engine)
-    pending: int | None = None  # gradients still to come this backward (None: not started)
-    norms: list[Any] = field(default_factory=list)  # 2-norms of its spilled gradients, per trainable slot
+    # -- in the store: set once by ``unit_layout.store_unit`` (None before) -------------------
+    layout: UnitLayout | None = None
+    # -- in the step: the engine's (the norms: the updater's), and the unit memory's ---------
+    step: UnitStep = field(default_factory=UnitStep)
+    memory: UnitMemoryState = field(default_factory=UnitMemoryState)
 
     def view(self, flat: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
         """The parameter ``slot`` as a view into ``flat`` [numel] (no copy)."""
@@ -124,47 +199,12 @@ class Unit:
         """Indices of the slots whose parameters train."""
         return [k for k, s in enumerate(self.slots) if s.param.requires_grad]
 
-    @property
-    def whole_kinds(self) -> list[str]:
-        """The optimizer-state kinds fetched whole (a pieced unit's other kinds stream in pieces)."""
-        return [kind for kind in self.flat if kind not in (WEIGHTS, GRADS) and not self.ratios.get(kind)]
-
-    def kinds(self) -> list[str]:
-        """Every optimizer-state kind (pieced or not), in ``state_spec`` order."""
-        return list(dict.fromkeys(kind for entry in self.layout for kind in entry))
-
     def piece_parts(self, piece: int) -> list[Part]:
         """The parts of piece ``piece`` of a pieced state (and of its spilled gradient, while
         one is registered)."""
-        parts = [Part(kind, piece) for kind, ratio in self.ratios.items()
-                 if ratio and self.spans[kind][piece][0] < self.spans[kind][piece][1]]
+        parts = [Part(kind, piece) for kind, (lo, hi) in self.layout.pieces[piece].spans.items() if lo < hi]
         grad = Part(GRADS, piece)
-        return parts + ([grad] if grad in self.handles else [])
-
-    def kind_parts(self, kind: str) -> list[tuple[Part, int, int]]:
-        """(part, first, end) of the elements of ``kind``'s flat buffer: one part, or one per piece."""
-        if not self.ratios.get(kind):
-            return [(Part(kind), 0, self.flat[kind][0])]
-        return [(Part(kind, i), lo, hi) for i, (lo, hi) in enumerate(self.spans[kind]) if lo < hi]
-
-    def state_views(self, flats: dict[str, torch.Tensor], k: int) -> dict[str, torch.Tensor]:
-        """Optimizer state of the ``k``-th parameter as views into the fetched flats (by kind)."""
-        return {kind: flats[kind][s.offset:s.offset + s.shape.numel()].view(s.shape)
-                for kind, s in self.layout[k].items()}
-
-    def segment_state(self, piece: int, k: int, lo: int, hi: int, whole: dict[str, torch.Tensor],
-                      part: dict[Part, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The optimizer state of elements [lo, hi) of slot ``k``, a segment of piece ``piece``:
-        slices of the piece's parts (``part``) and views into the kinds kept whole (``whole``)."""
-        state = {}
-        for kind, s in self.layout[k].items():
-            ratio = self.ratios.get(kind)
-            if ratio:
-                first = s.offset + lo // ratio - self.spans[kind][piece][0]
-                state[kind] = part[Part(kind, piece)][first:first + -(-(hi - lo) // ratio)]
-            else:
-                state[kind] = whole[kind][s.offset:s.offset + s.shape.numel()].view(s.shape)
-        return state
+        return parts + ([grad] if grad in self.memory.spilled else [])
 
 
 def _pad(n: int, itemsize: int) -> int:

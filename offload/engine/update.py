@@ -9,7 +9,8 @@ unit's completes (:meth:`UnitUpdater.spill_grads`); once :meth:`UnitUpdater.clip
 norm, the engine's ``end_step`` calls :meth:`UnitUpdater.update` unit by unit. A unit
 whose state dwarfs a block's (the embedding, an untied head, an MoE block among dense ones)
 updates a block-sized piece at a time (``unit_sizes.state_pieces``). All of it is exact:
-fp32 and the same seed give the in-memory run's weights bit for bit.
+fp32 and the same seed give the in-memory run's weights bit for bit. The norms of each
+unit's spilled gradients, kept for the clip (``UnitStep.norms``), are written here only.
 """
 from __future__ import annotations
 
@@ -76,9 +77,9 @@ class UnitUpdater:
     def prefetch_state(self, unit: Unit) -> None:
         """Start fetching what the unit's update reads first: its state (the first piece of a
         pieced unit's)."""
-        for kind in unit.whole_kinds:
+        for kind in unit.layout.whole_kinds:
             self.mem.prefetch(unit.index, kind)
-        if unit.pieces:
+        if unit.layout.pieces:
             for part in unit.piece_parts(0):
                 self.mem.prefetch(unit.index, part)
 
@@ -101,14 +102,14 @@ class UnitUpdater:
 
     # -- one unit -------------------------------------------------------------------------
     def update(self, unit: Unit) -> None:
-        """Update ``unit`` (its weights bound: ``unit.bound``) in place and free its gradients.
+        """Update ``unit`` (its weights bound: ``unit.step.bound``) in place and free its gradients.
         Its state is released dirty (written back asynchronously); the caller releases the weights."""
         train = unit.train_slots
         self.mem.before_update(unit.index, WEIGHTS)
         # data parallel, in the backward: sum the ranks' gradients, keep this rank's range
         reduced = reduce_grads(unit, {k: unit.slots[k].param.grad for k in train}) if (
             unit.shard and not self.spill) else None
-        if unit.pieces or unit.shard:
+        if unit.layout.pieces or unit.shard:
             self._update_pieces(unit, reduced)
         else:
             self._update_whole(unit, train)
@@ -118,12 +119,12 @@ class UnitUpdater:
             unit.slots[k].param.grad = None  # freed now: step-in-backward never holds all gradients
         if self.spill:
             self.mem.drop_grads(unit.index)
-        for kind in unit.whole_kinds:
+        for kind in unit.layout.whole_kinds:
             self.mem.release(unit.index, kind, dirty=True)
 
     def _update_whole(self, unit: Unit, train: list[int]) -> None:
-        flats = {kind: self.mem.acquire(unit.index, kind) for kind in unit.whole_kinds}
-        params = [unit.view(unit.bound, unit.slots[k]) for k in train]
+        flats = {kind: self.mem.acquire(unit.index, kind) for kind in unit.layout.whole_kinds}
+        params = [unit.view(unit.step.bound, unit.slots[k]) for k in train]
         if self.spill:
             flat = self.mem.acquire(unit.index, GRADS)
             for k in train:
@@ -132,32 +133,33 @@ class UnitUpdater:
                 torch.nn.utils.clip_grads_with_norm_([unit.slots[k].param for k in train],
                                                      self.max_grad_norm, self.clip_norm)
         grads = [dense_range(g, 0, g.numel()).view(g.shape) for g in (unit.slots[k].param.grad for k in train)]
-        self._step(params, grads, [unit.state_views(flats, k) for k in train])
+        self._step(params, grads, [unit.layout.state_views(flats, k) for k in train])
         if self.spill:
             self.mem.release(unit.index, GRADS, dirty=False)
 
     def _update_pieces(self, unit: Unit, reduced: torch.Tensor | None = None) -> None:
         """Update a pieced unit a piece at a time, each piece's state fetched while the one
         before is updated (see ``state_pieces``). A piece covers ranges of one or more slots
-        (``unit.segments``); a slot's whole-kept state (the step count) is set back before
+        (``Piece.segments``); a slot's whole-kept state (the step count) is set back before
         each piece that covers it, so it advances once, as for the whole. A sharded unit's
         pieces cover its range, their gradient ``reduced`` (or spilled)."""
-        whole = {kind: self.mem.acquire(unit.index, kind) for kind in unit.whole_kinds}
+        layout = unit.layout
+        whole = {kind: self.mem.acquire(unit.index, kind) for kind in layout.whole_kinds}
         start = {kind: t.clone() for kind, t in whole.items()}  # the step counts every piece advances
         coef = None if self.clip_norm is None else _clip_coef(self.max_grad_norm, self.clip_norm)
-        pieces = unit.pieces
-        for i, segments in enumerate(unit.segments):
+        pieces = layout.pieces
+        for i, piece in enumerate(pieces):
             for j in range(i + 1, min(len(pieces), i + 1 + self.prefetch_depth)):
                 for part in unit.piece_parts(j):
                     self.mem.prefetch(unit.index, part)
             parts = {part: self.mem.acquire(unit.index, part) for part in unit.piece_parts(i)}
             spilled = parts.pop(Part(GRADS, i)) if self.spill else None
             params, grads, states, at = [], [], [], 0
-            for k, lo, hi in segments:
+            for k, lo, hi in piece.segments:
                 for kind, t in whole.items():
-                    s = unit.layout[k][kind]
+                    s = layout.states[k][kind]
                     t[s.offset:s.offset + s.shape.numel()].copy_(start[kind][s.offset:s.offset + s.shape.numel()])
-                params.append(unit.view(unit.bound, unit.slots[k]).view(-1)[lo:hi])
+                params.append(unit.view(unit.step.bound, unit.slots[k]).view(-1)[lo:hi])
                 if self.spill:
                     g = spilled[at:at + hi - lo]
                 elif reduced is not None:
@@ -168,8 +170,8 @@ class UnitUpdater:
                 if coef is not None:
                     g.mul_(coef)  # clip_grads_with_norm_'s arithmetic, on this segment
                 grads.append(g)
-                states.append(unit.segment_state(i, k, lo, hi, whole, parts))
-            self._step(params, grads, states, offsets=[lo for _, lo, _ in segments])
+                states.append(layout.segment_state(i, k, lo, hi, whole, parts))
+            self._step(params, grads, states, offsets=[lo for _, lo, _ in piece.segments])
             if self.spill:
                 self.mem.release(unit.index, Part(GRADS, i), dirty=False)
             for part in parts:
@@ -187,7 +189,7 @@ class UnitUpdater:
         # a pieced unit's spill leaves the total in the gradient itself (flat is None)
         totals = list(grads.values()) if flat is None else [unit.view(flat, unit.slots[k]) for k in grads]
         if last and self.max_grad_norm > 0:
-            unit.norms = _norms(totals)
+            unit.step.norms = _norms(totals)
         if flat is not None:
             self.mem.release(unit.index, GRADS, dirty=True)  # written home and evicted, asynchronously
         for k in grads:
@@ -201,7 +203,7 @@ class UnitUpdater:
         self.mem.spill_pieces(unit.index, lambda k, lo, hi: reduced[shard.at(k, lo):shard.at(k, hi)],
                               reduced.dtype, first)
         if last and self.max_grad_norm > 0:
-            unit.norms = _norms([reduced])  # the range's total (the padding is zeros)
+            unit.step.norms = _norms([reduced])  # the range's total (the padding is zeros)
         for k in grads:
             unit.slots[k].param.grad = None
 
@@ -215,16 +217,16 @@ class UnitUpdater:
         # the norms were taken as the gradients left memory; stacked in model order and grouped
         # by device and dtype first, as clip_grad_norm_ stacks them
         if any(unit.shard for unit in units):  # each rank has the norms of its ranges
-            local = torch.linalg.vector_norm(torch.stack([n for unit in units for n in unit.norms]), 2.0)
+            local = torch.linalg.vector_norm(torch.stack([n for unit in units for n in unit.step.norms]), 2.0)
             for unit in units:
-                unit.norms = []
+                unit.step.norms = []
             self.clip_norm = global_norm(local)
             return self.clip_norm
         norms: list[torch.Tensor | None] = [None] * len(params)
         for unit in units:
-            for k, norm in zip(unit.train_slots, unit.norms):
+            for k, norm in zip(unit.train_slots, unit.step.norms):
                 norms[unit.slots[k].position] = norm
-            unit.norms = []
+            unit.step.norms = []
         groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for p, norm in zip(params, norms):
             groups.setdefault((p.device, p.dtype), []).append(norm)

@@ -52,7 +52,7 @@ def test_the_update_runs_where_its_weights_are(tiny_llama_factory, tmp_path, com
     try:
         om.train_step(causal_lm_loss, [torch.randint(0, 256, (2, 16))], 1e-3)
         want = Tier.DEVICE if is_accelerator(compute_device) else Tier.HOST
-        state = [p for p in om.units[1].handles if p.kind != WEIGHTS]
+        state = [p for p in om.units[1].layout.handles if p.kind != WEIGHTS]
         assert state and all(om.mem._tier(p) is want for p in state)
     finally:
         om.close()
@@ -191,11 +191,11 @@ def test_a_large_units_state_streams_to_the_device_in_pieces(tiny_llama_factory,
     om = offload_model(model, AdamW(model.parameters(), lr=1e-3), offload="cpu", swap_dir=None, device=compute_device)
     try:
         embed_state = 2 * 4 * model.config.vocab_size * model.config.hidden_size  # two fp32 moments
-        largest = max(h.nbytes for part, h in om.units[0].handles.items() if part.kind != WEIGHTS)
+        largest = max(h.nbytes for part, h in om.units[0].layout.handles.items() if part.kind != WEIGHTS)
         if is_accelerator(compute_device):
-            assert om.units[0].pieces and largest < embed_state / 4
+            assert om.units[0].layout.pieces and largest < embed_state / 4
         else:  # a CPU updates in HOST, where the state lives whole
-            assert not om.units[0].pieces
+            assert not om.units[0].layout.pieces
         loss = om.train_step(causal_lm_loss, [torch.randint(0, 4096, (2, 16))], 1e-3)
         assert torch.isfinite(loss).item()
     finally:

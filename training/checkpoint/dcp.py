@@ -179,7 +179,7 @@ def restore_units(engine: OutOfCoreEngine, ckpt_dir: str | Path) -> None:
     number of ranks: the sharded format (``units_dcp/``) or the one-process one (``units/``).
 
     A one-process checkpoint holds each unit's whole flat buffers, laid out as at any world
-    size (``Unit.layout`` does not depend on the shard), so every rank reads the whole unit
+    size (``UnitLayout.states`` does not depend on the shard), so every rank reads the whole unit
     and ``overwrite`` keeps the pieces of its own range (and the kinds kept whole).
     """
     sharded = Path(ckpt_dir) / SHARDED_UNITS_DIR

@@ -63,9 +63,9 @@ def test_lean_out_of_core_equals_lean_in_memory(tiny_llama_factory, tmp_path, na
     # prefetch 2: with prefetch 1, AdamW8bit's spilled pieces fragment the HOST window (exact mode too)
     om = offload_model(ooc, _lean(ooc, name), offload="nvme", swap_dir=tmp_path / "swap", prefetch=2,
                        max_grad_norm=clip, spill_grads=spill, split_state=split, device=compute_device)
-    assert om.spill == spill and bool(om.mem.units[0].pieces) == split
+    assert om.spill == spill and bool(om.mem.units[0].layout.pieces) == split
     for unit in om.mem.units:
-        assert "master" not in unit.whole_kinds and {"sr_key", "sr_step"} <= set(unit.whole_kinds)
+        assert "master" not in unit.layout.whole_kinds and {"sr_key", "sr_step"} <= set(unit.layout.whole_kinds)
     for ids in _batches(4):
         assert torch.equal(reference_step(ref, opt, [ids], clip), om.train_step(causal_lm_loss, [ids], LR))
     _assert_same_weights(om, ref)
@@ -182,10 +182,10 @@ def test_lean_adamw8bit_writes_only_weights_and_codes(tiny_llama_factory, tmp_pa
     model = _model(tiny_llama_factory)
     n = sum(p.numel() for p in model.parameters())
     om = offload_model(model, _lean(model, "adamw8bit"), offload="nvme", swap_dir=tmp_path / "swap", prefetch=2)
-    coded = [u for u in om.mem.units if "m_codes" in u.kinds()]
+    coded = [u for u in om.mem.units if "m_codes" in u.layout.kinds()]
     assert len(coded) == len(om.mem.units) - 1  # all but the head
     for unit in coded:
-        for part, h in unit.handles.items():
+        for part, h in unit.layout.handles.items():
             expect = "NVME" if part.kind in ("w", "m_codes", "v_codes") else "HOST"
             assert h.home.name == expect, (unit.name, str(part))
     batches = _batches(3)
@@ -196,6 +196,6 @@ def test_lean_adamw8bit_writes_only_weights_and_codes(tiny_llama_factory, tmp_pa
         om.train_step(causal_lm_loss, [ids], LR)
     om.mem.flush()
     per_step = (om.tier_stats()["NVME"].written_bytes - before) / 2
-    extents = sum(len(u.handles) for u in om.mem.units)  # each write is 4 KiB-padded
+    extents = sum(len(u.layout.handles) for u in om.mem.units)  # each write is 4 KiB-padded
     assert 4 * n - 4096 * extents <= per_step <= 4 * n + 4096 * extents, (per_step, 4 * n)
     om.close()

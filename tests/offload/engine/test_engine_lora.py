@@ -113,8 +113,8 @@ def test_qlora_streams_nf4_and_equals_the_dequantized_reference(tiny_llama_facto
                        device=compute_device)
     block = om.units[1]
     fp32_bytes = block.numel * 4
-    assert om.mem.units[1].handles[Part("w")].dtype == torch.uint8
-    assert om.mem.units[1].handles[Part("w")].nbytes < 0.2 * fp32_bytes  # ~0.56 of 4 bytes per weight
+    assert om.mem.units[1].layout.handles[Part("w")].dtype == torch.uint8
+    assert om.mem.units[1].layout.handles[Part("w")].nbytes < 0.2 * fp32_bytes  # ~0.56 of 4 bytes per weight
     g = torch.Generator().manual_seed(4)
     for _ in range(4):
         ids = torch.randint(0, 256, (2, 24), generator=g)

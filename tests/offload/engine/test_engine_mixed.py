@@ -49,11 +49,11 @@ def test_bf16_with_fp32_masters_equals_the_reference_loop(tiny_llama_factory, tm
     ref = _MasterReference(model.to(compute_device).train(), clip)  # masters made on the device
     om = offload_model(ooc, AdamW(ooc.parameters(), lr=LR, weight_decay=WD), offload="nvme",
                        swap_dir=tmp_path / "swap", prefetch=1, max_grad_norm=clip, device=compute_device)
-    kinds = om.mem.units[1].whole_kinds
+    kinds = om.mem.units[1].layout.whole_kinds
     assert "master" in kinds
-    assert om.mem.units[1].handles[Part("master")].dtype == torch.float32
-    assert om.mem.units[1].handles[Part("exp_avg")].dtype == torch.float32  # state follows the master
-    assert om.mem.units[1].handles[Part("w")].dtype == torch.bfloat16
+    assert om.mem.units[1].layout.handles[Part("master")].dtype == torch.float32
+    assert om.mem.units[1].layout.handles[Part("exp_avg")].dtype == torch.float32  # state follows the master
+    assert om.mem.units[1].layout.handles[Part("w")].dtype == torch.bfloat16
     g = torch.Generator().manual_seed(1)
     for _ in range(8):
         ids = torch.randint(0, 256, (2, 24), generator=g)
@@ -63,7 +63,7 @@ def test_bf16_with_fp32_masters_equals_the_reference_loop(tiny_llama_factory, tm
     for unit in om.units:
         master = om.mem.state(unit.index, "master")
         for k, slot in enumerate(unit.slots):
-            s = unit.layout[k]["master"]
+            s = unit.layout.states[k]["master"]
             got = master[s.offset:s.offset + s.shape.numel()].view(s.shape)
             assert torch.equal(got, masters[slot.name].detach().cpu()), slot.name
         for name, w in unit_weights(om, unit).items():
@@ -86,7 +86,7 @@ def test_meta_model_masters_hold_the_full_precision_weights(tiny_llama_factory, 
     for unit in om.units:
         master = om.mem.state(unit.index, "master")
         for k, slot in enumerate(unit.slots):
-            s = unit.layout[k]["master"]
+            s = unit.layout.states[k]["master"]
             assert torch.equal(master[s.offset:s.offset + s.shape.numel()].view(s.shape), state[slot.name])
         for name, w in unit_weights(om, unit).items():
             assert torch.equal(w, state[name].to(torch.bfloat16)), name
@@ -97,7 +97,7 @@ def test_master_weights_off_trains_the_16bit_weights(tiny_llama_factory, tmp_pat
     model = tiny_llama_factory(seed=0, layers=2).to(torch.bfloat16)
     om = offload_model(model, AdamW(model.parameters(), lr=LR), offload="cpu", swap_dir=None,
                        master_weights=False)
-    assert all("master" not in u.whole_kinds for u in om.mem.units)
-    assert om.mem.units[1].handles[Part("exp_avg")].dtype == torch.bfloat16
+    assert all("master" not in u.layout.whole_kinds for u in om.mem.units)
+    assert om.mem.units[1].layout.handles[Part("exp_avg")].dtype == torch.bfloat16
     assert om.store.budget(Tier.HOST) > 0
     om.close()

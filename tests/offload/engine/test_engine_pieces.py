@@ -42,19 +42,19 @@ def test_pieced_embedding_is_bit_identical(tiny_llama_factory, tmp_path, offload
                        swap_dir=tmp_path / "swap", prefetch=1, max_grad_norm=clip, spill_grads=spill,
                        device=compute_device)
     assert om.spill == spill
-    assert len(om.mem.units[0].pieces) >= 4, "the embedding's state should be split"
-    assert all(a % PIECE_ALIGN == 0 for a, _ in om.mem.units[0].pieces)
+    assert len(om.mem.units[0].layout.pieces) >= 4, "the embedding's state should be split"
+    assert all(p.lo % PIECE_ALIGN == 0 for p in om.mem.units[0].layout.pieces)
     # the HOST window is sized by blocks: it cannot hold the embedding's state whole (on an accelerator
     # HOST also stages the weights window on its way to the device: the rest stages the state)
     staging = window_bytes([weights_arena_bytes(u) for u in om.units], 2) if is_accelerator(compute_device) else 0
     assert om.store.budget(Tier.HOST) - staging < _embed_state_bytes(om)
     head = om.mem.units[-1]
-    assert bool(head.pieces) == (not tie)
+    assert bool(head.layout.pieces) == (not tie)
     # the embedding's input-side gradient arrives as rows (untied: densified per piece), but with clipping untied;
     # a device without sparse tensors (the simulated accelerator) takes autograd's dense gradient
     assert ("forward" in ooc.model.embed_tokens.__dict__) == ((tie or not clip) and supports_sparse(compute_device))
     if not tie:  # the final norm's 64 elements and the first rows of lm_head share the first piece
-        assert [seg[:2] for seg in head.segments[0]] == [(0, 0), (1, 0)] and len(head.slots) == 2
+        assert [seg[:2] for seg in head.layout.pieces[0].segments] == [(0, 0), (1, 0)] and len(head.slots) == 2
     g = torch.Generator().manual_seed(1)
     for _ in range(8):
         ids = torch.randint(0, VOCAB, (2, 24), generator=g)
@@ -80,12 +80,12 @@ def test_pieced_mixed_precision_updates_pieces_of_the_master(tiny_llama_factory,
         om = offload_model(m, AdamW(m.parameters(), lr=LR, weight_decay=WD), offload="nvme",
                            swap_dir=tmp_path / f"swap{pieces}", prefetch=1, device=compute_device)
         if not pieces:  # the same run with the state whole
-            assert any(u.pieces for u in om.mem.units)
+            assert any(u.layout.pieces for u in om.mem.units)
             om.close()
             m = _model(tiny_llama_factory, dtype=torch.bfloat16)
             om = _unpieced(m, tmp_path / "swap_whole", compute_device)
         else:
-            assert "master" in om.mem.units[0].ratios
+            assert "master" in om.mem.units[0].layout.ratios
         g = torch.Generator().manual_seed(3)
         losses = [om.train_step(causal_lm_loss, [torch.randint(0, VOCAB, (2, 16), generator=g)], LR) for _ in range(4)]
         runs.append((losses, om.mem.weights(0), om.mem.state(0, "master")))
@@ -99,7 +99,7 @@ def _unpieced(model, swap_dir, device):
     """The model offloaded with its state never split."""
     om = offload_model(model, AdamW(model.parameters(), lr=LR, weight_decay=WD), offload="nvme",
                        swap_dir=swap_dir, prefetch=1, split_state=False, device=device)
-    assert not any(u.pieces for u in om.mem.units)
+    assert not any(u.layout.pieces for u in om.mem.units)
     return om
 
 
@@ -108,7 +108,7 @@ def test_checkpoint_of_pieced_state_resumes_whole_and_back(tiny_llama_factory, t
     m = _model(tiny_llama_factory)
     om = offload_model(m, AdamW(m.parameters(), lr=LR, weight_decay=WD), offload="nvme",
                        swap_dir=tmp_path / "a", prefetch=1, device=compute_device)
-    assert any(u.pieces for u in om.mem.units)
+    assert any(u.layout.pieces for u in om.mem.units)
     g = torch.Generator().manual_seed(4)
     batches = [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(6)]
     for ids in batches[:3]:
@@ -143,8 +143,9 @@ def test_only_elementwise_optimizers_split(tiny_llama_factory):
     assert state_pieces(units[0], GaLore(m.parameters(), rank=4), 64 << 10) is None
     assert state_pieces(units[0], AdamW(m.parameters()), 64 << 20) is None  # already small enough
     block = state_pieces(units[1], AdamW(m.parameters()), 1024)  # a block: its tensors in order
-    assert [k for seg in block.segments for k, _, _ in seg] == sorted(k for seg in block.segments for k, _, _ in seg)
-    assert {k for seg in block.segments for k, _, _ in seg} == set(range(len(units[1].slots)))
+    assert [k for p in block.pieces for k, _, _ in p.segments] == sorted(
+        k for p in block.pieces for k, _, _ in p.segments)
+    assert {k for p in block.pieces for k, _, _ in p.segments} == set(range(len(units[1].slots)))
 
 
 def test_pieced_adamw8bit_is_bit_identical(tiny_llama_factory, tmp_path, compute_device):
@@ -156,7 +157,7 @@ def test_pieced_adamw8bit_is_bit_identical(tiny_llama_factory, tmp_path, compute
     opt = AdamW8bit(ref.parameters(), lr=LR, weight_decay=WD)
     om = offload_model(ooc, AdamW8bit(ooc.parameters(), lr=LR, weight_decay=WD), offload="nvme",
                        swap_dir=tmp_path / "swap", prefetch=1, device=compute_device)
-    assert len(om.mem.units[0].pieces) >= 2 and "m_absmax" in om.mem.units[0].ratios
+    assert len(om.mem.units[0].layout.pieces) >= 2 and "m_absmax" in om.mem.units[0].layout.ratios
     g = torch.Generator().manual_seed(5)
     for _ in range(5):
         ids = torch.randint(0, VOCAB, (2, 24), generator=g)
@@ -175,7 +176,7 @@ def test_pieced_spill_with_accumulation_is_bit_identical(tiny_llama_factory, tmp
     om = offload_model(ooc, AdamW(ooc.parameters(), lr=LR, weight_decay=WD), offload="nvme",
                        swap_dir=tmp_path / "swap", prefetch=1, max_grad_norm=0.5, grad_accum=2,
                        device=compute_device)
-    assert om.spill and any(u.pieces for u in om.mem.units)
+    assert om.spill and any(u.layout.pieces for u in om.mem.units)
     g = torch.Generator().manual_seed(6)
     for _ in range(4):
         micro = [torch.randint(0, VOCAB, (2, 16), generator=g) for _ in range(2)]
@@ -185,7 +186,7 @@ def test_pieced_spill_with_accumulation_is_bit_identical(tiny_llama_factory, tmp
     for unit in om.units:
         for name, w in unit_weights(om, unit).items():
             assert torch.equal(w, params[name].detach().cpu()), name
-    assert not any(part.kind == "g" for u in om.mem.units for part in u.handles)  # spilled pieces dropped
+    assert not any(part.kind == "g" for u in om.mem.units for part in u.memory.spilled)  # spilled pieces dropped
     om.close()
 
 
@@ -226,8 +227,8 @@ def test_pieced_moe_block_is_bit_identical(tmp_path, clip, spill, compute_device
                        swap_dir=tmp_path / "swap", prefetch=1, max_grad_norm=clip, spill_grads=spill,
                        device=compute_device)
     moe = om.mem.units[2]
-    assert moe.name == "block.1" and len(moe.pieces) >= 3 and not om.mem.units[1].pieces
-    assert any(len(seg) > 1 for seg in moe.segments)  # a piece spans several of its tensors
+    assert moe.name == "block.1" and len(moe.layout.pieces) >= 3 and not om.mem.units[1].layout.pieces
+    assert any(len(p.segments) > 1 for p in moe.layout.pieces)  # a piece spans several of its tensors
     g = torch.Generator().manual_seed(7)
     for _ in range(4):
         ids = torch.randint(0, 256, (2, 16), generator=g)
@@ -239,7 +240,7 @@ def test_pieced_moe_block_is_bit_identical(tmp_path, clip, spill, compute_device
     for k, slot in enumerate(moe.slots):  # each tensor's state, and its step advanced once per step
         state = opt.state[params[slot.name]]
         for kind in ("exp_avg", "exp_avg_sq", "step"):
-            s = moe.layout[k][kind]
+            s = moe.layout.states[k][kind]
             got = om.mem.state(moe.index, kind)[s.offset:s.offset + s.shape.numel()].view(s.shape)
             assert torch.equal(got, state[kind].view(s.shape).cpu()), (slot.name, kind)
     om.close()
@@ -255,7 +256,7 @@ def test_the_plan_pieces_what_the_engine_pieces(tiny_llama_factory, tmp_path, wh
                                                       dtype="float32")]
     om = offload_model(model, AdamW(model.parameters(), lr=LR), offload="nvme", swap_dir=tmp_path / "swap",
                        prefetch=1)
-    assert planned == [bool(u.pieces) for u in om.mem.units] and any(planned)
+    assert planned == [bool(u.layout.pieces) for u in om.mem.units] and any(planned)
     om.close()
 
 
@@ -272,7 +273,7 @@ def test_blocks_stream_in_pieces_under_the_piece_cap(tiny_llama_factory, tmp_pat
         m = _model(tiny_llama_factory, tie=False, dtype=torch.bfloat16)
         om = offload_model(m, AdamW(m.parameters(), lr=LR, weight_decay=WD), offload="nvme",
                            swap_dir=tmp_path / f"swap{cap}", prefetch=1, device=compute_device)
-        assert all(bool(u.pieces) == cap for u in om.mem.units[1:-1]), "blocks pieced only under the cap"
+        assert all(bool(u.layout.pieces) == cap for u in om.mem.units[1:-1]), "blocks pieced only under the cap"
         g = torch.Generator().manual_seed(2)
         losses = [om.train_step(causal_lm_loss, [torch.randint(0, VOCAB, (2, 24), generator=g)], LR) for _ in range(4)]
         runs.append((losses, [unit_weights(om, u) for u in om.units], om.mem.state(1, "master")))

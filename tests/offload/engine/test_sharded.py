@@ -96,7 +96,7 @@ WORKER = COMMON + textwrap.dedent('''
                             max_grad_norm=clip, ranks=Ranks(rank, 2, rank), device=device)
         losses = [eng.train_step(loss, [batches(s)[rank]], %r).item() for s in range(%r)]
         weights = {n: w.clone() for u in eng.units for n, w in unit_weights(eng, u).items()}
-        state = sum(h.numel * h.dtype.itemsize for u in eng.units for p, h in u.handles.items()
+        state = sum(h.numel * h.dtype.itemsize for u in eng.units for p, h in u.layout.handles.items()
                     if p.kind != WEIGHTS)
         results[(name, clip, offload, dtype)] = {"weights": weights, "losses": losses, "state": state,
                                           "norm": None if eng.last_grad_norm is None else eng.last_grad_norm.item()}
@@ -144,7 +144,7 @@ def _one_rank(name, clip, offload, dtype, swap_dir, device):
     for s in range(STEPS):
         eng.train_step(loss, batches(s), LR)
     weights = {n: w.clone() for u in eng.units for n, w in unit_weights(eng, u).items()}
-    state = sum(h.numel * h.dtype.itemsize for u in eng.units for p, h in u.handles.items() if p.kind != WEIGHTS)
+    state = sum(h.numel * h.dtype.itemsize for u in eng.units for p, h in u.layout.handles.items() if p.kind != WEIGHTS)
     norm = None if eng.last_grad_norm is None else eng.last_grad_norm.item()
     eng.close()
     return weights, state, norm

@@ -44,7 +44,7 @@ def memory(tmp_path):
 
 def test_one_store_pin_per_consumer_and_the_prefetch_pin_is_adopted(memory):
     mem = memory()
-    h = mem.units[0].handles[Part(WEIGHTS)]
+    h = mem.units[0].layout.handles[Part(WEIGHTS)]
     mem.prefetch(0, WEIGHTS)
     assert h.copies[Tier.DEVICE].pins == 1 and mem.pins(0) == 0  # held for the consumer to come
     w = mem.acquire(0, WEIGHTS)
@@ -58,7 +58,7 @@ def test_one_store_pin_per_consumer_and_the_prefetch_pin_is_adopted(memory):
     mem.acquire(1, WEIGHTS)
     mem.release(1, WEIGHTS, dirty=False)  # not kept: evicted
     mem.flush()
-    assert mem.units[1].handles[Part(WEIGHTS)].residency(Tier.DEVICE) is Residency.ABSENT
+    assert mem.units[1].layout.handles[Part(WEIGHTS)].residency(Tier.DEVICE) is Residency.ABSENT
 
 
 def test_a_changed_copy_is_written_home_when_its_last_consumer_lets_go(memory):
@@ -71,7 +71,7 @@ def test_a_changed_copy_is_written_home_when_its_last_consumer_lets_go(memory):
     mem.release(2, WEIGHTS, dirty=True)
     mem.flush()
     assert written() == before  # still held: another consumer may change it again
-    assert mem.units[2].handles[Part(WEIGHTS)].dirty_tier is Tier.DEVICE
+    assert mem.units[2].layout.handles[Part(WEIGHTS)].dirty_tier is Tier.DEVICE
     mem.release(2, WEIGHTS, dirty=False)
     mem.flush()
     assert written() > before
