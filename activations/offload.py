@@ -257,7 +257,7 @@ class ActivationOffloader:
             except BudgetError:
                 rec.pack.release_sources()
                 raise
-        # backpressure: bounded bytes waiting for the writer, counted raw (what a waiting block
+        # backpressure: bounded bytes waiting for their write, counted raw (what a waiting block
         # keeps alive is its saved tensors, not the compressed bytes it will become)
         held = rec.pack.raw_nbytes
         with self._cv:
