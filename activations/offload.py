@@ -7,13 +7,14 @@ sparse or strided-out tensors go to the *outer* hooks unchanged, so this
 composes with the out-of-core engine's own pack hook for weights. The rest go
 into the block's :class:`~.pack.BlockPack` (deduplicated by storage).
 
-When the block's forward returns, the pack is sealed and handed to one writer
-thread, which copies it into one buffer and writes it with one call:
+When the block's forward returns, the pack is sealed and handed to the copy
+thread, which copies it into one buffer and stores it with one call:
 
 - ``OFFLOAD_NVME``: a pooled page-aligned HOST buffer (pinned on CUDA), then one
-  checksummed ``O_DIRECT`` write into an extent of the store's NVMe tier (its
-  budget applies; the extent is reserved on the caller's thread, so a budget
-  too small fails at once, in the forward, naming the block);
+  checksummed ``O_DIRECT`` write into an anonymous extent of the store's NVMe tier
+  (``store.alloc_extent`` / ``write_extent``: its budget and traffic counters apply;
+  reserved on the caller's thread, so a budget too small fails at once, in the
+  forward, naming the block);
 - ``OFFLOAD_HOST``: a block of the store's HOST arena (``store.register``).
 
 The forward never waits for the disk, only for backpressure: at most
@@ -24,14 +25,16 @@ encodes the block's floating-point groups 8-bit, so the extent, the HOST handle
 and the traffic counted are the compressed bytes; the unpack decodes them.
 
 Backward visits blocks in reverse (the known future): when the gradient of
-block ``i``'s output appears, reads of blocks ``i .. i-depth`` are queued on the
-reader threads, into pooled buffers (on CUDA then copied to the device on a side
-stream). An unpack waits only for what has not arrived yet, and the restored
-tensors are views of the block's buffer, which goes back to the pool when the
-last of them is freed: no allocation, page fault or pinning per step.
+block ``i``'s output appears, reads of blocks ``i .. i-depth`` start on the store's
+I/O threads (``store.read_extent``: no thread of ours waits for the disk), into
+pooled buffers (on an accelerator then copied to the device on a side stream). An
+unpack waits only for what has not arrived yet, and the restored tensors are views
+of the block's buffer, which goes back to the pool when the last of them is freed:
+no allocation, page fault or pinning per step.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -51,10 +54,6 @@ from .policy import ActivationPolicy
 
 _MIN_BYTES = 512 << 10  # smaller saved tensors stay put (RoPE cos/sin are shared by all blocks)
 _GRANULE = 1 << 20  # pooled buffers are whole MiB, so blocks of nearly equal size share them
-
-
-def _fmt(n: int | None) -> str:
-    return "unbounded" if n is None else f"{n / 2**20:.1f} MiB"
 
 
 def lend(buf: torch.Tensor, nbytes: int, on_free: Callable[[], Any]) -> torch.Tensor:
@@ -158,7 +157,6 @@ class ActivationOffloader:
         prefetch_depth: blocks read ahead of the one whose backward starts.
         max_inflight_bytes: bytes (uncompressed) of sealed blocks waiting for their write before
             the next block's seal waits.
-        io_threads: reader threads (one writer thread keeps writes in order).
         pool_keep: free transfer buffers kept for reuse (default ``prefetch_depth + 1``: what
             the backward holds at once, the block in use and those read ahead; more would
             sit idle through the loss, the step's memory peak, ~18 MiB each for SmolLM2).
@@ -166,17 +164,15 @@ class ActivationOffloader:
             tensors stored 8-bit with per-block scales).
 
     Raises:
-        ValueError: a negative depth or threshold, or no thread/budget.
+        ValueError: a negative depth or threshold, or no in-flight budget.
         ConfigError: an unknown ``compress``.
     """
 
     def __init__(self, store: Any, *, min_bytes: int = _MIN_BYTES, prefetch_depth: int = 2,
-                 max_inflight_bytes: int = 256 << 20, io_threads: int = 2, pool_keep: int | None = None,
-                 compress: str = "none"):
-        if prefetch_depth < 0 or min_bytes < 0 or max_inflight_bytes <= 0 or io_threads < 1:
+                 max_inflight_bytes: int = 256 << 20, pool_keep: int | None = None, compress: str = "none"):
+        if prefetch_depth < 0 or min_bytes < 0 or max_inflight_bytes <= 0:
             raise ValueError(f"prefetch_depth={prefetch_depth}, min_bytes={min_bytes}, "
-                             f"max_inflight_bytes={max_inflight_bytes}, io_threads={io_threads}: "
-                             f"need >= 0, >= 0, > 0 and >= 1")
+                             f"max_inflight_bytes={max_inflight_bytes}: need >= 0, >= 0 and > 0")
         self.store = store
         self.codec = codec_for(compress)
         self.min_bytes = int(min_bytes)
@@ -185,10 +181,14 @@ class ActivationOffloader:
         self.pool = BufferPool(store.device.alloc_host_slab,
                                prefetch_depth + 1 if pool_keep is None else pool_keep,
                                can_discard=not store.device.is_accelerator)  # pinned pages must stay
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="outcore-act-w")
-        self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="outcore-act-r")
+        # The copy thread: a sealed block's copy into its buffer (encoding, or a D2H copy it waits
+        # for) must not hold up the forward, nor the store's I/O threads (syscalls and checksums,
+        # shared with the weights' traffic). One thread keeps writes in forward order; on an
+        # accelerator it also copies read blocks to the device (in the backward: no writes then).
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="outcore-act-copy")
         self._cv = threading.Condition()
         self._inflight = 0
+        self._reads: set[Future] = set()  # reads in flight (guarded by _cv), awaited by close()
         self._failed: BaseException | None = None  # a write that failed, raised at the next seal
         self._keys = itertools.count()
         # This step's blocks. Weak: the autograd graph owns each _Block, so a graph
@@ -241,7 +241,7 @@ class ActivationOffloader:
         self._seal(rec)
 
     def _seal(self, rec: _Block) -> None:
-        """The block's forward is done: reserve its bytes and hand it to the writer."""
+        """The block's forward is done: reserve its bytes and hand it to the copy thread."""
         from ..offload import Tier
 
         nbytes = rec.pack.seal()
@@ -250,16 +250,14 @@ class ActivationOffloader:
         key = f"act{next(self._keys)}.b{rec.index}"
         ext = None
         if rec.tier is Tier.NVME:
-            nvme = self.store.nvme
-            ext = nvme.alloc(key, nbytes) if nvme is not None else None
-            if ext is None:
+            try:
+                ext = self.store.alloc_extent(
+                    key, nbytes, what=f"the activations of block {rec.index}",
+                    advice="raise the NVMe budget, give the store a swap_dir, or keep/recompute more blocks")
+            except BudgetError:
                 rec.pack.release_sources()
-                raise BudgetError(
-                    f"NVME tier budget {_fmt(self.store.budget(Tier.NVME)) if nvme else 'none (no swap_dir)'} "
-                    f"cannot hold the activations of block {rec.index} ({_fmt(nbytes)}, "
-                    f"{_fmt(self.store.held(Tier.NVME))} held): raise the NVMe budget, give the store a "
-                    f"swap_dir, or keep/recompute more blocks")
-        # backpressure: bounded bytes waiting for the writer, counted raw (what a waiting block
+                raise
+        # backpressure: bounded bytes waiting for their write, counted raw (what a waiting block
         # keeps alive is its saved tensors, not the compressed bytes it will become)
         held = rec.pack.raw_nbytes
         with self._cv:
@@ -269,16 +267,16 @@ class ActivationOffloader:
                     self._cv.wait()
                 self.stats["backpressure_s"] += time.perf_counter() - t0
             self._inflight += held
-        ready = compute_event(rec.pack.device)  # the writer's side stream must see the block fully computed
+        ready = compute_event(rec.pack.device)  # the copy's side stream must see the block fully computed
         self.stats["offloaded_bytes"] += nbytes
         self.stats["raw_bytes"] += rec.pack.raw_nbytes
         self.stats["saved_bytes"] += rec.pack.saved_bytes
         self.stats["blocks"] += 1
         rec.landed = Future()
-        self._writer.submit(self._write, rec.pack, rec.tier, key, ext, ready, rec.landed)
+        self._copier.submit(self._write, rec.pack, rec.tier, key, ext, ready, rec.landed)
 
     def _write(self, pack: BlockPack, tier, key: str, ext, ready, landed: Future) -> None:
-        """Writer thread: copy the block into one buffer and start its one write (never waits for it)."""
+        """Copy thread: copy the block into one buffer and start its one write (never waits for it)."""
         from ..offload import Tier
 
         nbytes, buf = pack.nbytes, None
@@ -293,7 +291,7 @@ class ActivationOffloader:
                 landed.set_result(result)
             else:
                 if ext is not None:
-                    self.store.nvme.free(ext)
+                    self.store.free_extent(ext)
                 self._failed = self._failed or exc
                 landed.set_exception(exc)
         try:
@@ -308,10 +306,10 @@ class ActivationOffloader:
                 return
             buf = self.pool.take(ext.length)
             self._copy(pack, buf, ready)
-            f = self.store.nvme.write(ext, buf[:ext.length])
-            # runs on an I/O thread when the bytes are on disk: the buffer is free again
-            f.add_done_callback(lambda f: self._written(ext, done) if f.exception() is None
-                                else done(exc=f.exception()))
+            # done on a store I/O thread once the bytes are on disk (and counted on the
+            # dashboard's NVMe line): the buffer is free again
+            self.store.write_extent(ext, buf[:ext.length]).add_done_callback(
+                lambda f: done(ext) if f.exception() is None else done(exc=f.exception()))
         except BaseException as e:  # noqa: BLE001 - delivered to the unpack / next seal
             pack.release_sources()
             done(exc=e)
@@ -332,7 +330,7 @@ class ActivationOffloader:
 
     # ----------------------------------------------------------------- backward
     def backward_reached(self, index: int) -> None:
-        """Block ``index``'s backward begins: queue reads of it and the ``prefetch_depth`` blocks below."""
+        """Block ``index``'s backward begins: start reads of it and the ``prefetch_depth`` blocks below."""
         for j in range(index, index - 1 - self.prefetch_depth, -1):
             ref = self._blocks.get(j)
             rec = ref() if ref is not None else None
@@ -340,31 +338,66 @@ class ActivationOffloader:
                 self._prefetch(rec)
 
     def _prefetch(self, rec: _Block) -> None:
+        """Read ``rec`` back once its write has landed (usually long done); never blocks."""
         if rec.read is None and rec.base is None and rec.landed is not None:
-            device = rec.pack.device
-            rec.read = self._readers.submit(self._read, rec.landed, rec.tier, rec.pack.nbytes, device)
+            with self._cv:
+                read = rec.read = Future()
+                self._reads.add(read)
+            read.add_done_callback(self._read_done)
+            rec.landed.add_done_callback(functools.partial(
+                self._start_read, read, rec.tier, rec.pack.nbytes, rec.pack.device))
 
-    def _read(self, landed: Future, tier, nbytes: int, device: torch.device):
-        """Reader thread: the block's bytes back in one buffer (on its device); frees the stored copy."""
+    def _start_read(self, read: Future, tier, nbytes: int, device: torch.device, landed: Future) -> None:
+        """Where ``landed`` completed: start the read whose bytes (on ``device``) complete ``read``;
+        the stored copy is freed once read, or failed."""
         from ..offload import Tier
 
-        where = landed.result()  # the write must have landed (usually long done)
-        if tier is Tier.NVME:
+        try:
+            where = landed.result()
+            if tier is not Tier.NVME:
+                host = lend(self.store.view_of(where, Tier.HOST), nbytes, lambda: self._unregister(where))
+                self._to_compute(read, host, device)
+                return
             buf = self.pool.take(where.length)
             try:
-                self.store.nvme.read(where, buf[:where.length]).result()
-                self.store.traffic.moved(Tier.NVME, Tier.HOST, where.length)  # on the dashboard's NVMe line
+                io = self.store.read_extent(where, buf[:where.length])
             except BaseException:
                 self.pool.give(buf)
+                self.store.free_extent(where)
                 raise
-            finally:
-                self.store.nvme.free(where)
-            host = lend(buf, nbytes, lambda: self.pool.give(buf))
-        else:
-            host = lend(self.store.view_of(where, Tier.HOST), nbytes, lambda: self._unregister(where))
+        except BaseException as e:  # noqa: BLE001 - raised by the unpack that waits for it
+            read.set_exception(e)
+            return
+
+        def arrived(f: Future) -> None:  # on the store's I/O thread that finished the read
+            try:
+                self.store.free_extent(where)
+                f.result()  # the read's error, if any
+            except BaseException as e:  # noqa: BLE001 - raised by the unpack; close() waits for the read
+                self.pool.give(buf)
+                read.set_exception(e)
+                return
+            self._to_compute(read, lend(buf, nbytes, lambda: self.pool.give(buf)), device)
+        io.add_done_callback(arrived)
+
+    def _to_compute(self, read: Future, host: torch.Tensor, device: torch.device) -> None:
+        """Complete ``read`` with ``(tensor, copied event | None)`` on ``device``."""
         if not is_accelerator(device):
-            return host, None
-        return self._side.to_device(host, device)  # the HOST buffer goes back to the pool once the copy read it
+            read.set_result((host, None))
+            return
+
+        def copy() -> None:  # the HOST buffer goes back to the pool once the copy read it
+            try:
+                read.set_result(self._side.to_device(host, device))
+            except BaseException as e:  # noqa: BLE001 - raised by the unpack that waits for it
+                read.set_exception(e)
+        # on the copy thread: a side-stream copy that it waits for, not the I/O or compute thread
+        self._copier.submit(copy)
+
+    def _read_done(self, read: Future) -> None:
+        with self._cv:
+            self._reads.discard(read)
+            self._cv.notify_all()
 
     def _restore(self, rec: _Block, ref: PackedRef) -> torch.Tensor:
         if rec.base is None:
@@ -377,15 +410,9 @@ class ActivationOffloader:
             if copied is not None:  # compute must not read the bytes before they land
                 hand_to_compute(base, copied)
             # decoded on the compute thread (stream); the stored buffer goes back to the pool
-            rec.base, rec.read = rec.pack.restore(base), None
+            # (``landed`` goes too: its callbacks hold the read, and so the buffer)
+            rec.base, rec.read, rec.landed = rec.pack.restore(base), None, None
         return BlockPack.view(rec.base, ref)
-
-    def _written(self, ext: Any, done: Callable[..., None]) -> None:
-        """A block's bytes are on disk: count them where the store counts its own traffic."""
-        from ..offload import Tier
-
-        self.store.traffic.moved(Tier.HOST, Tier.NVME, ext.length)
-        done(ext)
 
     def _discard(self, landed: Future, tier) -> None:
         """Free the stored bytes of a block whose graph went away without a backward."""
@@ -398,7 +425,7 @@ class ActivationOffloader:
                 self._unregister(f.result())
                 return
             try:
-                self.store.nvme.free(f.result())
+                self.store.free_extent(f.result())
             except Exception:  # noqa: BLE001 - the store was closed first: it freed everything
                 pass
         landed.add_done_callback(drop)
@@ -415,10 +442,9 @@ class ActivationOffloader:
         self._blocks = {}
 
     def close(self) -> None:
-        """Wait for transfers in flight, stop the I/O threads, free the pooled buffers."""
-        self._writer.shutdown(wait=True)
-        with self._cv:  # the last writes complete on the store's I/O threads
-            while self._inflight:
+        """Wait for transfers in flight, stop the copy thread, free the pooled buffers."""
+        with self._cv:  # writes and reads complete on the store's I/O threads (and the copy thread)
+            while self._inflight or self._reads:
                 self._cv.wait()
-        self._readers.shutdown(wait=True)
+        self._copier.shutdown(wait=True)
         self.pool.clear()

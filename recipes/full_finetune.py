@@ -146,7 +146,7 @@ class FullFinetune:
         # Offloaded activations go to the run's store: its swap dir (the disk the user
         # chose) and its traffic counters, not a private store in the temp dir.
         store = None if self.engine is None else self.engine.store
-        on_disk = policy == OFFLOAD and store is not None and store.nvme is not None
+        on_disk = policy == OFFLOAD and store is not None and store.has_tier("nvme")
         hooks = apply_activation_policy(unwrap_peft(self.model), policy, store=store if on_disk else None,
                                         keep_last=self.cfg.activations_keep_last,
                                         compress=self.cfg.activations_compress)

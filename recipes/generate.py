@@ -96,7 +96,7 @@ class Generator:
         """Where the weights are: ``none`` (in memory), ``cpu`` or ``nvme`` (streamed)."""
         if self.streamed is None:
             return NONE
-        return "nvme" if self.streamed.engine.store.nvme is not None else "cpu"
+        return "nvme" if self.streamed.engine.store.has_tier("nvme") else "cpu"
 
     @property
     def has_chat_template(self) -> bool:

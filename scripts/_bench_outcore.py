@@ -156,7 +156,7 @@ class OutcoreTrainer:
         if self.plan.activations != "keep":
             from outcore.activations import apply_activation_policy
 
-            offloads = self.plan.activations == "offload" and self.offloaded.store.nvme is not None
+            offloads = self.plan.activations == "offload" and self.offloaded.store.has_tier("nvme")
             store = self.offloaded.store if offloads else None  # as the recipe does
             self.activations = apply_activation_policy(self.model, self.plan.activations, store=store)
 

@@ -23,7 +23,9 @@ complete on I/O / copy threads, which update handle state under one lock.
 
 The bytes themselves (arenas, swap file, budgets) are a :class:`TierSpace` (``tiers.py``);
 the copies between tiers are :class:`Transfers` (``transfers.py``); the per-tier traffic
-counters are a :class:`TierTraffic` (``traffic.py``).
+counters are a :class:`TierTraffic` (``traffic.py``). Bytes with no handle (offloaded
+activations) use its anonymous extents (``alloc_extent`` / ``write_extent`` /
+``read_extent`` / ``free_extent``, ``extents.py``): budgeted and counted the same way.
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ from ...events import TierStats
 from ._futures import completed, then
 from ..device import Device
 from .directio import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH
+from .extents import AnonymousExtents
 from .handle import Residency, TensorHandle, Tier
 from .nvme import NvmeBackend
 from .swapdir import SwapDir
@@ -48,8 +51,7 @@ from .traffic import TierTraffic
 from .transfers import HELD, Transfers
 
 
-
-class TieredStore:
+class TieredStore(AnonymousExtents):
     """Byte-budgeted DEVICE / HOST / NVME tiers holding :class:`TensorHandle` s.
 
     Args:
@@ -88,6 +90,7 @@ class TieredStore:
         self._handles: dict[str, TensorHandle] = {}
         self.traffic = TierTraffic()
         self.moves = Transfers(self.space, self.device, self.traffic, self._lock)
+        self._init_extents()
         self.stall_s = 0.0  # time consumers waited in wait() for transfers not yet done
         self.nvme: NvmeBackend | None = self.space.nvme  # None without a swap dir
         self.swap: SwapDir | None = self.space.swap
@@ -106,6 +109,11 @@ class TieredStore:
     def held(self, tier: Tier) -> int:
         """Bytes the tier has handed out now (block sizes, 4 KiB padding included)."""
         return self.space.held(tier)
+
+    def has_tier(self, tier: Tier | str) -> bool:
+        """Whether ``tier`` can hold anything: NVME with a swap dir, DEVICE / HOST with a budget."""
+        tier = Tier.parse(tier)
+        return self.nvme is not None if tier is Tier.NVME else bool(self.budget(tier))
 
     # -- registration ----------------------------------------------------------
     def register(self, key: str, shape: Iterable[int] | None = None, dtype: torch.dtype | None = None,
@@ -390,11 +398,12 @@ class TieredStore:
         return self.traffic.stats(self.held, self.budget, window=window)
 
     def synchronize(self) -> None:
-        """Wait for every transfer and write-back in flight."""
+        """Wait for every transfer and write-back in flight (anonymous extents' included)."""
         while True:
             with self._lock:
                 pending = [f for h in self._handles.values() for c in h.copies.values()
                            for f in (c.future, c.writing, *c.outgoing) if f is not None and not f.done()]
+            pending += self._extents_in_flight()
             if not pending:
                 return
             for f in pending:

@@ -79,12 +79,16 @@ class TierSpace:
             return 0 if self.nvme is None else self.nvme.held
         return self.arenas[tier].held
 
-    def budget_error(self, tier: Tier, key: str, nbytes: int, why: str = "") -> BudgetError:
-        """The error for a request of ``nbytes`` (tensor ``key``) that ``tier`` cannot hold."""
+    def budget_error(self, tier: Tier, key: str, nbytes: int, why: str = "", what: str | None = None,
+                     advice: str | None = None) -> BudgetError:
+        """The error for a request of ``nbytes`` (tensor ``key``, described as ``what``) that
+        ``tier`` cannot hold, ending with ``advice`` (what to do; default: the store's)."""
+        budget = ("none (no swap_dir)" if tier is Tier.NVME and self.nvme is None
+                  else format_size(self.budget(tier)))
         return BudgetError(
-            f"{tier.name} tier budget {format_size(self.budget(tier))} cannot hold {key!r} "
+            f"{tier.name} tier budget {budget} cannot hold {what or repr(key)} "
             f"({format_size(align_up(nbytes))} requested, {format_size(self.held(tier))} held{why}); "
-            f"raise the {tier.name.lower()} budget, evict, or fetch fewer tensors at once")
+            + (advice or f"raise the {tier.name.lower()} budget, evict, or fetch fewer tensors at once"))
 
     def alloc(self, tier: Tier, key: str, nbytes: int):
         """A slot for ``nbytes`` (tensor ``key``) in ``tier``: an arena Block or an NVMe Extent.

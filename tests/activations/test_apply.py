@@ -72,7 +72,7 @@ def test_offload_moves_bytes_once_per_block_and_frees_them(model, tmp_path):
         assert off.stats["blocks"] == 3 and off.stats["tensors"] > 3
         # aliases (q/k/v share their input, views share storage) are moved once
         assert 0 < off.stats["offloaded_bytes"] < off.stats["saved_bytes"]
-        off._writer.submit(lambda: None).result()
+        off._copier.submit(lambda: None).result()
         for _ in range(200):  # the writes complete on I/O threads
             if store.nvme.written_bytes:
                 break
@@ -88,7 +88,7 @@ def test_offload_moves_bytes_once_per_block_and_frees_them(model, tmp_path):
         loss = model(input_ids=ids, labels=ids).loss
         del loss
         gc.collect()
-        off._writer.submit(lambda: None).result()
+        off._copier.submit(lambda: None).result()
         for _ in range(200):
             if store.held(Tier.NVME) == 0 and store.held(Tier.HOST) == 0:
                 break

@@ -163,7 +163,7 @@ def test_host_tier_holds_the_compressed_bytes(tiny_llama_factory, tmp_path):
             handle = apply_activation_policy(model, "offload_host", store=store, min_bytes=0, compress=codec)
             try:
                 loss = model(input_ids=_ids(), labels=_ids()).loss
-                handle.offloader._writer.submit(lambda: None).result()
+                handle.offloader._copier.submit(lambda: None).result()
                 for _ in range(200):  # the last block's copy lands on the writer thread
                     if handle.offloader._inflight == 0:
                         break
