@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import tempfile
 from contextlib import nullcontext
 from pathlib import Path
@@ -35,6 +36,7 @@ from ..training.loss import dpo_loss, orpo_loss, sequence_logps, simpo_loss
 from .full_finetune import FullFinetune
 
 REFERENCE_FILE = "reference_logps.pt"
+REFERENCE_BATCHES = 4  # micro-batches per forward of the reference pass
 
 
 class PreferenceFinetune(FullFinetune):
@@ -68,6 +70,9 @@ class PreferenceFinetune(FullFinetune):
         fingerprint = self._fingerprint()
         stored = _read_reference(path, fingerprint, must_exist=bool(self.cfg.resume) and not self.cfg.uses_adapters)
         if stored is None:
+            n = len(self.train_set) + len(self.val_set)
+            print(f"outcore: computing the DPO reference log-probabilities of {n} pairs (one forward pass), "
+                  f"stored in {path}", file=sys.stderr)
             stored = {"train": self._reference(self.train_set), "val": self._reference(self.val_set)}
             if self.run.ranks.is_main:
                 _write_reference(path, fingerprint, stored)
@@ -93,7 +98,10 @@ class PreferenceFinetune(FullFinetune):
         frozen = self.model.disable_adapter() if self.cfg.uses_adapters else nullcontext()
         out = []
         with frozen:  # with adapters, the base model is the reference
-            for batch in eval_batches(dataset, self.cfg.batch_size):
+            # 4 micro-batches at a time: without a backward a block's activations are freed as the
+            # next block runs, so 4x the rows stays within what training holds (all blocks'), and
+            # out of core each weight read serves 4x the pairs
+            for batch in eval_batches(dataset, self.cfg.batch_size * REFERENCE_BATCHES):
                 logps = sequence_logps(self.scorer.token_nll(batch), batch["labels"].to(self.run.device))
                 out.append(logps.float().cpu().view(2, -1).t())
         self.model.train()
