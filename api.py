@@ -53,7 +53,7 @@ def finetune(config: FinetuneConfig | None = None, sink: EventSink | None = None
     try:
         from .training.lifecycle import Run
 
-        result = Run(config, sink).execute(_recipe_class(config.method))
+        result = Run(config, sink).execute(_recipe_class(config.method, config.objective))
     finally:
         if own_sink:
             sink.close()  # also when the recipe failed before it could (idempotent)
@@ -64,13 +64,14 @@ def finetune(config: FinetuneConfig | None = None, sink: EventSink | None = None
     return result
 
 
-def _recipe_class(name: str) -> Callable[[Run], Recipe]:
-    """The recipe class that runs method ``name`` (``methods.METHODS``), imported now."""
+def _recipe_class(method: str, objective: str) -> Callable[[Run], Recipe]:
+    """The recipe class that runs ``objective`` with ``method`` (``methods.OBJECTIVES``, else
+    ``methods.METHODS``), imported now."""
     import importlib
 
-    from .methods import method
+    from .methods import recipe_of
 
-    module, cls = method(name).recipe.split(":")
+    module, cls = recipe_of(method, objective).split(":")
     return getattr(importlib.import_module(module, __package__), cls)
 
 

@@ -126,6 +126,20 @@ class TaskEvalEvent:
 
 
 @dataclass
+class PreferenceEvalEvent:
+    """The held-out preference pairs were scored (each validation pass of a preference objective)."""
+
+    step: int  # 0 = before training
+    n: int  # pairs scored
+    accuracy: float  # share of pairs whose chosen completion the objective rewards above the rejected one
+    margin: float  # mean reward of the chosen completion minus the rejected one's
+
+    def to_row(self) -> dict[str, float]:
+        """The metrics.jsonl fields of this event."""
+        return {"pref_accuracy": self.accuracy, "pref_margin": self.margin}
+
+
+@dataclass
 class RunFinished:
     """Sent once after the last step (also after an interrupt)."""
 
@@ -142,7 +156,7 @@ class RunFinished:
     ssd_life_per_1000_steps_pct: float | None = None  # the last StepEvent's projection
 
 
-Event = RunStarted | StepEvent | EvalEvent | TaskEvalEvent | RunFinished
+Event = RunStarted | StepEvent | EvalEvent | TaskEvalEvent | PreferenceEvalEvent | RunFinished
 
 
 class EventSink(Protocol):

@@ -77,3 +77,49 @@ def method_traits(name: str) -> MethodTraits:
         ConfigError: no method of that name.
     """
     return method(name).traits
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What a run optimizes, orthogonal to what it trains (``--objective``; a method of
+    :data:`METHODS` says which weights train).
+
+    Attributes:
+        recipe: the recipe class that runs it (``"module:Class"``), or None: the method's own
+            recipe (the next-token loss).
+        rows_per_example: token rows a training example puts in a micro-batch (a preference
+            pair: its chosen and its rejected completion); the planner sizes activations by it.
+        reference: its loss compares with a frozen reference model's log-probabilities.
+    """
+
+    recipe: str | None
+    rows_per_example: int = 1
+    reference: bool = False
+
+
+SFT = "sft"
+_PREFERENCE = ".recipes.preference:PreferenceFinetune"
+
+#: name -> objective (named as TRL's trainers, LLaMA-Factory's ``stage`` and axolotl's ``rl``)
+OBJECTIVES: dict[str, Objective] = {
+    SFT: Objective(None),
+    "dpo": Objective(_PREFERENCE, rows_per_example=2, reference=True),
+    "orpo": Objective(_PREFERENCE, rows_per_example=2),
+    "simpo": Objective(_PREFERENCE, rows_per_example=2),
+}
+
+
+def objective(name: str) -> Objective:
+    """The registered objective ``name``.
+
+    Raises:
+        ConfigError: no objective of that name.
+    """
+    if name not in OBJECTIVES:
+        raise ConfigError(f"objective={name!r} is not one of: {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[name]
+
+
+def recipe_of(method_name: str, objective_name: str = SFT) -> str:
+    """The recipe (``"module:Class"``) that runs ``objective_name`` with ``method_name``."""
+    return objective(objective_name).recipe or method(method_name).recipe

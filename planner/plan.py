@@ -34,7 +34,7 @@ from ..activations.policy import ACTIVATION_POLICIES, AUTO, ActivationPolicy
 from ..bytesize import format_bytes
 from ..dtypes import EXACT, torch_dtype
 from ..errors import BudgetError, ConfigError
-from ..methods import method_traits
+from ..methods import SFT, method_traits, objective
 from ..offload.modes import CPU, NONE, NVME, OFFLOAD_MODES
 from ..offload.modes import AUTO as AUTO_OFFLOAD
 from ..offload.store import Tier
@@ -381,7 +381,8 @@ def plan_for_config(cfg: Any, model_or_hf_config: Any, probe: Any = None,
 
     Args:
         cfg: the run's ``FinetuneConfig`` (method, optim, dtype, seq_len, batch_size,
-            activations, offload, device_mem, host_mem, grad_accum, max_grad_norm, LoRA fields).
+            activations, offload, device_mem, host_mem, grad_accum, max_grad_norm, LoRA fields,
+            objective: a preference pair is two rows of the micro-batch).
         model_or_hf_config: the loaded model, or its HF config (sized on the meta device).
         probe: ``probe_hardware(cfg.swap_dir)``; ``cfg.device_mem`` / ``cfg.host_mem``
             override its budgets.
@@ -398,8 +399,9 @@ def plan_for_config(cfg: Any, model_or_hf_config: Any, probe: Any = None,
         if probe is None:
             raise ConfigError("plan_for_config needs a probe (outcore.offload.store.probe.probe_hardware()) or budgets")
         budgets = budgets_from_probe(probe, device_mem=cfg.device_mem, host_mem=cfg.host_mem)
+    rows = cfg.batch_size * objective(getattr(cfg, "objective", SFT)).rows_per_example  # a pair is two rows
     return make_plan(model_or_hf_config, method=cfg.method, optim=cfg.optim, dtype=cfg.dtype, precision=cfg.precision,
-                     seq_len=cfg.seq_len, batch_size=cfg.batch_size, activations=cfg.activations,
+                     seq_len=cfg.seq_len, batch_size=rows, activations=cfg.activations,
                      offload=cfg.offload, budgets=budgets, grad_accum=cfg.grad_accum,
                      max_grad_norm=float(cfg.max_grad_norm or 0.0), optim_args=cfg.optim_args,
                      lora_r=cfg.lora_r, lora_targets=tuple(cfg.lora_targets),

@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 from contextlib import ExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -28,6 +28,7 @@ from ..activations.policy import OFFLOAD, ActivationPolicy
 from ..dtypes import torch_dtype
 from ..errors import ConfigError
 from ..events import EventSink, TaskEvalEvent
+from ..methods import objective
 from ..training import checkpoint as ckpt
 from ..training import distributed as dist
 from ..training.build import (check_offload_supported, offload_from_plan, optimizer_for_config, plan_this_run,
@@ -77,7 +78,7 @@ class FullFinetune:
         Raises:
             OutcoreError: bad config, model, data or checkpoint.
         """
-        from ..data import BatchLoader, build_datasets, check_seq_len
+        from ..data import BatchLoader, check_seq_len
         from ..models import load_model, load_model_lazily
 
         cfg, run = self.cfg, self.run
@@ -104,22 +105,34 @@ class FullFinetune:
         # The KV cache is for generation; in training it only costs memory.
         self.model.config.use_cache = False
 
-        self.train_set, self.val_set = build_datasets(
-            cfg.data, self.tokenizer, cfg.seq_len, seed=cfg.seed,
-            val_fraction=cfg.val_fraction, max_bytes=cfg.data_max_bytes)
+        self.train_set, self.val_set = self._datasets()
         self.loader = BatchLoader(self.train_set, cfg.batch_size, seed=cfg.seed)
         self.scorer = CausalLMScorer(self.model, run.device)  # the loss, and the task's log-likelihoods
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.trainer = self._trainer(fill)
         self._resources.callback(self.trainer.close)
         self._activations()
+        self._prepare()
         step, base_eval_loss = self._restore() if cfg.resume else (None, None)
         n_params, n_trainable = self._sizes()
-        tokens_per_step = cfg.batch_size * cfg.seq_len * dist.step_size(cfg, run.ranks)  # (over every rank)
+        rows = cfg.batch_size * objective(cfg.objective).rows_per_example  # (a preference pair is two rows)
+        tokens_per_step = rows * cfg.seq_len * dist.step_size(cfg, run.ranks)  # (over every rank)
         return Built(n_params, n_trainable, tokens_per_step,
                      store=None if self.engine is None else self.engine.store, swap_dir=swap_dir_of(cfg, run.out),
                      plan_table=None if self.plan is None else self.plan.table(),
                      checkpoint_step=step, base_eval_loss=base_eval_loss)
+
+    def _datasets(self) -> tuple[Any, Any]:
+        """``(train, val)``: the run's data as fixed-length token rows (next-token loss)."""
+        from ..data import build_datasets
+
+        cfg = self.cfg
+        return build_datasets(cfg.data, self.tokenizer, cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction,
+                              max_bytes=cfg.data_max_bytes)
+
+    def _prepare(self) -> None:
+        """What the data needs of the model before training or resuming: nothing for the
+        next-token loss (a preference objective's reference log-probabilities)."""
 
     def _trainer(self, fill: Callable[[str, torch.Tensor], None] | None) -> Trainer:
         """The optimizer, and the model behind ``train_step``: in memory, or streamed when

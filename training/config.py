@@ -16,7 +16,8 @@ from typing import Any, Mapping
 from ..activations.policy import ACTIVATION_COMPRESSION, ACTIVATION_POLICIES
 from ..dtypes import BF16_LEAN, DTYPES, PRECISIONS
 from ..errors import ConfigError
-from ..methods import FULL, method_traits
+from ..methods import FULL, SFT, method_traits, objective
+from ..methods import OBJECTIVES as _OBJECTIVE_REGISTRY
 from ..methods import METHODS as _METHOD_REGISTRY
 from ..offload.modes import DEVICE_CHOICES, NVME, OFFLOAD_MODES
 from ..optim import ZO_OPTIMIZERS as _ZO_REGISTRY
@@ -25,11 +26,12 @@ from ..optim import optimizer_names
 # The lists named here are defined by the package that owns the concept (methods in
 # outcore/methods.py) and only re-exported, for the command line's help.
 METHODS = tuple(_METHOD_REGISTRY)  # the registry's names (checks read the registry itself)
+OBJECTIVES = tuple(_OBJECTIVE_REGISTRY)
 OPTIMIZERS = optimizer_names()  # outcore.optim's registry: gradient-based, then zeroth-order
 ZO_OPTIMIZERS = tuple(_ZO_REGISTRY)  # the only optimizers of method "zo" (and only of it)
 UI_MODES = ("auto", "rich", "plain", "none")
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # report_to: experiment trackers (tui/trackers.py)
-__all__ = ["METHODS", "OPTIMIZERS", "ZO_OPTIMIZERS", "DTYPES", "OFFLOAD_MODES", "DEVICE_CHOICES",
+__all__ = ["METHODS", "OBJECTIVES", "OPTIMIZERS", "ZO_OPTIMIZERS", "DTYPES", "OFFLOAD_MODES", "DEVICE_CHOICES",
            "ACTIVATION_POLICIES", "UI_MODES", "TRACKERS", "PRECISIONS", "FinetuneConfig", "load_config", "save_config"]
 
 
@@ -45,6 +47,11 @@ class FinetuneConfig:
     seq_len: int = 256  # tokens per training sequence
     # --- how -----------------------------------------------------------------
     method: str = FULL  # one of METHODS
+    # one of OBJECTIVES: sft (next-token loss on data), or a preference objective on JSONL pairs
+    # {"prompt", "chosen", "rejected"} (TRL's format): dpo, orpo, simpo
+    objective: str = SFT
+    beta: float = 0.1  # dpo / orpo / simpo: the preference loss's temperature (TRL's beta)
+    simpo_gamma: float = 0.5  # simpo: the target reward margin (TRL's simpo_gamma)
     optim: str = "adamw"  # one of OPTIMIZERS
     optim_args: dict[str, Any] = field(default_factory=dict)  # optimizer-specific hyper-parameters
     lr: float = 5e-5  # peak learning rate
@@ -104,6 +111,7 @@ class FinetuneConfig:
     def validate(self) -> None:
         """Check every field; raise ConfigError naming the value and the rule."""
         _choice("method", self.method, tuple(_METHOD_REGISTRY))  # (a method registered since import too)
+        objective(self.objective)  # (an objective registered since import too)
         _choice("optim", self.optim, OPTIMIZERS)
         _choice("dtype", self.dtype, DTYPES)
         _choice("precision", self.precision, PRECISIONS)
@@ -136,6 +144,9 @@ class FinetuneConfig:
             raise ConfigError(
                 f"method={self.method!r} does not go with optim={self.optim!r}: "
                 f"method 'zo' needs optim {' or '.join(ZO_OPTIMIZERS)}, and those need method 'zo'")
+        if self.objective != SFT and self.zeroth_order:
+            raise ConfigError(f"objective={self.objective!r} trains with gradients; method 'zo' runs objective 'sft' "
+                              "only: use --method full, lora or qlora")
         if self.eval_task and self.zeroth_order:
             raise ConfigError(f"eval_task={self.eval_task!r} is not scored by method 'zo' yet; "
                               "drop it, or score the result with 'outcore eval RUN_DIR --task FILE'")
@@ -158,6 +169,9 @@ class FinetuneConfig:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a finite number >= 0")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"betas={list(self.betas)!r} must be two numbers in [0, 1), e.g. betas=0.9,0.999")
+        for name in ("beta", "simpo_gamma"):
+            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive finite number")
         if not self.lora_alpha > 0:
             raise ConfigError(f"lora_alpha={self.lora_alpha!r} must be > 0")
         if not 0.0 <= self.lora_dropout < 1.0:

@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 
 from ..errors import Interrupted, RankLostError
-from ..events import EvalEvent, EventSink, NullSink, RunFinished, RunStarted, StepEvent, TaskEvalEvent, perplexity
+from ..events import (EvalEvent, EventSink, NullSink, PreferenceEvalEvent, RunFinished, RunStarted, StepEvent,
+                      TaskEvalEvent, perplexity)
 from ..offload.device import resolve_device
 from ..offload.device_runtime import device_memory
 from ..offload.distributed import Ranks
@@ -82,6 +83,7 @@ class Evaluation:
 
     loss: float  # the held-out loss
     task: TaskEvalEvent | None = None  # the eval task's score, reported after the loss
+    preference: PreferenceEvalEvent | None = None  # a preference objective's held-out accuracy and margin
 
 
 class Recipe(Protocol):
@@ -273,8 +275,9 @@ class Run:
     def _evaluate(self, recipe: Recipe, step: int) -> float:
         result = recipe.evaluate(step)
         self.sink.emit(EvalEvent(step=step, eval_loss=result.loss, perplexity=perplexity(result.loss)))
-        if result.task is not None:
-            self.sink.emit(result.task)
+        for score in (result.task, result.preference):
+            if score is not None:
+                self.sink.emit(score)
         return result.loss
 
     def _save(self, recipe: Recipe) -> None:

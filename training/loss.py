@@ -80,3 +80,47 @@ def mean_eval_loss(loss_fn: Callable[[dict[str, torch.Tensor]], torch.Tensor], d
         total += float(loss_fn(batch)) * n
         tokens += n
     return total / max(tokens, 1)
+
+
+# --------------------------------------------------------------------------- preference losses
+# Each takes per-sequence log-probabilities of the completions (``[B]`` fp32: chosen and
+# rejected rows of one batch) and returns ``(loss, chosen_rewards, rejected_rewards)``, the
+# rewards detached, for the dashboard. The formulas are TRL's (tests check them against it).
+
+def sequence_logps(token_nll: torch.Tensor, labels: torch.Tensor, average: bool = False) -> torch.Tensor:
+    """``[B]``: the log-probability of each row's labelled tokens (their mean with ``average``),
+    from :meth:`CausalLMScorer.token_nll` (``[B, T]``, 0 off the labels)."""
+    logps = -token_nll.sum(dim=1)
+    if not average:
+        return logps
+    return logps / (labels[:, 1:] != -100).sum(dim=1).clamp(min=1)
+
+
+def dpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, ref_chosen: torch.Tensor, ref_rejected: torch.Tensor,
+             beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DPO (sigmoid): ``-log σ(β((π_c - ref_c) - (π_r - ref_r)))``, summed log-probabilities."""
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    loss = -F.logsigmoid(beta * (chosen_ratio - rejected_ratio)).mean()
+    return loss, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """``log(1 - exp(x))`` for x < 0, branching at -ln 2 to avoid cancellation."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def orpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, chosen_nll: torch.Tensor,
+              beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ORPO: the chosen completions' NLL minus ``β log σ(log odds(c) - log odds(r))``, on
+    per-token mean log-probabilities; no reference model."""
+    log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+    loss = chosen_nll - (beta * F.logsigmoid(log_odds)).mean()
+    return loss, beta * chosen.detach(), beta * rejected.detach()
+
+
+def simpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, beta: float,
+               gamma: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SimPO: ``-log σ(β(π_c - π_r) - γ)`` on per-token mean log-probabilities; no reference
+    model (TRL's CPO trainer with ``loss_type="simpo"``, ``cpo_alpha=0``)."""
+    loss = -F.logsigmoid(beta * ((chosen - rejected) - gamma / beta)).mean()
+    return loss, beta * chosen.detach(), beta * rejected.detach()

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..events import EvalEvent, RunFinished, RunStarted, StepEvent, TaskEvalEvent
+from ..events import EvalEvent, PreferenceEvalEvent, RunFinished, RunStarted, StepEvent, TaskEvalEvent
 from .format import (fmt_bytes, fmt_count, fmt_duration, fmt_float, fmt_gbps, fmt_lr,
                      fmt_percent, fmt_seconds, perplexity, sparkline)
 from .state import RunState, TierView
@@ -38,6 +38,7 @@ class _Snapshot:
     eval_losses: list[float]
     last_eval: tuple[int, float] | None
     task: tuple[TaskEvalEvent | None, TaskEvalEvent | None]  # the eval task before training, and the latest
+    preference: tuple[PreferenceEvalEvent | None, PreferenceEvalEvent | None]  # the held-out pairs, likewise
     eta_s: float | None
     stall: float | None
     tiers: list[TierView] = field(default_factory=list)
@@ -128,7 +129,8 @@ class Dashboard:
             s = self.state
             return _Snapshot(started=s.started, last=s.last, finished=s.finished,
                              losses=list(s.losses), eval_losses=list(s.eval_losses),
-                             last_eval=s.last_eval, task=s.task_before_after(), eta_s=s.eta_s(),
+                             last_eval=s.last_eval, task=s.task_before_after(), preference=s.preference_before_after(),
+                             eta_s=s.eta_s(),
                              stall=s.stall_share(),
                              tiers=list(s.tiers.values()))
 
@@ -228,6 +230,8 @@ class Dashboard:
         grid.add_row("loss", pair)
         if snap.task[0] is not None or snap.task[1] is not None:
             grid.add_row("task", _task_text(*snap.task))
+        if snap.preference[0] is not None or snap.preference[1] is not None:
+            grid.add_row("pairs", _preference_text(*snap.preference))
         if ev is not None:
             speed = Text.assemble((fmt_count(ev.tokens_per_s), "bold"), " tokens/s   ",
                                   (fmt_seconds(ev.step_s), "bold"), "/step   ",
@@ -306,6 +310,19 @@ def _params(n_params: int, n_trainable: int) -> str:
     if n_trainable == n_params:
         return f"{n_params / 1e6:,.1f}M params, all trainable"
     return f"{n_params / 1e6:,.1f}M params, {n_trainable / 1e6:,.1f}M trainable"
+
+
+def _preference_text(before: PreferenceEvalEvent | None, latest: PreferenceEvalEvent | None) -> Any:
+    """``accuracy 0.0% -> 75.0%  margin +0.0000 -> +0.4210  @40``: before training, then latest."""
+    from rich.text import Text
+
+    text = Text()
+    for name, fmt in (("accuracy", "{:.1%}"), ("margin", "{:+.4f}")):
+        values = [fmt.format(getattr(p, name)) for p in (before, latest) if p is not None]
+        text.append_text(Text.assemble((f"{name} ", "dim"), (" -> ".join(values), "bold"), "  "))
+    if latest is not None:
+        text.append(f"@{latest.step}", style="dim")
+    return text
 
 
 def _task_text(before: TaskEvalEvent | None, latest: TaskEvalEvent | None) -> Any:

@@ -24,6 +24,8 @@ Row format (strict JSON, one object per line)::
 * A TaskEvalEvent (``eval_task``) adds ``task_acc`` and ``task_acc_norm`` to its step's row
   the same way; the one before training gets a row of its own, ``{"step": 0, "eval_loss":
   ..., "task_acc": ..., "task_acc_norm": ..., "time": ...}`` (no ``loss``: no step ran).
+* A PreferenceEvalEvent (a preference objective) adds ``pref_accuracy`` and ``pref_margin``
+  the same way.
 * A resumed run appends to the same file. On its first step ``s`` the rows of steps
   ``>= s`` left by the interrupted run (logged after its last checkpoint) are dropped,
   so the file holds each step once. A fresh run (first step 1) therefore starts a new file.
@@ -37,7 +39,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from ..events import EvalEvent, RunFinished, RunStarted, StepEvent, TaskEvalEvent
+from ..events import EvalEvent, PreferenceEvalEvent, RunFinished, RunStarted, StepEvent, TaskEvalEvent
 
 METRICS_FILENAME = "metrics.jsonl"
 
@@ -121,7 +123,7 @@ class MetricsWriter:
         self._name = filename
         self._file: IO[bytes] | None = None
         self._pending_eval: EvalEvent | None = None
-        self._pending_task: TaskEvalEvent | None = None
+        self._pending_task: TaskEvalEvent | PreferenceEvalEvent | None = None
         self._last_row: dict[str, Any] | None = None  # the last row written, and where it starts
         self._last_offset = 0
         self._closed = False
@@ -153,7 +155,7 @@ class MetricsWriter:
                 # A trainer may send the EvalEvent of step s just before the StepEvent of s
                 # without filling StepEvent.eval_loss: merge it into that row.
                 self._pending_eval = event
-        elif isinstance(event, TaskEvalEvent):
+        elif isinstance(event, (TaskEvalEvent, PreferenceEvalEvent)):
             self._task(event)
         elif isinstance(event, StepEvent):
             self._write(event)
@@ -162,7 +164,7 @@ class MetricsWriter:
                 self._dir = Path(event.output_dir)
             self._flush()
 
-    def _task(self, event: TaskEvalEvent) -> None:
+    def _task(self, event: TaskEvalEvent | PreferenceEvalEvent) -> None:
         fields = {k: _clean(v) for k, v in event.to_row().items()}
         last = self._last_row
         if last is not None and last.get("step") == event.step:
@@ -175,7 +177,7 @@ class MetricsWriter:
     def _write(self, event: StepEvent) -> None:
         self._append(step_row(event), first_step=event.step, task=self._pending_task)
 
-    def _append(self, row: dict[str, Any], first_step: int, task: TaskEvalEvent | None) -> None:
+    def _append(self, row: dict[str, Any], first_step: int, task: TaskEvalEvent | PreferenceEvalEvent | None) -> None:
         """Write ``row`` with the pending eval and task results of its step merged in."""
         if self._dir is None:
             return  # no output directory: nothing to write to (make_sink(output_dir=None) without RunStarted)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from typing import IO, Any
 
-from ..events import EvalEvent, RunFinished, RunStarted, StepEvent, TaskEvalEvent
+from ..events import EvalEvent, PreferenceEvalEvent, RunFinished, RunStarted, StepEvent, TaskEvalEvent
 from .format import (fmt_bytes, fmt_count, fmt_duration, fmt_float, fmt_gbps, fmt_lr,
                      fmt_percent, fmt_seconds, perplexity)
 from .state import RunState, as_tier_stats
@@ -73,6 +73,11 @@ def task_line(ev: TaskEvalEvent) -> str:
     return f"task {ev.task} @ step {ev.step}: acc {ev.acc:.1%} ({right}/{ev.n}), acc_norm {ev.acc_norm:.1%}"
 
 
+def preference_line(ev: PreferenceEvalEvent) -> str:
+    """``preference @ step 20: accuracy 62.5% of 16 pairs, margin +0.0312``."""
+    return f"preference @ step {ev.step}: accuracy {ev.accuracy:.1%} of {ev.n} pairs, margin {ev.margin:+.4f}"
+
+
 class PlainView:
     """An EventSink view that prints plain lines.
 
@@ -108,6 +113,8 @@ class PlainView:
             self._write(eval_line(event))
         elif isinstance(event, TaskEvalEvent):
             self._write(task_line(event))
+        elif isinstance(event, PreferenceEvalEvent):
+            self._write(preference_line(event))
         elif isinstance(event, RunFinished):
             pass
 

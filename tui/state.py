@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from ..events import EvalEvent, RunFinished, RunStarted, StepEvent, TaskEvalEvent, TierStats
+from ..events import EvalEvent, PreferenceEvalEvent, RunFinished, RunStarted, StepEvent, TaskEvalEvent, TierStats
 
 HISTORY = 120  # loss points kept for sparklines
 
@@ -43,6 +43,7 @@ class RunState:
         self.evals: list[tuple[int, float]] = []  # (step, eval_loss) from EvalEvents and StepEvents
         self.last_eval: tuple[int, float] | None = None
         self.task_evals: list[TaskEvalEvent] = []  # each scoring of the eval task, in step order
+        self.preference_evals: list[PreferenceEvalEvent] = []  # a preference objective's held-out scores
         self.tiers: dict[str, TierView] = {}
         self.peak_device_bytes: int | None = None
         self._first: tuple[int, float] | None = None  # (step, elapsed_s) of the first event seen
@@ -60,6 +61,8 @@ class RunState:
             self._eval(event.step, event.eval_loss)
         elif isinstance(event, TaskEvalEvent):
             self.task_evals.append(event)
+        elif isinstance(event, PreferenceEvalEvent):
+            self.preference_evals.append(event)
         elif isinstance(event, RunFinished):
             self.finished = event
 
@@ -141,6 +144,12 @@ class RunState:
         """The task scored before training (step 0) and the last scoring after it."""
         before = next((t for t in self.task_evals if t.step == 0), None)
         after = next((t for t in reversed(self.task_evals) if t.step > 0), None)
+        return before, after
+
+    def preference_before_after(self) -> tuple[PreferenceEvalEvent | None, PreferenceEvalEvent | None]:
+        """The held-out pairs scored before training (step 0) and the last scoring after it."""
+        before = next((p for p in self.preference_evals if p.step == 0), None)
+        after = next((p for p in reversed(self.preference_evals) if p.step > 0), None)
         return before, after
 
     def base_eval_loss(self) -> float | None:
