@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..training.config import (ACTIVATION_COMPRESSION, ACTIVATION_POLICIES, METHODS, OFFLOAD_MODES, OPTIMIZERS,
-                              PRECISIONS, UI_MODES)
+from ..training.config import (ACTIVATION_COMPRESSION, ACTIVATION_POLICIES, METHODS, OBJECTIVES, OFFLOAD_MODES,
+                              OPTIMIZERS, PRECISIONS, UI_MODES)
 
 HELP = "fine-tune a model (no options: the embedded default)"
 DESCRIPTION = f"""\
@@ -21,6 +21,7 @@ Fine-tune a causal language model. With no options it fine-tunes the embedded
 default: SmolLM2-135M-Instruct on the Shakespeare corpus.
 
 methods:     {', '.join(METHODS)}
+objectives:  {', '.join(OBJECTIVES)} (preference objectives read JSONL prompt/chosen/rejected pairs)
 optimizers:  {', '.join(OPTIMIZERS)}
 
 Any config key can be set as key=value (e.g. lr=1e-4 eval_every=10
@@ -36,8 +37,10 @@ examples:
 FLAGS: tuple[tuple[str, str, Any, str | None, str], ...] = (
     ("--model", "model", str, "PATH|ID",
      "local Hugging Face directory, a .gguf file, a hub id, or 'default'"),
-    ("--data", "data", str, "PATH", "text file/folder or .jsonl (instruction or chat data), or 'default'"),
+    ("--data", "data", str, "PATH",
+     "text file/folder or .jsonl (instruction, chat or preference data), or 'default'"),
     ("--method", "method", str, "NAME", f"one of: {', '.join(METHODS)}"),
+    ("--objective", "objective", str, "NAME", f"one of: {', '.join(OBJECTIVES)}"),
     ("--optim", "optim", str, "NAME", f"one of: {', '.join(OPTIMIZERS)}"),
     ("--precision", "precision", str, "MODE", f"one of: {', '.join(PRECISIONS)} (bf16-lean: no fp32 master)"),
     ("--max-steps", "max_steps", int, "N", "optimizer steps"),
