@@ -45,9 +45,10 @@ IEEE-exact in both PyTorch and C++.
 
 Cost per element, one thread, 64K elements in cache, on the 2-core shared dev box (AMD EPYC
 Zen 4, 2026-11-26; noisy: the ratios are the figures to read, each measured side by side):
-torch's fused fp32 AdamW 0.93 ns; this kernel 0.83 ns (AVX512_VBMI), 1.17 (AVX512 without
-VBMI), 1.18 (AVX2), 6.3 (DEFAULT). The divider (sqrt and divide, ~0.28 ns) is shared with the
-fused update; the rest is the 8-bit work: quantization ~40%, dequantization (AVX2) ~25%.
+this kernel 0.83 ns (AVX512_VBMI), 1.17 (AVX512 without VBMI), 1.10 (AVX2), 6.3 (DEFAULT);
+from DRAM (16M elements) 0.87 (AVX512_VBMI) and 1.25 (AVX2) against torch's fused fp32 AdamW's
+0.78-0.86 (either ISA). The divider (sqrt and divide, ~0.28 ns) is common to both updates; the
+rest is the 8-bit work: quantization ~40%, dequantization (AVX2: scalar loads) ~25%.
 ``scripts/bench_optim.py`` measures whole optimizer steps per ISA level (``--isa``).
 """
 from __future__ import annotations

@@ -27,11 +27,12 @@ refreshes happen at step 0 only (``update_proj_gap`` 200), so the figures are th
 state.
 
     python scripts/bench_optim.py [--quick] [--json] [--steps N] [--impls] [--only a,b]
-                                  [--isa AVX2,AVX512] [--repeat N]
+                                  [--isa AVX2,AVX512] [--repeat N] [--threads N]
 
 ``--impls`` adds ``adamw8bit_ref`` (pure PyTorch) and ``adamw8bit_compile``
 (``torch.compile`` of it) next to the C++ kernel (``adamw8bit``). Threads:
-``torch.set_num_threads(os.cpu_count())`` for every mode.
+``torch.set_num_threads(os.cpu_count())`` for every mode, or ``--threads N`` (1: the cost per
+core, what a machine with more cores multiplies).
 
 Reading the ratio on a shared 2-core box: the fused fp32 update opens one parallel region
 per tensor, and with a neighbour's job on a core its threads wait on OpenMP barriers (0.5 s
@@ -148,9 +149,9 @@ def machine() -> dict:
             "date": time.strftime("%Y-%m-%d")}
 
 
-def run_once(names: list[str], quick: bool, steps: int, warmup: int) -> dict:
+def run_once(names: list[str], quick: bool, steps: int, warmup: int, threads: int) -> dict:
     """One process, one ISA level: every optimizer, interleaved round by round."""
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(threads)
     params = model_shaped(quick)
     n_params = sum(p.numel() for p in params)
     opts, times, cpu = {}, {}, {}
@@ -247,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--isa", default="", help="comma-separated ISA levels (DEFAULT, AVX2, AVX512, "
                     "AVX512_VBMI), each run in its own process; default: this process's level")
     ap.add_argument("--repeat", type=int, default=1, help="runs per ISA level (alternated; with --isa)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                    help="torch threads for every optimizer (default: all cores; 1: the cost per core)")
     args = ap.parse_args(argv)
     steps = args.steps or (3 if args.quick else 7)
     names = [FUSED, "bnb_adamw8bit", "adamw8bit", "lean_adamw8bit", "galore", "apollo", "apollo_mini", "frugal"]
@@ -261,14 +264,15 @@ def main(argv: list[str] | None = None) -> int:
         bad = [lv for lv in levels if lv not in supported_isa_levels()]
         if bad:
             ap.error(f"--isa {','.join(bad)}: this CPU runs {', '.join(supported_isa_levels())}")
-        child = ["--steps", str(steps), "--warmup", str(args.warmup), "--only", ",".join(names)]
+        child = ["--steps", str(steps), "--warmup", str(args.warmup), "--only", ",".join(names),
+                 "--threads", str(args.threads)]
         result = run_levels(levels, args.repeat, child + (["--quick"] if args.quick else []))
         if args.json:
             emit_json(json.dumps(result, indent=1))
         else:
             _print_levels(result)
         return 0
-    result = run_once(names, args.quick, steps, args.warmup)
+    result = run_once(names, args.quick, steps, args.warmup, args.threads)
     if args.json:
         emit_json(json.dumps(result, indent=1))
     else:
