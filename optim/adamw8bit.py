@@ -93,8 +93,10 @@ class AdamW8bit(OutcoreOptimizer):
 
     def _update_many_cpu(self, params: list[Tensor], grads: list[Tensor],
                          states: list[dict[str, Tensor]], group: dict[str, Any]) -> bool:
-        """All 8-bit tensors in one C++ call (CPU, impl auto/cpp); False if not applicable."""
-        if self.impl not in ("auto", "cpp") or len(params) < 2:
+        """All 8-bit tensors in one C++ call (CPU, impl auto/cpp; one tensor too: the direct call
+        skips the custom op's dispatch, ~50 us, which bf16-lean pays per 1M-element chunk);
+        False if not applicable."""
+        if self.impl not in ("auto", "cpp"):
             return False
         if not all(p.device.type == "cpu" and p.is_contiguous() and g.device.type == "cpu"
                    and g.dtype == torch.float32 and g.shape == p.shape for p, g in zip(params, grads)):

@@ -101,6 +101,8 @@ inline uint8_t quantize_one(float y, const uint8_t* bucket, const float* thr) {
   return static_cast<uint8_t>(c + (y > thr[c] ? 1 : 0));
 }
 
+#include "stochastic_round_cpu.h"  // bf16-lean's rounding, in the same extension
+
 #if defined(OUTCORE_AVX512)
 #include "adamw8bit_avx512.h"  // the vector block update (uses the definitions above)
 #elif defined(OUTCORE_AVX2)
@@ -341,10 +343,26 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_blockwise(torch::Tensor x, boo
   return {codes, absmax};
 }
 
+// Stochastic rounding of x (fp32) into out (bf16), in place (see stochastic_round_cpu.h).
+void stochastic_round(torch::Tensor out, torch::Tensor x, int64_t key, int64_t offset) {
+  const int64_t n = x.numel();
+  check(x, at::kFloat, n, "x");
+  check(out, at::kBFloat16, n, "out");
+  TORCH_CHECK(key >= 0 && offset >= 0, "key=", key, " and offset=", offset, " must be >= 0");
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const auto* xb = reinterpret_cast<const uint32_t*>(x.data_ptr<float>());
+  const uint64_t k = static_cast<uint64_t>(key);
+  at::parallel_for(0, n, 1 << 16, [&](int64_t a, int64_t b) {
+    stochastic_round_range(o, xb, a, b, static_cast<uint32_t>(k), static_cast<uint32_t>(k >> 32),
+                           static_cast<uint64_t>(offset));
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw8bit_update", &adamw8bit_update, "fused block-wise 8-bit AdamW update (in place)");
   m.def("adamw8bit_update_many", &adamw8bit_update_many,
         "fused block-wise 8-bit AdamW update of many tensors (in place, one parallel region)");
   m.def("quantize_blockwise", &quantize_blockwise, "block-wise 8-bit quantization (the update's path)");
+  m.def("stochastic_round", &stochastic_round, "fp32 -> bf16 stochastic rounding (in place)");
 }
 #endif  // OUTCORE_KERNEL_ONLY
