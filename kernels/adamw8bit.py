@@ -44,7 +44,7 @@ because ``torch.sqrt`` on CPU is not (1 ulp off for ~20% of inputs here); every 
 IEEE-exact in both PyTorch and C++.
 
 Cost per element, one thread, 64K elements in cache, on the 2-core shared dev box (AMD EPYC
-Zen 4, 2026-11-26; noisy: the ratios are the figures to read, each measured side by side):
+Zen 4, 2026-11-26; a stand-alone build of the kernel, ``OUTCORE_KERNEL_ONLY``; noisy):
 this kernel 0.83 ns (AVX512_VBMI), 1.17 (AVX512 without VBMI), 1.10 (AVX2), 6.3 (DEFAULT);
 from DRAM (16M elements) 0.87 (AVX512_VBMI) and 1.25 (AVX2) against torch's fused fp32 AdamW's
 0.78-0.86 (either ISA). The divider (sqrt and divide, ~0.28 ns) is common to both updates; the
