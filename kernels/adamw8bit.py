@@ -14,7 +14,8 @@ rounding per operation; the scalar coefficients are computed in Python (double) 
 rounded to fp32, as PyTorch does for Python scalars. The param step uses the fresh fp32
 moments, before they are requantized (as bitsandbytes does).
 
-Implementations (the tests check each claim):
+Implementations (the tests check each claim), all bit-identical to the reference for finite
+inputs:
 
 * :func:`adamw8bit_update_ref` — pure PyTorch; defines the numerics.
 * a C++ extension (``kernels/csrc/adamw8bit_cpu.cpp``), built on first use with
@@ -26,34 +27,29 @@ Implementations (the tests check each claim):
   an optimizer step in one call. The fastest CPU path; ``OUTCORE_NO_CPP_EXT=1`` disables
   it and the reference serves.
 
-  - Its scalar path (any CPU, and every partial last block) is bit-identical to the
-    reference: the 7 KiB bucket table of ``kernels/quantize.py`` and one rounding per op.
-  - Its AVX-512 path is *not* bit-identical, by design: FMAs, ``lr / (1 - beta1^t)`` folded
-    into the denominator, in-register exact map lookups (byte permutes, no gathers) and a
-    piecewise-linear quantizer whose tables are verified exhaustively
-    (``kernels/adamw8bit_segments.py``). Contract, per step against the reference from the
-    same state: params within 1e-6 relative, block absmax within 4 ulp, codes equal except
-    for values within ``SEG_TOL`` (2^-14) code spacings of a threshold, which may be one
-    code off (measured: ~1e-5 of ordinary values). Bit-exactness would cost ~1.4x the
-    cycles (a guard band with a scalar redo, no FMAs): measured, 0.72x the speed of torch's
-    fused fp32 AdamW in ``scripts/bench_optim.py``. The path is deterministic: the same bits for any thread
-    count, per tensor or batched, so out-of-core runs still equal in-memory runs bit for
-    bit (both call this kernel).
-* ``torch.compile`` of the reference (``impl="compile"``, for comparison in benchmarks),
-  bit-identical to the reference.
-* Triton for CUDA (``kernels/adamw8bit_triton.py``), bit-identical to the reference.
+  - Every level computes the reference's operations in its order, one rounding each (no
+    FMA in the update). Dequantization is an exact table lookup (AVX-512: byte or fp32
+    permutes in registers; AVX2: scalar loads; scalar: the map). Quantization: the scalar
+    path uses the 7 KiB bucket table of ``kernels/quantize.py``; the vector paths a
+    piecewise-linear quantizer (``kernels/adamw8bit_segments.py``: tables verified
+    exhaustively) that hands the rare values next to a code boundary (~1e-4) to the bucket
+    table, so its codes are the reference's.
+  - Deterministic: the same bits for any thread count, per tensor or batched, so out-of-core
+    runs equal in-memory runs bit for bit (both call this kernel), and at every ISA level.
+* ``torch.compile`` of the reference (``impl="compile"``, for comparison in benchmarks).
+* Triton for CUDA (``kernels/adamw8bit_triton.py``).
 
 The reference's fp32 sqrt is made correctly rounded (numpy's, the hardware instruction)
 because ``torch.sqrt`` on CPU is not (1 ulp off for ~20% of inputs here); every other op is
 IEEE-exact in both PyTorch and C++.
 
-Measured on the 2-core shared dev box (AMD EPYC, Zen 5; noisy; one thread, aligned data):
-the AVX-512 path ~0.35 ns/elem in cache and 0.40 from DRAM (~1.55 cycles per element in
-cache); torch's fused fp32 AdamW ~0.47 from DRAM. In ``scripts/bench_optim.py`` (50M params,
-2 threads, quiet window) the fused update took ~12 ms/step, this kernel ~11.5 (1.07x median
-of ten). The fused update is bound by memory (28 B/param against our 16), so the ratio
-moves with the bandwidth the host grants (see that script's docstring). ``--impls`` there
-compares ref / compile / C++ and the fused fp32 AdamW.
+Cost per element, one thread, 64K elements in cache, on the 2-core shared dev box (AMD EPYC
+Zen 4, 2026-11-26; a stand-alone build of the kernel, ``OUTCORE_KERNEL_ONLY``; noisy):
+this kernel 0.83 ns (AVX512_VBMI), 1.17 (AVX512 without VBMI), 1.10 (AVX2), 6.3 (DEFAULT);
+from DRAM (16M elements) 0.87 (AVX512_VBMI) and 1.25 (AVX2) against torch's fused fp32 AdamW's
+0.78-0.86 (either ISA). The divider (sqrt and divide, ~0.28 ns) is common to both updates; the
+rest is the 8-bit work: quantization ~40%, dequantization (AVX2: scalar loads) ~25%.
+``scripts/bench_optim.py`` measures whole optimizer steps per ISA level (``--isa``).
 """
 from __future__ import annotations
 
@@ -212,6 +208,17 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def supported_isa_levels() -> tuple[str, ...]:
+    """The levels of :data:`ISA_LEVELS` this CPU can run, lowest first (``OUTCORE_CPU_ISA``
+    aside): torch's CPU capability (which checks the OS saves the vector registers), plus
+    VBMI from ``/proc/cpuinfo``."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    best = cap if cap in ("AVX2", "AVX512") else "DEFAULT"
+    if best == "AVX512" and "avx512vbmi" in _cpu_flags():
+        best = "AVX512_VBMI"
+    return ISA_LEVELS[: ISA_LEVELS.index(best) + 1]
+
+
 def cpu_isa() -> str:
     """The ISA level the CPU extension is built for on this machine.
 
@@ -221,10 +228,7 @@ def cpu_isa() -> str:
     Raises:
         ValueError: ``OUTCORE_CPU_ISA`` is unknown or above what this CPU supports.
     """
-    cap = torch.backends.cpu.get_cpu_capability()
-    best = cap if cap in ("AVX2", "AVX512") else "DEFAULT"
-    if best == "AVX512" and "avx512vbmi" in _cpu_flags():
-        best = "AVX512_VBMI"
+    best = supported_isa_levels()[-1]
     want = os.environ.get("OUTCORE_CPU_ISA", "").upper() or best
     if want not in ISA_LEVELS:
         raise ValueError(f"OUTCORE_CPU_ISA={want!r} is not one of {ISA_LEVELS}")
@@ -262,8 +266,8 @@ def _build_extension(isa: str):
     csrc = Path(__file__).with_name("csrc")
     src = csrc / "adamw8bit_cpu.cpp"
     # -fopenmp: at::parallel_for's OpenMP region is compiled into the extension (it binds to
-    # the libgomp torch already loaded). No -ffast-math and no FMA contraction: the scalar
-    # path is bit-exact (the AVX-512 path's FMAs are explicit intrinsics). The digest of every
+    # the libgomp torch already loaded). No -ffast-math and no FMA contraction: the update is
+    # bit-exact (the quantizer's one FMA is an explicit intrinsic). The digest of every
     # file in csrc/ is a flag because cpp_extension's cache key hashes the sources and flags
     # only, not the headers they include.
     digest = hashlib.sha1(b"".join(f.read_bytes() for f in sorted(csrc.iterdir()) if f.is_file()))

@@ -14,10 +14,11 @@ The random bits are not drawn from a generator stream: ``r`` for element ``i`` i
 step) by :func:`round_key`. So updating a tensor whole or in pieces, in memory or out of
 core, before or after a resume, rounds every element with the same bits.
 
-Backends: the pure-PyTorch reference, registered for every device (the CPU path), and a
-Triton kernel for CUDA (:mod:`outcore.kernels.stochastic_round_triton`), bit-identical to it
-(both compute the hash in exact 32-bit integer arithmetic); tested on CPU with
-``TRITON_INTERPRET=1``.
+Backends, bit-identical (all compute the hash in exact 32-bit integer arithmetic): the
+pure-PyTorch reference (:func:`stochastic_round_ref_`, any device), the CPU C++ extension
+(``kernels/csrc/stochastic_round_cpu.h``, where it builds; else the reference) and a Triton
+kernel for CUDA (:mod:`outcore.kernels.stochastic_round_triton`; tested on CPU with
+``TRITON_INTERPRET=1``).
 """
 from __future__ import annotations
 
@@ -102,10 +103,10 @@ def _check(out: torch.Tensor, x: torch.Tensor, key: int, offset: int) -> None:
         raise ConfigError(f"stochastic_round_: key={key} must be in [0, 2**63) and offset={offset} >= 0")
 
 
-@torch.library.custom_op("outcore::stochastic_round_", mutates_args=("out",))
-def _stochastic_round_op(out: torch.Tensor, x: torch.Tensor, key: int, offset: int) -> None:
-    """Reference implementation (any device): passes of ``_SUB`` elements, in place on two int64
-    scratch buffers (fresh temporaries per op cost ~10x the arithmetic on CPU)."""
+def stochastic_round_ref_(out: torch.Tensor, x: torch.Tensor, key: int, offset: int) -> None:
+    """The reference (any device; checked inputs as :func:`stochastic_round_`): passes of
+    ``_SUB`` elements, in place on two int64 scratch buffers (fresh temporaries per op cost
+    ~10x the arithmetic on CPU)."""
     flat_x, flat_out = x.view(-1), out.view(torch.int16).view(-1)
     n = flat_x.numel()
     h = torch.empty(min(n, _SUB), dtype=torch.int64, device=x.device)
@@ -119,6 +120,25 @@ def _stochastic_round_op(out: torch.Tensor, x: torch.Tensor, key: int, offset: i
         if nan.any():  # a carry could turn a NaN into -0: keep its truncation
             r[nan] = t[nan] >> 16
         flat_out[a:b] = r.to(torch.int16)  # the low 16 bits, as int16 (a modular cast)
+
+
+@torch.library.custom_op("outcore::stochastic_round_", mutates_args=("out",))
+def _stochastic_round_op(out: torch.Tensor, x: torch.Tensor, key: int, offset: int) -> None:
+    """Any device without a kernel of its own: the reference."""
+    stochastic_round_ref_(out, x, key, offset)
+
+
+@_stochastic_round_op.register_kernel("cpu")
+def _(out, x, key, offset) -> None:
+    """The C++ extension's one-pass loop where it builds (``kernels/csrc/stochastic_round_cpu.h``,
+    bit-identical; ~100x the reference's tensor passes), else the reference."""
+    from .adamw8bit import cpu_extension  # the CPU kernels' extension, built on first use
+
+    ext = cpu_extension()
+    if ext is None:
+        stochastic_round_ref_(out, x, key, offset)
+    else:
+        ext.stochastic_round(out, x, key, offset)
 
 
 @_stochastic_round_op.register_fake
@@ -155,5 +175,12 @@ def stochastic_round_(out: torch.Tensor, x: torch.Tensor, key: int, offset: int 
     _check(out, x, key, offset)
     if out.is_cuda:
         _maybe_register_triton()
+    elif out.device.type == "cpu" and not torch.compiler.is_compiling():
+        from .adamw8bit import cpu_extension
+
+        ext = cpu_extension()
+        if ext is not None:  # the op's CPU kernel, without its dispatch (~50 us a call)
+            ext.stochastic_round(out, x, int(key), int(offset))
+            return out
     torch.ops.outcore.stochastic_round_(out, x, int(key), int(offset))
     return out

@@ -64,6 +64,7 @@ class LeanOptimizer(OutcoreOptimizer):
                     raise ConfigError(f"precision=bf16-lean trains bfloat16 weights, got {p.dtype} for a "
                                       f"tensor of shape {tuple(p.shape)}; load the model with dtype=bfloat16")
         self.inner, self.seed = inner, seed
+        self._scratch: dict[tuple[int, torch.device], Tensor] = {}  # see _widened
         super().__init__([dict(g) for g in inner.param_groups], inner.defaults)
 
     def state_spec(self, p: Tensor, group: dict[str, Any]) -> StateSpec:
@@ -122,11 +123,21 @@ class LeanOptimizer(OutcoreOptimizer):
             if b - a == n:  # one chunk: the tensor in its own shape (a projection needs its matrix)
                 w, wg, chunk = p.float(), g.float(), state
             else:
-                w, wg = flat_p[a:b].float(), flat_g[a:b].float()
+                w, wg = self._widened(0, flat_p[a:b]), self._widened(1, flat_g[a:b])
                 chunk = {kind: t if kind in whole else t.view(-1)[a // ratios[kind]:-(-b // ratios[kind])]
                          for kind, t in state.items()}
             self.inner.update([w], [wg], [chunk], group)
             stochastic_round_(flat_p[a:b], w.view(-1), key, offset + a)
+
+
+    def _widened(self, slot: int, src: Tensor) -> Tensor:
+        """``src`` (a chunk, at most ``CHUNK`` elements) in fp32, in one of two buffers reused
+        across chunks and steps: a fresh 4 MiB tensor per chunk is mapped anew by the allocator
+        and pays its page faults every time (measured: half the time of the widening)."""
+        buf = self._scratch.get((slot, src.device))
+        if buf is None:
+            buf = self._scratch[(slot, src.device)] = torch.empty(CHUNK, dtype=torch.float32, device=src.device)
+        return buf[: src.numel()].copy_(src)
 
 
 def _fp32(p: Tensor) -> Tensor:

@@ -1,15 +1,15 @@
-// The AVX-512 block update of the CPU 8-bit AdamW kernel (see adamw8bit_cpu.cpp, whose
-// file comment states the numerical contract). Included by adamw8bit_cpu.cpp inside its
-// anonymous namespace, after the constants, Coeffs and Maps it uses; one translation unit
-// only. kernels/adamw8bit.py hashes every file of kernels/csrc/ into the build flags, so an
-// edit here rebuilds the cached extension.
+// The AVX-512 block update of the CPU 8-bit AdamW kernel, bit-exact with the reference (see
+// adamw8bit_cpu.cpp for the contract and kernels/adamw8bit_segments.py for the quantizer's
+// model). Included by adamw8bit_cpu.cpp inside its anonymous namespace, after the definitions
+// it uses (kBlock, Coeffs, Maps, quantize_one); one translation unit only. kernels/adamw8bit.py
+// hashes every file of kernels/csrc/ into the build flags, so an edit here rebuilds the cache.
 //
-// Per block: dequantize both moments (Dequantizer), update (update_block_avx512: FMAs, IEEE
-// sqrt and divide) into two L1 buffers while taking their absmax, then requantize both
-// (SegmentQuantizer / codes64). On Zen 4/5 the vector permutes, shifts, converts and FP
-// multiplies share two pairs of the four FP pipes: the code keeps compares, clamps and maxima
-// in integer ops and issues independent chains stage by stage (perf: dispatch otherwise
-// stalls on a full FP scheduler).
+// Per block: dequantize both moments (Dequantizer: exact in-register lookups), update (the
+// reference's operations in its order: no FMA) into two L1 buffers while taking their absmax,
+// then requantize both (SegQuant, the same tables and arithmetic as the AVX2 path, 16 lanes).
+// On Zen 4 the vector permutes, shifts, converts and FP multiplies share two pairs of the
+// four FP pipes: the code keeps compares, clamps and maxima in integer ops and issues
+// independent chains stage by stage (perf: dispatch otherwise stalls on a full FP scheduler).
 #pragma once
 
 #ifdef __AVX512VBMI__
@@ -79,139 +79,162 @@ struct Dequantizer {
 };
 #endif
 
-// The code of 16 normalized values (see the file comment and kernels/adamw8bit_segments.py,
-// whose numpy model is this code op for op). With a = |y| and k = a for y >= 0, the next
-// float above a for y < 0 (boundaries count as "below" for negative values: the reference's
-// ties go to the lower code):
-//   s = max(k >> 24, 48) & 15      (a slot of two binades; at most one piece boundary in it)
-//   j = s + (k > boundary[s])      (mod 16: column j holds the piece at the top of slot j - 1)
-//   f = fma(min(k, clamp[j]), slope[j], offset[j])
-// and the code is c = trunc(f) saturated to [0, 255] for y >= 0, and 254 - c saturated at 0
-// for y < 0: the signed map is symmetric about its code 127 (0.0) except for 1.0 (code
-// 255), so a negative value's code mirrors the positive code of its magnitude, and the
-// tables hold only positive pieces. Four one-register permutes; the compare and the clamp
-// are integer ops on the bit patterns (non-negative floats order like their bits), which
-// leaves the FP pipes (shared with the permutes on Zen) to the permutes, the fma and trunc.
+// The segment quantizer for 16 values (kernels/adamw8bit_segments.py: segment_code, op for
+// op). The 8-column tables are repeated in both halves of each register: vpermd reads 4 bits.
 template <bool kSigned>
-struct SegmentQuantizer {
-  __m512i bnd, clamp, pick;
+struct SegQuant {
+  __m512i bnd, clamp;  // signed map: the boundaries' bits doubled (all ones for none)
   __m512 slope, off;
-  explicit SegmentQuantizer(const float* seg) {
-    alignas(64) uint8_t idx[64];
-    for (int i = 0; i < 64; ++i) idx[i] = static_cast<uint8_t>(4 * (i & 31));
-    pick = _mm512_load_si512(idx);
-    bnd = _mm512_loadu_si512(seg);
-    slope = _mm512_loadu_ps(seg + kSegCols);
-    off = _mm512_loadu_ps(seg + 2 * kSegCols);
-    clamp = _mm512_loadu_si512(seg + 3 * kSegCols);
+  static __m512i twice(const float* row) {
+    const __m256i r = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(r), r, 1);
   }
-  // trunc(f) of 4 x 16 values as int32 (the sign is applied by the caller, on bytes).
-  // Stage by stage over the 4 vectors, not vector by vector: the chains are ~15 dependent
-  // ops long, and in program order one after another they fill Zen's FP scheduler with ops
-  // that wait on their predecessor (measured: dispatch stalled on it most cycles).
-  inline void code32x4(const __m512 y[4], __m512i c[4]) const {
-    __m512i key[4], e[4], j[4];
-    __m512 a[4];
-    for (int q = 0; q < 4; ++q) {
-      key[q] = _mm512_castps_si512(y[q]);
-      if (kSigned)  // |y|, plus one ulp where y < 0
-        key[q] = _mm512_add_epi32(_mm512_and_si512(key[q], _mm512_set1_epi32(0x7FFFFFFF)),
-                                  _mm512_srli_epi32(key[q], 31));
+  explicit SegQuant(const float* seg)
+      : bnd(kSigned ? _mm512_or_si512(_mm512_slli_epi32(twice(seg), 1), _mm512_srli_epi32(twice(seg), 30))
+                    : twice(seg)),
+        clamp(twice(seg + 3 * kSegCols)),
+        slope(_mm512_castsi512_ps(twice(seg + kSegCols))), off(_mm512_castsi512_ps(twice(seg + 2 * kSegCols))) {}
+  // The bits of the biased f of y[0..n) (bits 15..22: the positive code), stage by stage over
+  // the n vectors: each is a chain of ~25 cycles of latency (mulhi, three permutes, fma).
+  template <int n>
+  inline void f_bits(const __m512 y[n], __m512i fb[n]) const {
+    // the key, doubled for the signed map: |y|'s bits rotated left by one, the sign in bit 0
+    // (an ulp of the doubled key where y < 0); f reads |y|
+    constexpr int kShift = kSigned ? 24 : 23;  // to the fp32 exponent
+    __m512i a[n], key[n], q[n];
+    for (int k = 0; k < n; ++k) {
+      key[k] = kSigned ? _mm512_rol_epi32(_mm512_castps_si512(y[k]), 1) : _mm512_castps_si512(y[k]);
+      a[k] = kSigned ? _mm512_srli_epi32(key[k], 1) : key[k];
     }
-    // permutexvar reads the low 4 bits: (k >> 24) 48..63 are slots 0..15, i.e. |y| < 2
-    for (int q = 0; q < 4; ++q)
-      e[q] = _mm512_max_epu32(_mm512_srli_epi32(key[q], 24), _mm512_set1_epi32(kSegSlotLo));
-    // + (k > boundary): the sign of boundary - k as 0 / -1, subtracted (boundary -1 where none)
-    for (int q = 0; q < 4; ++q) j[q] = _mm512_sub_epi32(_mm512_permutexvar_epi32(e[q], bnd), key[q]);
-    for (int q = 0; q < 4; ++q) j[q] = _mm512_sub_epi32(e[q], _mm512_srai_epi32(j[q], 31));
-    for (int q = 0; q < 4; ++q)
-      a[q] = _mm512_castsi512_ps(_mm512_min_epu32(key[q], _mm512_permutexvar_epi32(j[q], clamp)));
-    for (int q = 0; q < 4; ++q)
-      a[q] = _mm512_fmadd_ps(a[q], _mm512_permutexvar_ps(j[q], slope), _mm512_permutexvar_ps(j[q], off));
-    for (int q = 0; q < 4; ++q) c[q] = _mm512_cvttps_epi32(a[q]);
+    for (int k = 0; k < n; ++k)  // slot: vpermd reads q & 15, the tables repeat every 8
+      q[k] = _mm512_mulhi_epu16(_mm512_srli_epi32(_mm512_max_epu32(key[k], _mm512_set1_epi32(kSegELo << kShift)), kShift),
+                                _mm512_set1_epi32(kSegSlotMul));
+    for (int k = 0; k < n; ++k)  // column: + (key > boundary)
+      q[k] = _mm512_mask_add_epi32(q[k], _mm512_cmpgt_epu32_mask(key[k], _mm512_permutexvar_epi32(q[k], bnd)),
+                                   q[k], _mm512_set1_epi32(1));
+    for (int k = 0; k < n; ++k) a[k] = _mm512_min_epi32(a[k], _mm512_permutexvar_epi32(q[k], clamp));
+    for (int k = 0; k < n; ++k)
+      fb[k] = _mm512_castps_si512(_mm512_fmadd_ps(_mm512_castsi512_ps(a[k]), _mm512_permutexvar_ps(q[k], slope),
+                                                  _mm512_permutexvar_ps(q[k], off)));
+  }
+  // Codes of 64 values y[0..3] into out; folds f's fraction (units of 2^-15, below 2 * near
+  // exactly in the guard band) into *dmin.
+  inline void codes64(const __m512 y[4], uint8_t* __restrict out, __m512i* dmin) const {
+    __m512i c[4];
+    f_bits<4>(y, c);
+    for (int k = 0; k < 4; ++k) {
+      *dmin = _mm512_min_epu32(*dmin, _mm512_and_si512(c[k], _mm512_set1_epi32(0x7FFF)));
+      c[k] = _mm512_srli_epi32(c[k], 15);  // 0x8700 + code: byte 0 is the code
+    }
+    store_codes64(c, y, out);
+  }
+  // Byte 0 of each dword of c[0..3] to out, mirrored to 254 - code (saturating: the mirror of
+  // 255 is 0) where y < 0 for the signed map.
+  static inline void store_codes64(const __m512i c[4], const __m512 y[4], uint8_t* __restrict out) {
+#ifdef __AVX512VBMI__
+    // byte k (and 32 + k) of a two-register byte permute = byte 4k of the 128 bytes (a, b),
+    // i.e. element k of a (k < 16) or of b; the blend takes bytes 0..31 from (c0, c1)
+    alignas(64) static constexpr uint8_t kPick[64] = {
+        0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64, 68, 72, 76, 80, 84, 88, 92,
+        96, 100, 104, 108, 112, 116, 120, 124, 0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60,
+        64, 68, 72, 76, 80, 84, 88, 92, 96, 100, 104, 108, 112, 116, 120, 124};
+    const __m512i pick = _mm512_load_si512(kPick);
+    __m512i b = _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, _mm512_permutex2var_epi8(c[0], pick, c[1]),
+                                       _mm512_permutex2var_epi8(c[2], pick, c[3]));
+#else
+    // truncating packs (vpmovdb), 16 codes each
+    __m512i b = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_set_m128i(_mm512_cvtepi32_epi8(c[1]), _mm512_cvtepi32_epi8(c[0]))),
+        _mm256_set_m128i(_mm512_cvtepi32_epi8(c[3]), _mm512_cvtepi32_epi8(c[2])), 1);
+#endif
+    if (kSigned) {
+      const __mmask64 n = _mm512_kunpackd(
+          _mm512_kunpackw(_mm512_movepi32_mask(_mm512_castps_si512(y[3])), _mm512_movepi32_mask(_mm512_castps_si512(y[2]))),
+          _mm512_kunpackw(_mm512_movepi32_mask(_mm512_castps_si512(y[1])), _mm512_movepi32_mask(_mm512_castps_si512(y[0]))));
+      b = _mm512_mask_subs_epu8(b, n, _mm512_set1_epi8(static_cast<char>(254)), b);
+    }
+    _mm512_storeu_si512(out, b);
   }
 };
 
-// Codes of 64 normalized values y into out: trunc(f) as int32 (in [0, 255] already: f lies
-// in (-1, 256) by construction of the tables, NaN gives code 0), byte 0 of every dword
-// gathered by two byte permutes and a blend (VBMI) or two packs and a permute; for the
-// signed map, 254 - code (saturating) where y < 0.
-template <bool kSigned>
-inline void codes64(const SegmentQuantizer<kSigned>& q, const __m512 y[4], uint8_t* __restrict out) {
-  __m512i c[4];
-  q.code32x4(y, c);
-#ifdef __AVX512VBMI__
-  // pick: byte k (and 32 + k) of the result = byte 4k of the 128 bytes (a, b), i.e. element
-  // k of a (k < 16) or of b; the blend takes bytes 0..31 from (c0, c1), 32..63 from (c2, c3)
-  const __m512i lo = _mm512_permutex2var_epi8(c[0], q.pick, c[1]);
-  const __m512i hi = _mm512_permutex2var_epi8(c[2], q.pick, c[3]);
-  __m512i b = _mm512_mask_blend_epi8(0xFFFFFFFF00000000ull, lo, hi);
-#else
-  // two saturating packs (per 128-bit lane), then dword 4l + j (elements 4l..4l+3 of vector
-  // j) to position 4j + l
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  __m512i b = _mm512_permutexvar_epi32(order, _mm512_packus_epi16(_mm512_packus_epi32(c[0], c[1]),
-                                                                   _mm512_packus_epi32(c[2], c[3])));
-#endif
-  if (kSigned) {
-    const __mmask64 n = _mm512_kunpackd(
-        _mm512_kunpackw(_mm512_movepi32_mask(_mm512_castps_si512(y[3])), _mm512_movepi32_mask(_mm512_castps_si512(y[2]))),
-        _mm512_kunpackw(_mm512_movepi32_mask(_mm512_castps_si512(y[1])), _mm512_movepi32_mask(_mm512_castps_si512(y[0]))));
-    b = _mm512_mask_subs_epu8(b, n, _mm512_set1_epi8(static_cast<char>(254)), b);
-  }
-  _mm512_storeu_si512(out, b);
-}
+struct VecTables {
+  const Maps* maps;
+  Dequantizer deq_m, deq_v;
+  SegQuant<true> quant_m;
+  SegQuant<false> quant_v;
+  explicit VecTables(const Maps& t)
+      : maps(&t), deq_m(t.qm), deq_v(t.qv), quant_m(t.seg_m), quant_v(t.seg_v) {}
+};
 
-inline __m512 block_inv(float absmax) { return _mm512_set1_ps(absmax > 0.f ? 1.f / absmax : 1.f); }
+inline float block_inv(float absmax) { return absmax > 0.f ? 1.f / absmax : 1.f; }
+
+// The guarded lanes of a block (rare: ~1e-4 of values), redone with the exact scalar method.
+template <bool kSigned>
+void fix_guarded(const float* __restrict buf, float inv, uint8_t* __restrict codes,
+                 const SegQuant<kSigned>& q, const uint8_t* bucket, const float* thr) {
+  const __m512 inv16 = _mm512_set1_ps(inv);
+  for (int64_t i = 0; i < kBlock; i += 16) {
+    const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(buf + i), inv16);
+    __m512i fb;
+    q.template f_bits<1>(&y, &fb);
+    __mmask16 mask = _mm512_cmplt_epu32_mask(_mm512_and_si512(fb, _mm512_set1_epi32(0x7FFF)),
+                                             _mm512_set1_epi32(2 * kSegNear));
+    for (; mask; mask &= mask - 1) {
+      const int l = __builtin_ctz(mask);
+      codes[i + l] = quantize_one(buf[i + l] * inv, bucket, thr);
+    }
+  }
+}
 
 // Codes of the 256 values buf[i] / absmax (one block).
 template <bool kSigned>
-inline void requantize_avx512(const float* __restrict buf, float absmax, uint8_t* __restrict codes,
-                              const SegmentQuantizer<kSigned>& q) {
-  const __m512 inv = block_inv(absmax);
+inline void requantize_vec(const float* __restrict buf, float absmax, uint8_t* __restrict codes,
+                           const SegQuant<kSigned>& q, const uint8_t* bucket, const float* thr) {
+  const float inv = block_inv(absmax);
+  const __m512 inv16 = _mm512_set1_ps(inv);
+  __m512i dmin = _mm512_set1_epi32(0x7FFF);
   for (int64_t i = 0; i < kBlock; i += 64) {
     __m512 y[4];
-    for (int j = 0; j < 4; ++j) y[j] = _mm512_mul_ps(_mm512_loadu_ps(buf + i + 16 * j), inv);
-    codes64(q, y, codes + i);
+    for (int k = 0; k < 4; ++k) y[k] = _mm512_mul_ps(_mm512_loadu_ps(buf + i + 16 * k), inv16);
+    q.codes64(y, codes + i, &dmin);
   }
+  if (_mm512_reduce_min_epu32(dmin) < static_cast<uint32_t>(2 * kSegNear)) fix_guarded(buf, inv, codes, q, bucket, thr);
 }
 
-// Both moments of one block in one loop: two independent chains side by side for the
+// Both moments' codes of one block in one loop: two independent chains side by side for the
 // out-of-order core (each alone leaves it waiting on its own latencies).
-inline void requantize_both_avx512(const float* __restrict mbuf, float am, uint8_t* __restrict mcb,
-                                   const SegmentQuantizer<true>& qm, const float* __restrict vbuf,
-                                   float av, uint8_t* __restrict vcb, const SegmentQuantizer<false>& qv) {
-  const __m512 inv_m = block_inv(am), inv_v = block_inv(av);
+inline void requantize_both_vec(const float* __restrict mbuf, float am, uint8_t* __restrict mcb,
+                                const float* __restrict vbuf, float av, uint8_t* __restrict vcb,
+                                const VecTables& T) {
+  const float inv_m = block_inv(am), inv_v = block_inv(av);
+  const __m512 im = _mm512_set1_ps(inv_m), iv = _mm512_set1_ps(inv_v);
+  __m512i dmin_m = _mm512_set1_epi32(0x7FFF), dmin_v = dmin_m;
   for (int64_t i = 0; i < kBlock; i += 64) {
     __m512 ym[4], yv[4];
-    for (int j = 0; j < 4; ++j) ym[j] = _mm512_mul_ps(_mm512_loadu_ps(mbuf + i + 16 * j), inv_m);
-    for (int j = 0; j < 4; ++j) yv[j] = _mm512_mul_ps(_mm512_loadu_ps(vbuf + i + 16 * j), inv_v);
-    codes64(qm, ym, mcb + i);
-    codes64(qv, yv, vcb + i);
+    for (int k = 0; k < 4; ++k) ym[k] = _mm512_mul_ps(_mm512_loadu_ps(mbuf + i + 16 * k), im);
+    for (int k = 0; k < 4; ++k) yv[k] = _mm512_mul_ps(_mm512_loadu_ps(vbuf + i + 16 * k), iv);
+    T.quant_m.codes64(ym, mcb + i, &dmin_m);
+    T.quant_v.codes64(yv, vcb + i, &dmin_v);
   }
+  const Maps& t = *T.maps;
+  const auto hit = [](__m512i d) { return _mm512_reduce_min_epu32(d) < static_cast<uint32_t>(2 * kSegNear); };
+  if (hit(dmin_m)) fix_guarded(mbuf, inv_m, mcb, T.quant_m, t.bucket_m, t.thr_m);
+  if (hit(dmin_v)) fix_guarded(vbuf, inv_v, vcb, T.quant_v, t.bucket_v, t.thr_v);
 }
 
-struct Avx512Tables {
-  Dequantizer deq_m, deq_v;
-  SegmentQuantizer<true> quant_m;
-  SegmentQuantizer<false> quant_v;
-  explicit Avx512Tables(const Maps& t) : deq_m(t.qm), deq_v(t.qv), quant_m(t.seg_m), quant_v(t.seg_v) {}
-};
-
-// The moments and the param of one full 256-element block, with FMAs (see the file comment
-// for the tolerance); the fresh moments go to mbuf / vbuf, their absmax to *ma_b / *va_b:
-//   m = fma(deq_m, absmax_m * b1, g * (1 - b1))
-//   v = fma(deq_v, absmax_v * b2, g * (g * (1 - b2)))
-//   p = p * decay - m / fma(sqrt(v), inv_bc2_sqrt / step_size, eps / step_size)
+// The moments and the param of one full 256-element block, as the reference computes them
+// (one rounding per operation, in its order); fresh moments to mbuf / vbuf, their absmax to
+// *ma_b / *va_b.
 inline void update_block_avx512(float* __restrict pb, const float* __restrict gb,
-                                uint8_t* __restrict mcb, float* __restrict ma_b,
-                                uint8_t* __restrict vcb, float* __restrict va_b,
-                                const Avx512Tables& T, float* __restrict mbuf,
+                                const uint8_t* __restrict mcb, float* __restrict ma_b,
+                                const uint8_t* __restrict vcb, float* __restrict va_b,
+                                const VecTables& T, float* __restrict mbuf,
                                 float* __restrict vbuf, const Coeffs& c) {
-  const __m512 amb1 = _mm512_set1_ps(*ma_b * c.beta1), avb2 = _mm512_set1_ps(*va_b * c.beta2);
-  const __m512 omb1 = _mm512_set1_ps(c.one_minus_beta1), omb2 = _mm512_set1_ps(c.one_minus_beta2);
-  const __m512 dscale = _mm512_set1_ps(c.denom_scale), deps = _mm512_set1_ps(c.denom_eps);
-  const __m512 decay = _mm512_set1_ps(c.decay);
+  const __m512 am = _mm512_set1_ps(*ma_b), av = _mm512_set1_ps(*va_b);
+  const __m512 b1 = _mm512_set1_ps(c.beta1), omb1 = _mm512_set1_ps(c.one_minus_beta1);
+  const __m512 b2 = _mm512_set1_ps(c.beta2), omb2 = _mm512_set1_ps(c.one_minus_beta2);
+  const __m512 ibc2 = _mm512_set1_ps(c.inv_bc2_sqrt), eps = _mm512_set1_ps(c.eps);
+  const __m512 ss = _mm512_set1_ps(c.step_size), decay = _mm512_set1_ps(c.decay);
   // absmax as the integer max of the |.| bit patterns: integer pipes, not the busy FP ones
   const __m512i abs_mask = _mm512_set1_epi32(0x7FFFFFFF);
   __m512i amax_m = _mm512_setzero_si512(), amax_v = _mm512_setzero_si512();
@@ -222,10 +245,13 @@ inline void update_block_avx512(float* __restrict pb, const float* __restrict gb
     for (int q = 0; q < 4; ++q) {
       const int64_t i = i0 + 16 * q;
       const __m512 g = _mm512_loadu_ps(gb + i);
-      const __m512 m = _mm512_fmadd_ps(mq[q], amb1, _mm512_mul_ps(g, omb1));
-      const __m512 v = _mm512_fmadd_ps(vq[q], avb2, _mm512_mul_ps(g, _mm512_mul_ps(g, omb2)));
-      const __m512 denom = _mm512_fmadd_ps(_mm512_sqrt_ps(v), dscale, deps);
-      _mm512_storeu_ps(pb + i, _mm512_fmsub_ps(_mm512_loadu_ps(pb + i), decay, _mm512_div_ps(m, denom)));
+      __m512 m = _mm512_mul_ps(mq[q], am);
+      __m512 v = _mm512_mul_ps(vq[q], av);
+      m = _mm512_add_ps(_mm512_mul_ps(m, b1), _mm512_mul_ps(g, omb1));
+      v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(g, g), omb2));
+      const __m512 denom = _mm512_add_ps(_mm512_mul_ps(_mm512_sqrt_ps(v), ibc2), eps);
+      const __m512 p = _mm512_mul_ps(_mm512_loadu_ps(pb + i), decay);
+      _mm512_storeu_ps(pb + i, _mm512_sub_ps(p, _mm512_mul_ps(_mm512_div_ps(m, denom), ss)));
       _mm512_store_ps(mbuf + i, m);
       _mm512_store_ps(vbuf + i, v);
       amax_m = _mm512_max_epu32(amax_m, _mm512_and_si512(_mm512_castps_si512(m), abs_mask));
@@ -234,4 +260,17 @@ inline void update_block_avx512(float* __restrict pb, const float* __restrict gb
   }
   *ma_b = _mm512_reduce_max_ps(_mm512_castsi512_ps(amax_m));
   *va_b = _mm512_reduce_max_ps(_mm512_castsi512_ps(amax_v));
+}
+
+// Full blocks [b0, b1) of one tensor: each block's update, then its requantization (the
+// moments' absmax must be known first).
+inline void update_blocks_vec(float* p, const float* g, uint8_t* mc, float* ma, uint8_t* vc, float* va,
+                              const VecTables& T, int64_t b0, int64_t b1, const Coeffs& c) {
+  alignas(64) float mbuf[kBlock];
+  alignas(64) float vbuf[kBlock];
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t s = b * kBlock;
+    update_block_avx512(p + s, g + s, mc + s, ma + b, vc + s, va + b, T, mbuf, vbuf, c);
+    requantize_both_vec(mbuf, ma[b], mc + s, vbuf, va[b], vc + s, T);
+  }
 }

@@ -8,34 +8,23 @@
 // for bit whatever the thread count, the chunking, or whether tensors come one per call or
 // batched, or a tensor in 4096-aligned pieces (the out-of-core engine relies on it).
 //
-// Numerical contract (the tests in tests/kernels/test_adamw8bit_kernel.py check it):
-// * scalar path (any CPU; partial blocks everywhere): bit-exact with the pure-PyTorch
-//   reference in kernels/adamw8bit.py: one IEEE-rounded fp32 op per reference op, in its
-//   order; the build passes -ffp-contract=off and no -ffast-math.
-// * AVX-512 path (full blocks): the same update with FMAs (explicit intrinsics, so the build
-//   flags do not matter) and step_size folded into the denominator, IEEE sqrt and divide;
-//   the quantizer below. Per step, against the reference from the same state: params within
-//   1e-6 relative, absmax within 4 ulp, codes equal except next to a threshold (within
-//   SEG_TOL = 2^-14 code spacings; measured: ~1e-5 of ordinary values), and there one off.
-//   This replaced bit-exactness in 2026-11 (issue #5): the exact quantizer needed a guard
-//   band with a scalar redo, no FMAs and a second rounding everywhere: ~1.4x the cycles.
+// Numerical contract: every path, at every ISA level, is bit-identical to the pure-PyTorch
+// reference in kernels/adamw8bit.py for finite inputs (tests/kernels/test_adamw8bit_kernel.py
+// runs each level the CPU supports): one IEEE-rounded fp32 operation per reference operation,
+// in its order (no FMA in the update; the build passes -ffp-contract=off, no -ffast-math),
+// and the reference's codes.
 //
-// Paths (chosen at build time by the ISA flags kernels/adamw8bit.py passes):
-// * AVX-512 (F/BW/VL/DQ): 16 lanes per instruction, no gathers (they run at ~3 ns per 16
-//   lanes on the CPUs measured, slower than the rest of the update together).
-//   - dequantization (Dequantizer), exact map lookups: with AVX512-VBMI the 256-entry map is
-//     4 byte planes and 64 codes are looked up at once with byte permutes; without VBMI,
-//     fp32 permutes over the map held in 16 registers.
-//   - quantization (SegmentQuantizer): code = trunc(f) of a piecewise-linear f(|y|) whose
-//     pieces are the map's decades (the dynamic map is linear within a decade), negative
-//     values mirrored onto positive ones. One one-register permute finds the piece's
-//     boundary, three more its line; tables built and *verified exhaustively* in Python
-//     (kernels/adamw8bit_segments.py), which is where the tolerance above is proven.
-//   The code is in adamw8bit_avx512.h. Measured on the dev box (AMD EPYC Zen 5, one thread,
-//   64-byte aligned data, noisy): 0.35 ns per element in L2/L3 (~1.55 cycles), 0.40 from
-//   DRAM; the bit-exact kernel 0.50 / 0.53.
-// * scalar (any CPU, and partial blocks): dequantize through the map, quantize with the
-//   16-bit bucket table + one threshold comparison of kernels/quantize.py (equal to the
+// Paths (chosen at build time by the ISA flags kernels/adamw8bit.py passes), full blocks:
+// * AVX-512 (F/BW/VL/DQ, adamw8bit_avx512.h): 16 lanes; dequantization by in-register byte
+//   permutes (VBMI) or fp32 permutes, no gathers (they run at ~3 ns per 16 lanes here).
+// * AVX2 + FMA (adamw8bit_avx2.h): 8 lanes; dequantization by scalar loads.
+// Both quantize with the segment quantizer (kernels/adamw8bit_segments.py): the code is the
+// integer part of a piecewise-linear f(|y|) whose pieces are the map's decades (the dynamic
+// map is linear within a decade), four one-register table lookups; tables built and
+// *verified exhaustively* in Python. Values within a guard band of a code boundary (~1e-4 of
+// them) are redone with the exact scalar method, so the codes are the reference's.
+// * scalar (any CPU, and partial blocks everywhere): dequantize through the map, quantize with
+//   the 16-bit bucket table + one threshold comparison of kernels/quantize.py (equal to the
 //   reference's searchsorted by construction).
 #ifndef OUTCORE_KERNEL_ONLY  // defined by stand-alone micro-benchmarks of the kernel (no torch)
 #include <torch/extension.h>
@@ -51,6 +40,11 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define OUTCORE_AVX512 1
+#define OUTCORE_VEC 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define OUTCORE_AVX2 1
+#define OUTCORE_VEC 1
 #endif
 
 namespace {
@@ -66,28 +60,25 @@ constexpr int32_t kBucketMin = 100 << 7;
 constexpr int32_t kBucketMax = (128 << 7) - 1;
 constexpr int32_t kBucketsPerSign = kBucketMax - kBucketMin + 1;
 constexpr int64_t kTableBytes = 2 * kBucketsPerSign + 4;
-// Segment tables (kernels/adamw8bit_segments.py: segment_tables): rows boundary (per slot of
-// two binades), slope, offset, clamp (per column, see SegmentQuantizer); 16 columns.
+// Segment tables (kernels/adamw8bit_segments.py, whose constants these are): rows boundary
+// (per slot), slope, biased offset, clamp (per piece); 8 columns.
 constexpr int64_t kSegRows = 4;
-constexpr int64_t kSegCols = 16;
-constexpr int32_t kSegSlotLo = 48;  // slot s: fp32 exponents 96 + 2s, 97 + 2s (s < 16)
+constexpr int64_t kSegCols = 8;
+constexpr int32_t kSegELo = 107;         // SEG_E_LO
+constexpr int32_t kSegSlotMul = 22100;   // SEG_SLOT_MUL
+constexpr int32_t kSegNear = 2;          // SEG_NEAR
+constexpr int32_t kBiasBits = 0x43800000;  // 256.0f: f's bits are this + code * 2^15 + fraction
 
-// The step's scalars, rounded to fp32 as PyTorch rounds Python scalars for fp32 tensors. The
-// first eight are the reference's (kernels/adamw8bit.py: Coefficients); the AVX-512 path folds
-// step_size into the denominator: denom_scale = inv_bc2_sqrt / step_size and denom_eps =
-// eps / step_size (computed in double; for lr = 0, +inf makes the param step exactly 0).
+// The step's scalars, rounded to fp32 as PyTorch rounds Python scalars for fp32 tensors (the
+// reference's, kernels/adamw8bit.py: Coefficients).
 struct Coeffs {
   float beta1, one_minus_beta1, beta2, one_minus_beta2, inv_bc2_sqrt, eps, step_size, decay;
-  float denom_scale, denom_eps;
 };
 
 inline Coeffs make_coeffs(const double* k) {
-  const bool moves = k[6] > 0.0;
   return Coeffs{static_cast<float>(k[0]), static_cast<float>(k[1]), static_cast<float>(k[2]),
                 static_cast<float>(k[3]), static_cast<float>(k[4]), static_cast<float>(k[5]),
-                static_cast<float>(k[6]), static_cast<float>(k[7]),
-                moves ? static_cast<float>(k[4] / k[6]) : 0.f,
-                moves ? static_cast<float>(k[5] / k[6]) : INFINITY};
+                static_cast<float>(k[6]), static_cast<float>(k[7])};
 }
 
 struct Maps {  // everything a block update reads besides its own data
@@ -110,8 +101,12 @@ inline uint8_t quantize_one(float y, const uint8_t* bucket, const float* thr) {
   return static_cast<uint8_t>(c + (y > thr[c] ? 1 : 0));
 }
 
-#ifdef OUTCORE_AVX512
-#include "adamw8bit_avx512.h"  // the AVX-512 block update (uses the definitions above)
+#include "stochastic_round_cpu.h"  // bf16-lean's rounding, in the same extension
+
+#if defined(OUTCORE_AVX512)
+#include "adamw8bit_avx512.h"  // the vector block update (uses the definitions above)
+#elif defined(OUTCORE_AVX2)
+#include "adamw8bit_avx2.h"
 #endif
 
 void update_block_scalar(float* __restrict pb, const float* __restrict gb, uint8_t* __restrict mcb,
@@ -146,8 +141,8 @@ void update_block_scalar(float* __restrict pb, const float* __restrict gb, uint8
   }
 }
 
-#ifdef OUTCORE_AVX512
-using Tables = Avx512Tables;
+#ifdef OUTCORE_VEC
+using Tables = VecTables;
 #else
 struct Tables {
   explicit Tables(const Maps&) {}
@@ -157,22 +152,18 @@ struct Tables {
 void update_range(float* p, const float* g, uint8_t* mc, float* ma, uint8_t* vc, float* va,
                   const Maps& maps, const Tables& tables, int64_t n, int64_t block_begin,
                   int64_t block_end, const Coeffs& c) {
+  int64_t b = block_begin;
+#ifdef OUTCORE_VEC
+  const int64_t full_end = std::min(block_end, n / kBlock);  // the last block may be partial
+  if (b < full_end) update_blocks_vec(p, g, mc, ma, vc, va, tables, b, full_end, c);
+  b = std::max(b, full_end);
+#endif
   alignas(64) float mbuf[kBlock];
   alignas(64) float vbuf[kBlock];
-  for (int64_t b = block_begin; b < block_end; ++b) {
+  for (; b < block_end; ++b) {
     const int64_t start = b * kBlock;
-    const int64_t len = std::min(kBlock, n - start);
-#ifdef OUTCORE_AVX512
-    if (len == kBlock) {
-      update_block_avx512(p + start, g + start, mc + start, ma + b, vc + start, va + b, tables,
-                          mbuf, vbuf, c);
-      requantize_both_avx512(mbuf, ma[b], mc + start, tables.quant_m, vbuf, va[b], vc + start,
-                             tables.quant_v);
-      continue;
-    }
-#endif
-    update_block_scalar(p + start, g + start, mc + start, ma + b, vc + start, va + b, len, maps,
-                        mbuf, vbuf, c);
+    update_block_scalar(p + start, g + start, mc + start, ma + b, vc + start, va + b,
+                        std::min(kBlock, n - start), maps, mbuf, vbuf, c);
   }
 }
 
@@ -324,9 +315,9 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_blockwise(torch::Tensor x, boo
   float* ap = absmax.data_ptr<float>();
   const uint8_t* bp = bucket.data_ptr<uint8_t>();
   const float* tp = thr.data_ptr<float>();
-#ifdef OUTCORE_AVX512
-  const SegmentQuantizer<true> qs(seg.data_ptr<float>());
-  const SegmentQuantizer<false> qu(seg.data_ptr<float>());
+#ifdef OUTCORE_VEC
+  const SegQuant<true> qs(seg.data_ptr<float>());
+  const SegQuant<false> qu(seg.data_ptr<float>());
 #endif
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t start = b * kBlock;
@@ -339,10 +330,10 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_blockwise(torch::Tensor x, boo
       amax = std::max(amax, std::fabs(xp[start + i]));
     }
     ap[b] = amax;
-#ifdef OUTCORE_AVX512
+#ifdef OUTCORE_VEC
     if (len == kBlock) {
-      if (is_signed) requantize_avx512(xp + start, amax, cp + start, qs);
-      else requantize_avx512(xp + start, amax, cp + start, qu);
+      if (is_signed) requantize_vec(xp + start, amax, cp + start, qs, bp, tp);
+      else requantize_vec(xp + start, amax, cp + start, qu, bp, tp);
       continue;
     }
 #endif
@@ -352,10 +343,26 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_blockwise(torch::Tensor x, boo
   return {codes, absmax};
 }
 
+// Stochastic rounding of x (fp32) into out (bf16), in place (see stochastic_round_cpu.h).
+void stochastic_round(torch::Tensor out, torch::Tensor x, int64_t key, int64_t offset) {
+  const int64_t n = x.numel();
+  check(x, at::kFloat, n, "x");
+  check(out, at::kBFloat16, n, "out");
+  TORCH_CHECK(key >= 0 && offset >= 0, "key=", key, " and offset=", offset, " must be >= 0");
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const auto* xb = reinterpret_cast<const uint32_t*>(x.data_ptr<float>());
+  const uint64_t k = static_cast<uint64_t>(key);
+  at::parallel_for(0, n, 1 << 16, [&](int64_t a, int64_t b) {
+    stochastic_round_range(o, xb, a, b, static_cast<uint32_t>(k), static_cast<uint32_t>(k >> 32),
+                           static_cast<uint64_t>(offset));
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw8bit_update", &adamw8bit_update, "fused block-wise 8-bit AdamW update (in place)");
   m.def("adamw8bit_update_many", &adamw8bit_update_many,
         "fused block-wise 8-bit AdamW update of many tensors (in place, one parallel region)");
   m.def("quantize_blockwise", &quantize_blockwise, "block-wise 8-bit quantization (the update's path)");
+  m.def("stochastic_round", &stochastic_round, "fp32 -> bf16 stochastic rounding (in place)");
 }
 #endif  // OUTCORE_KERNEL_ONLY

@@ -6,7 +6,8 @@ import torch
 
 from outcore._optional import is_triton_available
 from outcore.errors import ConfigError
-from outcore.kernels.stochastic_round import random_bits, round_key, stochastic_round_
+from outcore.kernels.adamw8bit import cpu_extension, supported_isa_levels
+from outcore.kernels.stochastic_round import random_bits, round_key, stochastic_round_, stochastic_round_ref_
 
 
 def _sr(x: torch.Tensor, key: int, offset: int = 0) -> torch.Tensor:
@@ -80,6 +81,30 @@ def test_special_values():
     assert y[:2].isnan().all() and y[2] == float("inf") and y[3] == -float("inf")
     assert y[4] == 0 and y[5] == 0 and torch.signbit(y[5])
     assert 0 <= y[6] <= 1e-39 and y[7] < -2.9e38
+
+
+def _hard_values() -> torch.Tensor:
+    torch.manual_seed(0)
+    x = torch.randn(3 * 4096 + 5) * torch.logspace(-30, 30, 3 * 4096 + 5)
+    specials = torch.tensor([float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40,
+                             -1e-40, 3.3895e38, -3.3895e38, 1.0, -1.0])
+    nans = torch.tensor([0x7F800001, 0x7FFFFFFF, -1, -0x7FFFFF], dtype=torch.int32).view(torch.float32)
+    return torch.cat([specials, nans, x])
+
+
+def test_cpu_kernel_equals_the_reference_at_every_isa_level(monkeypatch):
+    """The C++ loop (every ISA level this CPU runs: the compiler vectorizes it) gives the
+    reference's bits: specials, NaN payloads, huge and tiny values, offsets across 2^32, keys
+    with their high bits set."""
+    if cpu_extension() is None:
+        pytest.skip("the C++ extension cannot be built here")
+    x = _hard_values()
+    for isa in supported_isa_levels():
+        monkeypatch.setenv("OUTCORE_CPU_ISA", isa)
+        for key, offset in ((round_key(3, 7, 11), 12345), (2**63 - 1, 2**32 - 100), (0, 0)):
+            ref = torch.empty(x.shape, dtype=torch.bfloat16)
+            stochastic_round_ref_(ref, x, key, offset)
+            assert torch.equal(_sr(x, key, offset).view(torch.int16), ref.view(torch.int16)), (isa, key, offset)
 
 
 @pytest.mark.parametrize("bad,match", [
