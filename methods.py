@@ -65,9 +65,7 @@ def method(name: str) -> Method:
     Raises:
         ConfigError: no method of that name.
     """
-    if name not in METHODS:
-        raise ConfigError(f"method={name!r} is not one of: {', '.join(METHODS)}")
-    return METHODS[name]
+    return _named(METHODS, "method", name)
 
 
 def method_traits(name: str) -> MethodTraits:
@@ -115,11 +113,16 @@ def objective(name: str) -> Objective:
     Raises:
         ConfigError: no objective of that name.
     """
-    if name not in OBJECTIVES:
-        raise ConfigError(f"objective={name!r} is not one of: {', '.join(OBJECTIVES)}")
-    return OBJECTIVES[name]
+    return _named(OBJECTIVES, "objective", name)
 
 
 def recipe_of(method_name: str, objective_name: str = SFT) -> str:
     """The recipe (``"module:Class"``) that runs ``objective_name`` with ``method_name``."""
     return objective(objective_name).recipe or method(method_name).recipe
+
+
+def _named(table: dict, what: str, name: str):
+    """``table[name]``, or the one-line error naming ``what`` and the registered names."""
+    if name not in table:
+        raise ConfigError(f"{what}={name!r} is not one of: {', '.join(table)}")
+    return table[name]

@@ -14,13 +14,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from .._atomic import write_atomic
 from ..errors import DataError
 from ._sources import read_text_files
 
@@ -91,18 +90,8 @@ def _cache_key(files, max_bytes: int, tokenizer) -> str:
 
 
 def _save_atomic(path: Path, ids: torch.Tensor) -> None:
-    """Write ``ids`` to ``path`` via a temp file + rename: readers never see a partial file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".npy", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, ids.numpy())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``ids`` to ``path`` as ``.npy``, whole or not at all."""
+    write_atomic(path, lambda f: np.save(f, ids.numpy()), suffix=".npy")
 
 
 def load_text_tokens(files, tokenizer, *, max_bytes: int = 0,

@@ -18,15 +18,14 @@ batch out of core. ORPO and SimPO have no reference.
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
-import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .._atomic import write_atomic
 from .._faults import fault_point
 from ..errors import DataError
 from ..events import PreferenceEvalEvent
@@ -181,15 +180,6 @@ def _read_reference(path: Path, fingerprint: str, must_exist: bool) -> dict[str,
 
 
 def _write_reference(path: Path, fingerprint: str, values: dict[str, torch.Tensor]) -> None:
-    """Write the store through a temp file and a rename: a crash never leaves half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"fingerprint": fingerprint, "checksum": _checksum(values), **values}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write the store whole or not at all: a crash never leaves half of one."""
+    stored = {"fingerprint": fingerprint, "checksum": _checksum(values), **values}
+    write_atomic(path, lambda f: torch.save(stored, f), suffix=".pt")
