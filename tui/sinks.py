@@ -115,7 +115,8 @@ class RunSink:
             method=started.method if started else None, optim=started.optim if started else None,
             ram_bytes=(last.ram_bytes or None) if last else None,
             peak_device_bytes=st.peak_device_bytes, base_eval_loss=base, final_eval_loss=final,
-            mean_tokens_per_s=st.mean_tokens_per_s(), **_task_fields(st), **wear_fields(event),
+            mean_tokens_per_s=st.mean_tokens_per_s(), **_task_fields(st), **_preference_fields(st),
+            **wear_fields(event),
             paths=summary_paths(out, event.final_dir, self.metrics.path, self.loss_curve_path,
                                 event.interrupted))
 
@@ -200,6 +201,17 @@ def make_sink(ui: str = "auto", output_dir: str | Path | None = None, *,
 
 
 __all__ = ["RunSink", "NullView", "make_sink", "resolve_ui"]
+
+
+def _preference_fields(state: RunState) -> dict[str, Any]:
+    """The summary's objective, and a preference objective's scores before training and at the end."""
+    objective = state.started.config.get("objective") if state.started else None
+    before, after = state.preference_before_after()
+    return {"objective": objective,
+            "base_pref_accuracy": before.accuracy if before else None,
+            "final_pref_accuracy": after.accuracy if after else None,
+            "base_pref_margin": before.margin if before else None,
+            "final_pref_margin": after.margin if after else None}
 
 
 def _task_fields(state: RunState) -> dict[str, Any]:

@@ -32,6 +32,11 @@ class RunSummary:
     base_eval_loss: float | None = None
     final_eval_loss: float | None = None
     mean_tokens_per_s: float | None = None
+    objective: str | None = None  # what the run optimized (a preference loss has no perplexity)
+    base_pref_accuracy: float | None = None  # a preference objective's held-out pairs, before training
+    final_pref_accuracy: float | None = None  # ... and after the last step
+    base_pref_margin: float | None = None
+    final_pref_margin: float | None = None
     task: str | None = None  # the eval task's name, when one was scored
     base_task_acc: float | None = None  # before training
     final_task_acc: float | None = None  # after the last step
@@ -82,7 +87,9 @@ def summary_rows(summary: RunSummary) -> list[tuple[str, str]]:
     steps = f"{summary.steps_done}" + (f"/{summary.total_steps}" if summary.total_steps else "")
     rows.append(("steps", steps + ("  (interrupted)" if summary.interrupted else "")))
     rows.append(("wall time", fmt_duration(summary.wall_s)))
-    if summary.final_eval_loss is not None:
+    if summary.objective not in (None, "sft"):  # a preference loss: its perplexity means nothing
+        rows += _preference_rows(summary)
+    elif summary.final_eval_loss is not None:
         rows.append(("eval perplexity",
                      f"base {fmt_float(summary.base_perplexity, 2)} -> final "
                      f"{fmt_float(summary.final_perplexity, 2)}{_ppl_change(summary)}"))
@@ -137,6 +144,20 @@ def wear_text(written: float | None, per_step: float | None, life_pct: float | N
         if per_1000_pct is not None:
             text += f", {per_1000_pct:.3g}% per 1000 steps"
     return text
+
+
+def _preference_rows(summary: RunSummary) -> list[tuple[str, str]]:
+    """``eval loss (dpo)  base 0.6931 -> final 0.6672``, then the held-out pairs' accuracy and margin."""
+    rows = []
+    for label, base, final, fmt in (
+            (f"eval loss ({summary.objective})", summary.base_eval_loss, summary.final_eval_loss, fmt_float),
+            ("pairs accuracy", summary.base_pref_accuracy, summary.final_pref_accuracy, "{:.1%}".format),
+            ("reward margin", summary.base_pref_margin, summary.final_pref_margin, "{:+.4f}".format)):
+        parts = [f"base {fmt(base)}"] if base is not None else []
+        parts += [f"final {fmt(final)}"] if final is not None else []
+        if parts:
+            rows.append((label, " -> ".join(parts)))
+    return rows
 
 
 def _task_rows(summary: RunSummary) -> list[tuple[str, str]]:
