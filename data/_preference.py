@@ -159,6 +159,8 @@ def build_preference_datasets(spec: str | Path, tokenizer, seq_len: int, *, seed
         raise DataError(f"data={str(spec)!r}: preference objectives read JSONL rows with 'prompt', 'chosen' and "
                         f"'rejected'; give a .jsonl file or a folder of them")
     pairs = [encode_pair(tokenizer, where, row) for where, row in iter_jsonl(source.files, max_bytes)]
+    if not pairs:
+        raise DataError(f"data={str(spec)!r} has no rows; add JSONL rows with 'prompt', 'chosen' and 'rejected'")
     # a pair trains when both rows keep a label past position 0 (never a target) within seq_len
     kept = [(p, c, r) for p, c, r in pairs if len(p) < seq_len and (p or min(len(c), len(r)) > 1)]
     if not kept:

@@ -67,9 +67,11 @@ def test_bad_rows_name_file_line_and_field(smol_tokenizer, tmp_path, row, messag
         build_preference_datasets(data, smol_tokenizer, seq_len=16)
 
 
-def test_text_data_and_prompts_filling_seq_len_are_refused(smol_tokenizer, tmp_path):
+def test_text_data_empty_files_and_prompts_filling_seq_len_are_refused(smol_tokenizer, tmp_path):
     with pytest.raises(DataError, match="read JSONL rows with 'prompt', 'chosen' and 'rejected'"):
         build_preference_datasets(_write(tmp_path / "a.txt", []), smol_tokenizer, seq_len=16)
+    with pytest.raises(DataError, match="empty.jsonl' has no rows; add JSONL rows with 'prompt'"):
+        build_preference_datasets(_write(tmp_path / "empty.jsonl", []), smol_tokenizer, seq_len=16)
     long = [{"prompt": "word " * 40, "chosen": " yes", "rejected": " no"}]
     with pytest.raises(DataError, match="no pair's prompt leaves room .* seq_len=8"):
         build_preference_datasets(_write(tmp_path / "long.jsonl", long), smol_tokenizer, seq_len=8)
