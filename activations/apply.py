@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import ConfigError, ModelError
 from ..models._structure import decoder_layers
 from ..offload.device import is_accelerator
-from ..offload.device_runtime import free_device_bytes
+from ..offload.device import free_device_bytes
 from .compress import codec_for
 from .offload import _MIN_BYTES, ActivationOffloader
 from .pack import BlockPack

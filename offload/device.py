@@ -1,8 +1,8 @@
 """The compute device: its choice, streams, events, copies and pinned memory (docs/architecture.md §7).
 
-Every device-specific call of outcore lives here or in ``device_runtime.py`` (the machine's
-GPUs, their memory and RNG state, the process-group backend). Streams, events, pinned memory
-and the compute device's choice are touched only in this module; the store, the prefetcher
+Every device-specific call of outcore lives here: streams, events, pinned memory, the compute
+device's choice, and the runtime queries (the machine's GPUs, their memory and RNG state, the
+process-group backend). Page-aligned host memory is ``aligned.py``'s; the store, the prefetcher
 and the scheduler above it are the same code on every device. It is written against torch's
 device-generic API (``torch.accelerator``, ``torch.Stream``, ``torch.Event``), so CUDA, ROCm
 (which torch also calls ``cuda``) and the simulated accelerator the tests run on
@@ -26,15 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import mmap
 import threading
-import time
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 import torch
 
+from .aligned import aligned_empty
 from .modes import DEVICE_CHOICES
 
 
@@ -192,37 +191,6 @@ class SideStreams:
         return out, copied
 
 
-ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffer addresses (4 KiB covers every NVMe LBA size in use)
-
-
-def align_up(n: int, align: int = ALIGN) -> int:
-    """Round ``n`` up to a multiple of ``align``."""
-    return (n + align - 1) // align * align
-
-
-def aligned_empty(nbytes: int, populate: bool = True) -> torch.Tensor:
-    """A page-aligned uint8 host buffer (not pinned) of ``align_up(nbytes)`` bytes.
-
-    Args:
-        nbytes: requested size; rounded up to a multiple of 4 KiB.
-        populate: touch every page now, so the memory is physically resident
-            (the budget it stands for is real, and the first I/O does not
-            page-fault).
-
-    Returns:
-        A 1-D ``torch.uint8`` tensor ``[align_up(nbytes)]`` whose storage is an
-        anonymous ``mmap`` (freed when the last view is gone).
-    """
-    if nbytes <= 0:
-        raise ValueError(f"aligned_empty: nbytes={nbytes} must be > 0")
-    size = align_up(nbytes)
-    mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    t = torch.frombuffer(mm, dtype=torch.uint8)  # keeps `mm` alive through the buffer protocol
-    if populate:
-        t.zero_()
-    return t
-
-
 def _register_host(device: torch.device, t: torch.Tensor) -> Callable[[], None]:
     """Pin ``t``'s memory (page-aligned) for DMA with ``device``'s runtime; returns the unregister.
 
@@ -363,35 +331,89 @@ class Device:
         self._copier.shutdown(wait=True)
 
 
-def measure_copy_gbps(device: Device | None = None, nbytes: int = 64 << 20,
-                      seconds: float = 0.5) -> tuple[float, float]:
-    """Host->device and device->host copy bandwidth (GB/s, 1e9 bytes).
+# ------------------------------------------------- the machine's GPUs, memory, RNG state, process-group backend
 
-    On CPU both directions are RAM-arena copies (what a DEVICE fetch costs there).
+def list_devices() -> list[dict]:
+    """The CUDA devices: ``[{"name", "total_bytes", "free_bytes"}]``; ``[]`` on CPU."""
+    if not cuda_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(i)
+        out.append({"name": torch.cuda.get_device_name(i), "total_bytes": int(total),
+                    "free_bytes": int(free)})
+    return out
 
-    Args:
-        device: the device (default: ``Device()``).
-        nbytes: size of one copy.
-        seconds: time budget per direction (at least 3 copies are timed).
 
-    Returns:
-        ``(h2d_gbps, d2h_gbps)``, medians over the timed copies.
+def device_memory(device: torch.device | None = None) -> dict[str, int]:
+    """``{"device_bytes", "device_total_bytes"}`` of the CUDA ``device`` (default: the current
+    one, this rank's under torchrun) for StepEvent; ``{}`` elsewhere."""
+    if not cuda_available() or (device is not None and device.type != "cuda"):
+        return {}
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    return {"device_bytes": int(torch.cuda.memory_allocated(index)),
+            "device_total_bytes": int(torch.cuda.get_device_properties(index).total_memory)}
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Free bytes on an accelerator ``device`` (a host sync point: call it rarely)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    free, _ = torch.accelerator.get_memory_info(device)
+    return int(free)
+
+
+def rng_state(device: torch.device | None) -> torch.Tensor | None:
+    """The RNG state of the compute ``device`` alone (for checkpoints); None on the CPU (whose
+    state is saved apart). One device's only: a run resumed on a machine with another number
+    of GPUs restores it all the same."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.get_rng_state(device)
+    return None
+
+
+def set_rng_state(device: torch.device | None, state: Any) -> None:
+    """Restore what :func:`rng_state` captured. A checkpoint of an older layout holds a list
+    (every GPU's state): its entry for this device is taken, when there is one."""
+    if state is None or device is None or device.type != "cuda":
+        return
+    if isinstance(state, (list, tuple)):
+        index = device.index or 0
+        if index >= len(state):
+            return
+        state = state[index]
+    torch.cuda.set_rng_state(state, device)
+
+
+def distributed_backend(device: torch.device | str | None = None) -> str:
+    """The torch.distributed backend for ``device`` (a device or a ``--device`` kind; default:
+    this machine's): nccl on CUDA, ``simgloo`` on the simulated accelerator (``simdist.py``:
+    its tensors through CPU copies over gloo, CPU tensors over gloo; registered now), else gloo."""
+    kind = device.type if isinstance(device, torch.device) else (device or "auto")
+    if kind == "sim":
+        from .simdist import NAME, register
+
+        register()
+        return NAME
+    if kind == "auto":
+        kind = "cuda" if cuda_available() else "cpu"
+    return "nccl" if kind == "cuda" else "gloo"
+
+
+def use_local_device(local_rank: int) -> None:
+    """Make GPU ``local_rank`` this process's current CUDA device (nothing without CUDA).
+
+    Every rank on a machine otherwise lands on GPU 0: NCCL needs one GPU per rank, and the
+    store's DEVICE tier (``Device()``) takes the current device. Called before the process
+    group is made, so NCCL's communicator binds to the same GPU.
+
+    Raises:
+        RuntimeError: more ranks on this machine than GPUs.
     """
-    dev = device or Device()
-    host, dslab = dev.alloc_host_slab(nbytes), dev.alloc_device_slab(nbytes)
-    host, dslab = host[:nbytes], dslab[:nbytes]
-
-    def run(dst, src) -> float:
-        dev.copy_async(dst, src).result()  # warm-up
-        times, t_end = [], time.perf_counter() + seconds
-        while len(times) < 3 or time.perf_counter() < t_end:
-            t0 = time.perf_counter()
-            dev.copy_async(dst, src).result()
-            times.append(time.perf_counter() - t0)
-        times.sort()
-        return nbytes / times[len(times) // 2] / 1e9
-
-    h2d, d2h = run(dslab, host), run(host, dslab)
-    if device is None:
-        dev.close()
-    return h2d, d2h
+    if not cuda_available():
+        return
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise RuntimeError(f"LOCAL_RANK={local_rank} but this machine has {count} GPU(s): "
+                           f"launch at most {count} processes per node (torchrun --nproc-per-node {count})")
+    torch.cuda.set_device(local_rank)

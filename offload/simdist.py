@@ -7,7 +7,7 @@ only, so on ``sim`` every collective on a device tensor would fail; this is the 
 backend::
 
     simdevice.enable()                                      # registers "simgloo" too
-    dist.init_process_group("simgloo", ...)                 # device_runtime.distributed_backend(sim)
+    dist.init_process_group("simgloo", ...)                 # device.distributed_backend(sim)
     dist.all_reduce(torch.ones(4, device="sim"))
 
 Each collective copies its sim tensors to the CPU (a blocking copy on the calling thread's

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from outcore.offload.device import aligned_empty
+from outcore.offload.aligned import aligned_empty
 from outcore.offload.store import NvmeBackend, SwapDir
 from outcore.offload.store.directio import IOPool, open_direct
 from outcore.cli.jsonout import emit_json, json_stdout

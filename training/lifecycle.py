@@ -34,7 +34,7 @@ from ..errors import Interrupted, RankLostError
 from ..events import (EvalEvent, EventSink, NullSink, PreferenceEvalEvent, RunFinished, RunStarted, StepEvent,
                       TaskEvalEvent, perplexity)
 from ..offload.device import resolve_device
-from ..offload.device_runtime import device_memory
+from ..offload.device import device_memory
 from ..offload.distributed import Ranks
 from .distributed import across_ranks as dist
 from .config import FinetuneConfig

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 
 from ...errors import ConfigError
-from ..device_runtime import distributed_backend, use_local_device
+from ..device import distributed_backend, use_local_device
 
 DEFAULT_TIMEOUT_S = 300.0  # a collective's longest wait: a step's slowest unit, with room
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..device import align_up
+from ..aligned import align_up
 from ..store import Tier
 from .nf4 import NF4Layout
 from .units import GRADS, Piece, Unit, _pad

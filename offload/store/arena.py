@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from ..device import ALIGN, align_up
+from ..aligned import ALIGN, align_up
 
 
 class FreeList:

@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from ..device import ALIGN, align_up, aligned_empty
+from ..aligned import ALIGN, align_up, aligned_empty
 
 DEFAULT_CHUNK_BYTES = 8 << 20  # one syscall moves at most this much (8 MiB x 8 in flight measured best here)
 DEFAULT_QUEUE_DEPTH = 8  # syscalls in flight at once (= I/O threads)

@@ -30,7 +30,7 @@ import xxhash
 
 from ...errors import IntegrityError, SwapDirError
 from .arena import FreeList
-from ..device import ALIGN, align_up
+from ..aligned import ALIGN, align_up
 from .directio import IOPool, is_aligned, open_direct
 from .swapdir import SwapDir
 from ._futures import chain as _chain

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import psutil
 
-from ..device import aligned_empty
+from ..aligned import aligned_empty
+from ..device import Device
 from .directio import IOPool, open_direct, supports_o_direct
 from .swapdir import find_leftover_swap_dirs
 
@@ -169,6 +170,40 @@ def measure_disk_gbps(directory: str | Path, seconds: float = 2.0,
     return read / t_r / 1e9, written / t_w / 1e9, direct
 
 
+def measure_copy_gbps(device: Device | None = None, nbytes: int = 64 << 20,
+                      seconds: float = 0.5) -> tuple[float, float]:
+    """Host->device and device->host copy bandwidth (GB/s, 1e9 bytes).
+
+    On CPU both directions are RAM-arena copies (what a DEVICE fetch costs there).
+
+    Args:
+        device: the device (default: ``Device()``).
+        nbytes: size of one copy.
+        seconds: time budget per direction (at least 3 copies are timed).
+
+    Returns:
+        ``(h2d_gbps, d2h_gbps)``, medians over the timed copies.
+    """
+    dev = device or Device()
+    host, dslab = dev.alloc_host_slab(nbytes), dev.alloc_device_slab(nbytes)
+    host, dslab = host[:nbytes], dslab[:nbytes]
+
+    def run(dst, src) -> float:
+        dev.copy_async(dst, src).result()  # warm-up
+        times, t_end = [], time.perf_counter() + seconds
+        while len(times) < 3 or time.perf_counter() < t_end:
+            t0 = time.perf_counter()
+            dev.copy_async(dst, src).result()
+            times.append(time.perf_counter() - t0)
+        times.sort()
+        return nbytes / times[len(times) // 2] / 1e9
+
+    h2d, d2h = run(dslab, host), run(host, dslab)
+    if device is None:
+        dev.close()
+    return h2d, d2h
+
+
 def measure_checksum_gbps(nbytes: int = 64 << 20, seconds: float = 0.2) -> float:
     """Single-thread throughput (GB/s) of the NVMe tier's extent checksum (``nvme.checksum``).
 
@@ -209,8 +244,7 @@ def probe_hardware(swap_dir: str | Path | None = None, measure: bool = True,
     Returns:
         A :class:`HardwareProbe`.
     """
-    from .. import device as dev
-    from ..device_runtime import list_devices
+    from ..device import list_devices
 
     target = Path(swap_dir or os.environ.get("OUTCORE_SWAP_DIR") or os.getcwd()).expanduser().absolute()
     where = _existing_ancestor(target)
@@ -247,7 +281,7 @@ def probe_hardware(swap_dir: str | Path | None = None, measure: bool = True,
     if measure:
         if writable:
             r, w, _ = measure_disk_gbps(where, seconds=seconds)
-        h2d, d2h = dev.measure_copy_gbps(seconds=min(0.5, seconds / 4))
+        h2d, d2h = measure_copy_gbps(seconds=min(0.5, seconds / 4))
         hashing = measure_checksum_gbps(seconds=min(0.2, seconds / 8))
 
     return HardwareProbe(

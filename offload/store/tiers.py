@@ -15,7 +15,8 @@ import torch
 
 from ...errors import BudgetError
 from .arena import Arena
-from ..device import Device, align_up, aligned_empty
+from ..aligned import align_up, aligned_empty
+from ..device import Device
 from .directio import IOPool
 from .handle import Tier
 from .nvme import NvmeBackend

@@ -15,7 +15,8 @@ from concurrent.futures import Future
 import torch
 
 from ._futures import completed
-from ..device import Device, align_up
+from ..aligned import align_up
+from ..device import Device
 from .handle import Residency, TensorHandle, Tier
 from .tiers import TierSpace
 from .traffic import TierTraffic

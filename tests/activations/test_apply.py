@@ -266,7 +266,7 @@ def test_idle_pool_gives_its_pages_back_and_keeps_its_buffers():
     """Through the loss the pool's free buffers hold no memory (their pages read back as zeros),
     nor do buffers given back until the next take; the buffers themselves are reused."""
     from outcore.activations.offload import BufferPool
-    from outcore.offload.device import aligned_empty
+    from outcore.offload.aligned import aligned_empty
 
     pool = BufferPool(aligned_empty, keep=2, can_discard=True)
     a, b = pool.take(1 << 20), pool.take(1 << 20)

@@ -13,7 +13,9 @@ import gc
 import pytest
 import torch
 
-from outcore.offload.device import Device, align_up, is_accelerator
+from outcore.offload.aligned import align_up
+
+from outcore.offload.device import Device, is_accelerator
 from outcore.offload.engine import WEIGHTS, offload_model
 from outcore.offload.store import Tier, TieredStore
 from outcore.optim import AdamW
@@ -172,7 +174,7 @@ def test_checkpoints_save_one_devices_rng_state():
 
 @pytest.mark.gpu
 def test_device_memory_reports_the_current_gpu():
-    from outcore.offload.device_runtime import device_memory
+    from outcore.offload.device import device_memory
 
     index = torch.cuda.device_count() - 1
     torch.cuda.set_device(index)

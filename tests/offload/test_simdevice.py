@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from outcore.offload import simdevice
-from outcore.offload.device import aligned_empty
+from outcore.offload.aligned import aligned_empty
 
 pytestmark = pytest.mark.skipif(not simdevice.available(),
                                 reason="the sim device needs a C++ compiler and ninja to build")

@@ -17,7 +17,7 @@ from tests.conftest import require_sim
 WORKER = textwrap.dedent('''
     import datetime, sys, torch, torch.distributed as dist
     from outcore.offload.device import resolve_device
-    from outcore.offload.device_runtime import distributed_backend
+    from outcore.offload.device import distributed_backend
 
     rank, init = int(sys.argv[1]), sys.argv[2]
     torch.set_num_threads(1)
@@ -113,7 +113,7 @@ def test_every_collective_on_sim_tensors_equals_gloo_on_cpu_tensors(tmp_path):
 def test_each_device_s_backend_and_simgloo_registered_for_sim():
     import torch.distributed as dist
 
-    from outcore.offload.device_runtime import distributed_backend
+    from outcore.offload.device import distributed_backend
 
     assert distributed_backend("cpu") == distributed_backend(torch.device("cpu")) == "gloo"
     assert distributed_backend(torch.device("cuda", 0)) == distributed_backend("cuda") == "nccl"

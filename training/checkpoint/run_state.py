@@ -19,8 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from ..._faults import fault_point
 from ...errors import CheckpointError
-from ...offload.device_runtime import rng_state as device_rng_state
-from ...offload.device_runtime import set_rng_state as set_device_rng_state
+from ...offload.device import rng_state as device_rng_state
+from ...offload.device import set_rng_state as set_device_rng_state
 from ...offload.engine import WEIGHTS
 
 if TYPE_CHECKING:  # pragma: no cover

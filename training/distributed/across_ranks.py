@@ -40,7 +40,7 @@ import torch
 
 from ..._faults import fault_point
 from ...errors import CheckpointError, OutcoreError, RankLostError
-from ...offload.device_runtime import distributed_backend
+from ...offload.device import distributed_backend
 from ...offload.distributed import Ranks, from_env, join, leave
 from ..output_dir import prepare_output_dir
 from ..signals import StopOnSignal

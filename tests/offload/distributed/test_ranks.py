@@ -44,7 +44,7 @@ def test_each_local_rank_gets_its_own_gpu_and_too_many_ranks_are_one_line():
     import torch
 
     from outcore.offload.device import Device
-    from outcore.offload.device_runtime import use_local_device
+    from outcore.offload.device import use_local_device
 
     last = torch.cuda.device_count() - 1
     use_local_device(last)  # what join() does under torchrun, before NCCL's group

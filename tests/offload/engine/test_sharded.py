@@ -67,7 +67,7 @@ COMMON = textwrap.dedent('''
     sys.path.insert(0, sys.argv[-1])
     from test_sharded import batches, loss, model
     from outcore.offload.device import resolve_device
-    from outcore.offload.device_runtime import distributed_backend
+    from outcore.offload.device import distributed_backend
     device = resolve_device(sys.argv[-2])
 ''')
 

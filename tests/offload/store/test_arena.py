@@ -7,7 +7,7 @@ from outcore.offload.store.arena import Arena
 def test_discard_free_returns_free_pages_and_keeps_blocks():
     """Free ranges read back as zeros after a discard (their pages went back to the OS);
     allocated blocks keep their bytes; the arena still allocates there."""
-    from outcore.offload.device import aligned_empty
+    from outcore.offload.aligned import aligned_empty
 
     arena = Arena(64 * 4096, aligned_empty)
     kept, dropped = arena.alloc(16 * 4096), arena.alloc(16 * 4096)

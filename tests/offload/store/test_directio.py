@@ -8,8 +8,12 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from outcore.offload.device import ALIGN, Device, aligned_empty, measure_copy_gbps
-from outcore.offload.device_runtime import list_devices
+from outcore.offload.aligned import ALIGN, aligned_empty
+
+from outcore.offload.device import Device
+
+from outcore.offload.store.probe import measure_copy_gbps
+from outcore.offload.device import list_devices
 from outcore.offload.store.arena import Arena, FreeList
 from outcore.offload.store.directio import IOPool, is_aligned, open_direct, supports_o_direct
 from outcore.offload.store.nvme import checksum

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from outcore.errors import BudgetError, IntegrityError
-from outcore.offload.device import aligned_empty
+from outcore.offload.aligned import aligned_empty
 from outcore.offload.store import Tier, TieredStore
 
 MiB = 1 << 20

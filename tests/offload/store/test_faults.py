@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from outcore.errors import EXIT_DISK_FULL, DiskFullError, IntegrityError, SwapDirError
-from outcore.offload.device import aligned_empty
+from outcore.offload.aligned import aligned_empty
 from outcore.offload.store import directio, nvme as nvme_mod, swapdir as swapdir_mod
 from outcore.offload.store import LOCK_NAME, Residency, SwapDir, Tier, TieredStore, find_leftover_swap_dirs
 from outcore.offload.store.nvme import DATA_FILE, NvmeBackend
@@ -190,7 +190,7 @@ def test_buffered_fallback_without_o_direct(tmp_path, monkeypatch):
 
 _CHILD = textwrap.dedent("""
     import sys, torch
-    from outcore.offload.device import aligned_empty
+    from outcore.offload.aligned import aligned_empty
     from outcore.offload.store.nvme import NvmeBackend
     from outcore.offload.store.swapdir import SwapDir
     sd = SwapDir(sys.argv[1], keep=True)

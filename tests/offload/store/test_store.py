@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from outcore.errors import BudgetError
-from outcore.offload.device import align_up
+from outcore.offload.aligned import align_up
 from outcore.offload.store import Residency, Tier, TieredStore
 
 MiB = 1 << 20
@@ -363,7 +363,7 @@ def test_budget_error_names_fragmentation(tmp_path):
 
 def test_large_blocks_come_from_the_top_so_small_ones_cannot_split_them():
     """Regression: a HOST window of 2 large moments + small block states failed first-fit."""
-    from outcore.offload.device import ALIGN, aligned_empty
+    from outcore.offload.aligned import ALIGN, aligned_empty
     from outcore.offload.store.arena import Arena, FreeList
     arena = Arena(10 * ALIGN, aligned_empty, large_fraction=0.3)  # >= 3 pages is large
     small = [arena.alloc(ALIGN) for _ in range(3)]  # bottom: pages 0..2
@@ -385,7 +385,7 @@ def test_large_blocks_come_from_the_top_so_small_ones_cannot_split_them():
 
 
 def test_free_list_high_and_low_allocations_never_overlap():
-    from outcore.offload.device import ALIGN
+    from outcore.offload.aligned import ALIGN
     from outcore.offload.store.arena import FreeList
     rng = random.Random(7)
     fl, live = FreeList(64 * ALIGN), []

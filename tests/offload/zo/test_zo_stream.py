@@ -102,7 +102,7 @@ def test_untied_head_streamed_equals_in_memory(tiny_llama_factory, tmp_path, com
 
 
 def test_tied_embedding_is_read_once_and_blocks_once_a_step(tiny_llama_factory, tmp_path):
-    from outcore.offload.device import align_up
+    from outcore.offload.aligned import align_up
 
     tr = ZOBlockTrainer(tiny_llama_factory(), ZOHyper(eps=1e-2), swap_dir=str(tmp_path / "s"), prefetch=1)
     embed, *rest = [align_up(u.numel * 4) for u in tr.blocks.units]
