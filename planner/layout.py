@@ -102,6 +102,7 @@ class Layout:
 
     def name(self, grads_kept: bool = True) -> str:
         """``none`` (all on DEVICE), ``cpu`` (streamed from HOST), ``nvme`` or ``mixed``.
+        ``nvme``: weights and state on NVMe, kept gradients there or in HOST (``plan._grads_in_ram``).
 
         Args:
             grads_kept: whether gradients are stored (else their tier does not count).
@@ -112,7 +113,8 @@ class Layout:
         tiers = {c[i] for i in self.streamed for c in classes}
         if not any(self.resident) and tiers == {Tier.HOST}:
             return CPU
-        if not any(self.resident) and tiers == {Tier.NVME}:
+        on_disk = {c[i] for i in self.streamed for c in (self.weights, self.state)} == {Tier.NVME}
+        if not any(self.resident) and on_disk and tiers <= {Tier.NVME, Tier.HOST}:
             return NVME
         return "mixed"
 

@@ -225,6 +225,15 @@ def _greedy(w: Workload, policy: str, batch: int) -> Layout:
     return lay
 
 
+def _grads_in_ram(w: Workload, lay: Layout, batch: int) -> Layout:
+    """``lay`` with its kept gradients in HOST when HOST holds them. A gradient lives one step:
+    on NVMe it costs a write and a read per step (SSD wear, nothing kept), in RAM neither."""
+    if not w.grads_kept:
+        return lay
+    in_ram = replace(lay, grads=tuple(Tier.HOST if g == Tier.NVME else g for g in lay.grads))
+    return in_ram if _fits(w, in_ram, batch) else lay
+
+
 def _budget_error(w: Workload, lay: Layout, batch: int, offload: str) -> BudgetError:
     acc = account(w, lay, batch)
     tier, budget, need = acc.over_budget(w.budgets) or ("DEVICE", w.budgets.device_bytes, acc.total(Tier.DEVICE))
@@ -332,7 +341,8 @@ def _layouts(w: Workload, offload: str, policies: list[str], batch: int) -> list
             out.append(Layout.uniform(n, Tier.DEVICE, policy))
         for mode, tier in ((CPU, Tier.HOST), (NVME, Tier.NVME)):
             if offload in (mode, AUTO_OFFLOAD):
-                out.append(_with_depth(w, Layout.uniform(n, tier, policy), batch))
+                lay = Layout.uniform(n, tier, policy)
+                out.append(_with_depth(w, _grads_in_ram(w, lay, batch) if tier == Tier.NVME else lay, batch))
         if offload == AUTO_OFFLOAD:
             out.append(_greedy(w, policy, batch))
     return [lay for i, lay in enumerate(out) if lay not in out[:i]]

@@ -116,14 +116,17 @@ def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: An
     from ..offload.store import Tier
 
     home = {Tier.DEVICE: Tier.HOST, Tier.HOST: Tier.HOST, Tier.NVME: Tier.NVME}
-    homes = [(home[u.weights], home[u.state or u.weights]) for u in plan.units]
+    homes = [(home[u.weights], home[u.state or u.weights], home[u.grads or u.state or u.weights]) for u in plan.units]
+    # kept gradients are spilled to their home as each unit's complete when the plan puts them
+    # on NVMe, or in HOST beside a state that streams from NVMe (the update reads them there)
+    spill = any(g is Tier.NVME or (g is Tier.HOST and s is Tier.NVME) for _, s, g in homes) and plan.grads_kept
     mode = NVME if any(Tier.NVME in h for h in homes) else CPU
     head_modules = [] if head_loss is None else [head_loss]
     return offload_model(model, optimizer, offload=mode, swap_dir=swap_dir_of(cfg, out), head_modules=head_modules,
                          prefetch=max(1, plan.prefetch_depth), max_grad_norm=cfg.max_grad_norm,
                          grad_accum=cfg.grad_accum, homes=homes,
                          resident_trainable=cfg.uses_adapters, quantize_frozen=cfg.quantizes_base,
-                         spill_grads=any(u.grads is Tier.NVME for u in plan.units),
+                         spill_grads=spill,
                          device_bytes=parse_bytes(cfg.device_mem) if cfg.device_mem else None,
                          host_bytes=parse_bytes(cfg.host_mem) if cfg.host_mem else None,
                          nvme_reserve=plan.tier_total(Tier.NVME) if mode == NVME else 0,

@@ -353,7 +353,28 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | l
     unknown = sorted(set(values) - set(_FIELDS))
     if unknown:
         raise ConfigError(f"unknown config key {unknown[0]!r}; known keys: {', '.join(sorted(_FIELDS))}")
+    values = {**first_run_settings(values), **values}
     return FinetuneConfig(**{k: _coerce(k, v) for k, v in values.items()})
+
+
+#: How the embedded default trains (``outcore finetune`` with no settings, README's first
+#: command): write-lean, bf16 weights updated in place by AdamW8bit, 4 B written to the SSD per
+#: parameter per step where fp32 AdamW writes 12 (weights 4, moments 8). The first run a
+#: newcomer makes should not cost their SSD tens of gigabytes for a 40-step demonstration.
+FIRST_RUN = {"precision": BF16_LEAN, "optim": "adamw8bit"}
+
+
+def first_run_settings(values: Mapping[str, Any]) -> dict[str, Any]:
+    """:data:`FIRST_RUN` when ``values`` (the keys a user gave) train the embedded default
+    model on its default data with full fine-tuning and next-token loss and set none of
+    precision, optimizer or dtype; otherwise nothing (``--precision exact`` restores fp32
+    AdamW on the default too)."""
+    default = {"model": "default", "data": "default", "method": FULL, "objective": SFT}
+    if any(str(values.get(k, v)) != v for k, v in default.items()):
+        return {}
+    if any(k in values for k in ("precision", "optim", "dtype")):
+        return {}
+    return dict(FIRST_RUN)
 
 
 def save_config(config: FinetuneConfig, path: str | Path) -> None:

@@ -32,6 +32,11 @@ TB = 10**12  # TBW ratings are in decimal terabytes
 PER_STEPS = 1000  # the projection: the share of the rating this many steps would use
 
 
+#: The rating the summary states a run's share of when the drive's is not given (``--ssd-tbw``):
+#: a 1 TB consumer NVMe drive's, as common TLC drives of that size are rated (600 TBW).
+TYPICAL_TBW = 600.0
+
+
 def life_used_pct(written_bytes: float, tbw: float) -> float:
     """Percent of a drive's rated endurance that ``written_bytes`` use.
 

@@ -109,6 +109,11 @@ def summary_rows(summary: RunSummary) -> list[tuple[str, str]]:
         rows.append(("throughput", f"{fmt_count(summary.mean_tokens_per_s)} tokens/s"))
     wear = wear_text(summary.ssd_written_bytes, None, summary.ssd_life_used_pct,
                      summary.ssd_life_per_1000_steps_pct)
+    if wear and summary.ssd_life_used_pct is None:
+        from ..training.wear import TYPICAL_TBW, life_used_pct  # (the run is over: torch is loaded)
+
+        typical = life_used_pct(summary.ssd_written_bytes, TYPICAL_TBW)
+        wear += f"; {typical:.2g}% of a typical 1 TB drive's rated life ({TYPICAL_TBW:g} TBW; --ssd-tbw for yours)"
     if wear:
         rows.append(("SSD written", wear))
     for label, path in summary.paths.items():

@@ -31,7 +31,7 @@ from .units import Unit, causal_lm_units
 def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_dir: str | Path | None,
                   prefetch: int = 2, max_grad_norm: float = 0.0, grad_accum: int = 1,
                   device_bytes: int | None = None, host_bytes: int | None = None,
-                  homes: list[tuple[Tier, Tier]] | None = None, head_modules: Sequence[torch.nn.Module] = (),
+                  homes: list[tuple[Tier, Tier, Tier]] | None = None, head_modules: Sequence[torch.nn.Module] = (),
                   init_weights: Callable[[Any, torch.Tensor], None] | None = None,
                   resident_trainable: bool = False, master_weights: bool = True,
                   quantize_frozen: bool = False, spill_grads: bool | None = None,
@@ -47,7 +47,8 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
         prefetch: units fetched ahead (k).
         max_grad_norm, grad_accum: as in the config (either one disables step-in-backward).
         device_bytes, host_bytes: caps on the DEVICE / HOST arenas (default: the working set).
-        homes: per unit (weights tier, state tier), e.g. from a ``MemoryPlan``; overrides ``offload``.
+        homes: per unit, the home tiers of (weights, state, spilled gradients), e.g. from a
+            ``MemoryPlan``; overrides ``offload``. Gradients go to the state's tier or to HOST.
         head_modules: modules that use the head's weights without calling ``lm_head``
             (e.g. ``CausalLMHeadLoss``); see ``units.causal_lm_units``.
         init_weights: for a model built on the meta device, fills each parameter
@@ -60,9 +61,10 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
             False trains the 16-bit weights themselves.
         quantize_frozen: QLoRA: the blocks' frozen matrices are stored (and streamed) in
             NF4 and dequantized into the model's dtype when fetched (see ``nf4.py``).
-        spill_grads: with clipping or accumulation, write each unit's gradients to the
-            optimizer state's tier as soon as they are complete (default: when that tier
-            is NVMe), so gradients never all sit in RAM.
+        spill_grads: with clipping or accumulation, write each unit's gradients to their
+            home tier (``homes``) as soon as they are complete (default: when the state's tier
+            is NVMe), so gradients never all sit on DEVICE. They live one step: a HOST home
+            keeps them off the SSD (no write, no wear) where RAM holds them.
         split_state: stream the state of a unit far larger than a block (the embedding)
             in block-sized pieces when the optimizer updates element-wise (see
             ``unit_sizes.state_pieces``), so the HOST window is a few blocks, not the
@@ -89,11 +91,11 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
         raise ConfigError(f"offload={offload!r}: the out-of-core engine takes 'cpu' or 'nvme'")
     units = causal_lm_units(model, resident_trainable=resident_trainable, head_modules=head_modules)
     world = shard_units(units, optimizer, ranks, resident_trainable)
-    homes = homes or [(Tier.NVME if offload == NVME else Tier.HOST,) * 2] * len(units)
+    homes = homes or [(Tier.NVME if offload == NVME else Tier.HOST,) * 3] * len(units)
     k = max(1, prefetch)
     master_weights = master_weights and getattr(optimizer, "wants_master", True)  # see OutcoreOptimizer
     if spill_grads is None:  # (sharded: the ranks' gradients are summed as each unit's completes)
-        spill_grads = world > 1 or any(s is Tier.NVME for _, s in homes)
+        spill_grads = world > 1 or any(s is Tier.NVME for _, s, _ in homes)
     spill_grads = spill_grads and (max_grad_norm > 0 or grad_accum > 1) and not resident_trainable
     store, memory = _store_and_memory(units, optimizer, homes, k, device, caps=(device_bytes, host_bytes),
                                       swap_dir=swap_dir, nvme_reserve=nvme_reserve, init_weights=init_weights,
@@ -110,7 +112,7 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
     return engine
 
 
-def _store_and_memory(units: list[Unit], optimizer: Any, homes: list[tuple[Tier, Tier]], k: int,
+def _store_and_memory(units: list[Unit], optimizer: Any, homes: list[tuple[Tier, Tier, Tier]], k: int,
                       device: str | torch.device | None, *,
                       caps: tuple[int | None, int | None], swap_dir: str | Path | None, nvme_reserve: int,
                       init_weights: Callable[[Any, torch.Tensor], None] | None, master_weights: bool,

@@ -20,7 +20,7 @@ from .units import WEIGHTS, ParamSlot, Part, StateSlot, Unit, UnitLayout, _pad
 InitWeights = Callable[[ParamSlot, torch.Tensor], None]
 
 
-def store_unit(store: TieredStore, unit: Unit, optimizer: Any, homes: tuple[Tier, Tier],
+def store_unit(store: TieredStore, unit: Unit, optimizer: Any, homes: tuple[Tier, Tier, Tier],
                init_weights: InitWeights | None = None, master_weights: bool = True,
                quantize_frozen: bool = False, state_piece_bytes: int | None = None,
                state_streams: bool = False) -> None:
@@ -32,7 +32,7 @@ def store_unit(store: TieredStore, unit: Unit, optimizer: Any, homes: tuple[Tier
             device, see ``init_weights``). Afterwards they point at empty tensors.
         optimizer: an ``OutcoreOptimizer`` (``state_spec`` / ``init_state``), or None when the
             unit trains without optimizer state (zeroth-order).
-        homes: (weights' home tier, optimizer state's home tier).
+        homes: home tiers of (weights, optimizer state, spilled gradients).
         init_weights: fills a meta-device parameter's weights ``(slot, view [shape])``.
         master_weights: a 16-bit trainable parameter keeps an fp32 master as optimizer state
             (kind ``master``); ``init_weights`` then fills the master, in fp32.
@@ -44,7 +44,7 @@ def store_unit(store: TieredStore, unit: Unit, optimizer: Any, homes: tuple[Tier
     Raises:
         ValueError: a meta parameter without ``init_weights``, or a state kind mixing dtypes.
     """
-    w_home, s_home = homes
+    w_home, s_home, _ = homes
     split = None
     if (s_home is Tier.NVME or unit.shard or state_streams) and optimizer is not None:
         split = state_pieces(unit, optimizer, state_piece_bytes, master_weights)

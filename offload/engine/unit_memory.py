@@ -45,19 +45,19 @@ class StoreUnitMemory:
         optimizer: an ``OutcoreOptimizer`` (``state_spec`` gives the state layout and
             ``init_state`` the initial values), or None: no optimizer state (zeroth-order).
         home: tier of the authoritative copies (``Tier.NVME`` or ``Tier.HOST``).
-        homes: per unit, (weights home, state home); overrides ``home``.
+        homes: per unit, the home tiers of (weights, state, spilled gradients); overrides ``home``.
         init_weights, master_weights, quantize_frozen, state_piece_bytes: how each unit is
             laid out, see :func:`unit_layout.store_unit`.
     """
 
     def __init__(self, store: TieredStore, units: list[Unit], optimizer: Any, home: Tier = Tier.NVME,
-                 homes: list[tuple[Tier, Tier]] | None = None, init_weights: InitWeights | None = None,
+                 homes: list[tuple[Tier, Tier, Tier]] | None = None, init_weights: InitWeights | None = None,
                  master_weights: bool = True, quantize_frozen: bool = False,
                  state_piece_bytes: int | None = None):
         self.store = store
         self.units = units
         self._accelerator = store.device.is_accelerator
-        homes = homes or [(Tier.parse(home), Tier.parse(home))] * len(units)
+        homes = homes or [(Tier.parse(home),) * 3] * len(units)
         # The arenas sit empty while the units are laid out: their pages go back to the OS
         # (faulted in again when training uses them), so the setup's peak — a large unit's
         # initial weights, fp32 masters and state (an 8B embedding's: 4 GiB) — is not paid
@@ -204,9 +204,9 @@ class StoreUnitMemory:
         """Seconds consumers waited for transfers (the store's one counter)."""
         return self.store.stall_s
 
-    # -- gradients spilled to disk (clipping / accumulation out of core) -----------------
+    # -- spilled gradients (clipping / accumulation out of core) -------------------------
     def spill_grads(self, index: int, grads: dict[int, torch.Tensor], first: bool) -> torch.Tensor | None:
-        """Add a unit's gradients (slot index -> grad) into its spilled gradient, on the state's home.
+        """Add a unit's gradients (slot index -> grad) into its spilled gradient, on its home tier.
 
         The first spill of a step registers a fresh handle: its first fetch is zeros
         with no read, and it is *copied* into (not added: ``0 + -0.0`` would lose the sign
@@ -222,7 +222,7 @@ class StoreUnitMemory:
             return None
         if first:
             unit.memory.spilled[Part(GRADS)] = self.store.register(
-                f"{unit.name}:{GRADS}", shape=(unit.numel,), dtype=_unit_dtype(unit), home=unit.layout.homes[1])
+                f"{unit.name}:{GRADS}", shape=(unit.numel,), dtype=_unit_dtype(unit), home=unit.layout.homes[2])
         flat = self.acquire(index, GRADS)
         for k, g in grads.items():
             view = unit.view(flat, unit.slots[k])
@@ -242,7 +242,7 @@ class StoreUnitMemory:
             part = Part(GRADS, i)
             if first:
                 unit.memory.spilled[part] = self.store.register(
-                    f"{unit.name}:{part}", shape=(piece.hi - piece.lo,), dtype=dtype, home=unit.layout.homes[1])
+                    f"{unit.name}:{part}", shape=(piece.hi - piece.lo,), dtype=dtype, home=unit.layout.homes[2])
             elif i + 1 < len(pieces):
                 self.prefetch(unit.index, Part(GRADS, i + 1))
             spilled, at = self.acquire(unit.index, part), 0

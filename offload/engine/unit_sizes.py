@@ -276,7 +276,7 @@ def weights_arena_bytes(unit: Unit, quantize_frozen: bool = False) -> int:
     return _arena_bytes(unit.numel * _unit_dtype(unit).itemsize)
 
 
-def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier]], k: int, *,
+def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier, Tier]], k: int, *,
                 master_weights: bool, spill_grads: bool, quantize_frozen: bool, split_state: bool,
                 accelerator: bool = False) -> WorkingSet:
     """The DEVICE and HOST arena bytes the engine needs with ``k`` units prefetched.
@@ -294,7 +294,8 @@ def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier]], k:
     copy still writing back is evicted when its write lands; the arena allocates large
     blocks from the top, so the embedding's state and the blocks' do not fragment each
     other). A unit whose streamed state dwarfs a block's (the embedding, an untied head) streams
-    it in block-sized pieces when the optimizer is element-wise (its spilled gradient too).
+    it in block-sized pieces when the optimizer is element-wise (its spilled gradient too). A
+    spilled gradient homed in HOST while the state streams from disk is HOST-home bytes.
     """
     w_sizes = [weights_arena_bytes(u, quantize_frozen) for u in units]
     kinds_of = unit_state_bytes(units, optimizer, master_weights, spill_grads)
@@ -307,11 +308,14 @@ def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier]], k:
         on_disk = homes[i][1] is Tier.NVME
         streams = on_disk or accelerator  # (on an accelerator every state streams to the update)
         ram = ram_kinds({k: n for k, n in kinds_of[i].items() if k != GRADS}) if on_disk else set()
+        grads_in_ram = on_disk and spill_grads and homes[i][2] is Tier.HOST
+        if grads_in_ram:
+            ram.add(GRADS)
         split = state_pieces(unit, optimizer, piece_bytes, master_weights) if streams or unit.shard else None
         # the kinds kept in RAM never stream from the disk, but reach the device with the rest
         handles = {k: n for k, n in (split.handle_bytes if split else kinds_of[i]).items()
                    if k not in ram or accelerator}
-        if split is not None and spill_grads:
+        if split is not None and spill_grads and (not grads_in_ram or accelerator):
             handles[GRADS] = max((p.hi - p.lo for p in split.pieces), default=0) * _unit_dtype(unit).itemsize
         window_sizes[i] = _arena_bytes(handles)
         pieces = len(split.pieces) if split else 1
@@ -319,14 +323,14 @@ def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier]], k:
         if split is not None and unit.shard:  # the rank stores its range only (and spills its range's gradient)
             s_sizes[i] = split.stored + sum(_arena_bytes((p.hi - p.lo) * _unit_dtype(unit).itemsize)
                                             for p in split.pieces if spill_grads)
-    host_home += sum(w for w, (hw, _) in zip(w_sizes, homes) if hw is Tier.HOST)
-    host_home += sum(s for s, (_, hs) in zip(s_sizes, homes) if hs is Tier.HOST)
-    streams = any(hs is Tier.NVME for _, hs in homes)
+    host_home += sum(w for w, (hw, _, _) in zip(w_sizes, homes) if hw is Tier.HOST)
+    host_home += sum(s for s, (_, hs, _) in zip(s_sizes, homes) if hs is Tier.HOST)
+    streams = any(hs is Tier.NVME for _, hs, _ in homes)
     weights = step_window(w_sizes, 2 * k + 2, [u.borrows for u in units])
     if not accelerator:
         return WorkingSet(device=weights, host=host_home + (window_bytes(window_sizes, k + 1) if streams else 0),
                           piece_bytes=piece_bytes)
-    on_disk = [i for i, (hw, hs) in enumerate(homes) if Tier.NVME in (hw, hs)]
+    on_disk = [i for i, (hw, hs, _) in enumerate(homes) if Tier.NVME in (hw, hs)]
     staging = (window_bytes([w_sizes[i] for i in on_disk], k + 1)
                + window_bytes([window_sizes[i] for i in on_disk], k + 1)) if on_disk else 0
     return WorkingSet(device=weights + window_bytes(window_sizes, k + 1), host=host_home + staging,

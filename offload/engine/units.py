@@ -106,7 +106,7 @@ class Piece:
 class UnitLayout:
     """A unit's buffers in the store: made by ``unit_layout.store_unit``, fixed afterwards."""
 
-    homes: "tuple[Tier, Tier]"  # (weights' home tier, optimizer state's home tier)
+    homes: "tuple[Tier, Tier, Tier]"  # home tiers of (weights, optimizer state, spilled gradients)
     handles: "dict[Part, TensorHandle]"  # the weights', each state part's (a spilled gradient's: Unit.memory)
     states: tuple[dict[str, StateSlot], ...]  # per slot: where its state of each kind lies
     flat: dict[str, tuple[int, torch.dtype]]  # kind (WEIGHTS too) -> (numel, dtype) of its flat buffer

@@ -93,7 +93,7 @@ class StoreWeights:
         try:
             # no optimizer state, and no fp32 masters: ZO updates the weights themselves
             self.mem = StoreUnitMemory(self.store, self.units, None,
-                                       homes=[(Tier.NVME, Tier.NVME)] * len(self.units),
+                                       homes=[(Tier.NVME,) * 3] * len(self.units),
                                        init_weights=init_weights, master_weights=False)
             place_rest(blocks.model, self.units, compute.torch_device)  # buffers (RoPE's frequencies)
             # A unit another one borrows (the tied embedding) is used at both ends of every

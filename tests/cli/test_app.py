@@ -11,7 +11,7 @@ import pytest
 
 import outcore
 from outcore.errors import DataError, DiskFullError, IntegrityError, Interrupted, ModelError
-from outcore.training.config import METHODS, OPTIMIZERS, FinetuneConfig
+from outcore.training.config import FIRST_RUN, METHODS, OPTIMIZERS, FinetuneConfig
 from outcore.cli import main
 
 
@@ -67,7 +67,7 @@ def test_no_command_prints_help_and_exits_2(capsys):
 # ---- flags -> config --------------------------------------------------------------
 def test_no_arguments_fine_tunes_the_default(fake_finetune, capsys):
     assert main(["finetune"]) == 0
-    assert fake_finetune == [FinetuneConfig()]
+    assert fake_finetune == [FinetuneConfig(**FIRST_RUN)]  # write-lean: bf16 + AdamW8bit
     assert capsys.readouterr().out.strip() == f"outcore: output in {os.path.abspath('runs/default')}"
 
 

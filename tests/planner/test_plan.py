@@ -225,12 +225,19 @@ def test_nvme_mode_streams_everything_and_counts_the_traffic(tiny):
     assert cuda.tier_bytes["DEVICE"]["state window"] > 0
 
 
-def test_clipping_keeps_gradients_in_their_tier(tiny):
+def test_clipping_keeps_gradients_in_ram_while_it_holds_them(tiny):
     plan = make_plan(tiny, offload="nvme", budgets=BIG, seq_len=32, max_grad_norm=1.0)
     n = _total(tiny)
-    assert plan.grads_kept
-    assert plan.tier_bytes["NVME"]["grads"] == 4 * n
-    assert plan.time.io_bytes["nvme_write"] == 4 * n + 4 * n + 8 * n  # (step counts stay in RAM)
+    assert plan.grads_kept and plan.layout == "nvme"
+    assert plan.tier_bytes["HOST"]["grads"] == 4 * n and "grads" not in plan.tier_bytes["NVME"]
+    assert all(u.grads is Tier.HOST and u.state is Tier.NVME for u in plan.units)
+    # a gradient lives one step: in RAM it is never written to the SSD (step counts stay in RAM)
+    assert plan.time.io_bytes["nvme_write"] == 4 * n + 8 * n
+    # a HOST budget that cannot hold them too: the gradients go to NVMe, written and read each step
+    tight = dataclasses.replace(BIG, host_bytes=plan.tier_total("HOST") - 4 * n)
+    plan = make_plan(tiny, offload="nvme", budgets=tight, seq_len=32, max_grad_norm=1.0)
+    assert plan.layout == "nvme" and plan.tier_bytes["NVME"]["grads"] == 4 * n
+    assert plan.time.io_bytes["nvme_write"] == 4 * n + 4 * n + 8 * n
 
 
 def test_lora_never_writes_frozen_weights(tiny):

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from outcore.errors import ConfigError
-from outcore.training.config import load_config
+from outcore.training.config import FinetuneConfig, load_config
 from outcore.recipes.full_finetune import finetune
 from tests._helpers import RecordingSink, exported_weights
 
@@ -23,7 +23,7 @@ def _cfg(inputs: Path, out: Path, **kw):
 
 def test_bf16_lean_alone_computes_in_bfloat16(tmp_path):
     cfg = load_config(overrides={"precision": "bf16-lean", "output": str(tmp_path)})
-    assert cfg.dtype == "bfloat16" and load_config(overrides={"output": str(tmp_path)}).precision == "exact"
+    assert cfg.dtype == "bfloat16" and FinetuneConfig(output=str(tmp_path)).precision == "exact"
     assert load_config(overrides={"precision": "bf16-lean", "dtype": "bfloat16"}).dtype == "bfloat16"
 
 

@@ -57,3 +57,16 @@ def test_summary_row(tmp_path, make_step):
     sink.close()
     assert "SSD written  4.0 GiB; 0.000716% of rated life, 0.0895% per 1000 steps" in stream.getvalue()
     assert sink.summary.ssd_written_bytes == 4 * GiB
+
+
+def test_summary_states_a_typical_drive_without_a_rating(tmp_path, make_step):
+    stream = io.StringIO()
+    sink = make_sink("plain", None, stream=stream)
+    out = str(tmp_path / "run")
+    sink.emit(RunStarted("r", "tiny", 1000, 1000, 1, out, "full", "adamw"))
+    sink.emit(make_step(1, total=1))
+    sink.emit(RunFinished(1, 2.0, GiB, out, ssd_written_bytes=20 * 10**9))  # no --ssd-tbw
+    sink.close()
+    # 20 GB of a 600 TB rating: 0.0033%
+    assert "SSD written  18.6 GiB; 0.0033% of a typical 1 TB drive's rated life (600 TBW; --ssd-tbw" in \
+        stream.getvalue()
