@@ -192,3 +192,21 @@ def test_bad_settings_and_data_are_one_line_errors(tiny_run_inputs, inputs, tmp_
     bad.write_text('{"prompt": "  ", "answer": "2"}\n')
     with pytest.raises(DataError, match=rf"{bad}:1: 'prompt' is empty"):
         outcore.finetune(_cfg(tiny_run_inputs, inputs, tmp_path / "d", data=str(bad)))
+
+
+def test_shipped_demo_is_the_script_output():
+    from outcore.data import build_prompt_datasets
+    from outcore.models import load_tokenizer
+    from tests._helpers import ROOT, load_module
+
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))  # (the script imports the preference demo's task, as when run)
+    try:
+        demo = load_module(ROOT / "scripts" / "make_grpo_demo.py")
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    shipped = ROOT / "data" / "demo" / "arithmetic_prompts.jsonl"
+    assert shipped.read_text() == "".join(json.dumps(r) + "\n" for r in demo.prompts(480, 1))
+    train, val = build_prompt_datasets(shipped, load_tokenizer("default"), 96, 16, val_fraction=0.1)
+    assert len(train) + len(val) == 480 and all(p.columns["answer"] for p in train.prompts)
