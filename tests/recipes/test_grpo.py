@@ -88,14 +88,15 @@ def test_out_of_core_equals_in_memory(tiny_run_inputs, inputs, tmp_path, method,
     assert [e for e in ooc_sink.events if type(e).__name__ == "StepEvent"][-1].tiers["NVME"].read_bytes > 0
 
 
-def test_sampling_out_of_core_equals_in_memory(tiny_run_inputs, inputs, tmp_path):
-    """The completions themselves, token for token, from the recipe's sampler in both modes."""
+def test_sampling_out_of_core_equals_in_memory(tiny_run_inputs, inputs, tmp_path, compute_device):
+    """The completions themselves, token for token, from the recipe's sampler in both modes (on
+    the CPU and on the simulated accelerator, which fails where a GPU would)."""
     from outcore.recipes.grpo import GRPOFinetune
     from outcore.training.lifecycle import Run
 
     sampled = {}
     for offload in ("none", "nvme"):
-        run = Run(_cfg(tiny_run_inputs, inputs, tmp_path / offload, offload=offload))
+        run = Run(_cfg(tiny_run_inputs, inputs, tmp_path / offload, offload=offload, device=compute_device.type))
         recipe = GRPOFinetune(run)
         run.open()
         try:
