@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from typing import IO, Any
 
+from ..methods import GRPO
 from ..events import (EvalEvent, GRPOStepEvent, PreferenceEvalEvent, RewardEvalEvent, RunFinished, RunStarted,
                       StepEvent, TaskEvalEvent)
 from .format import (fmt_bytes, fmt_count, fmt_duration, fmt_float, fmt_gbps, fmt_lr,
@@ -123,7 +124,9 @@ class PlainView:
         elif isinstance(event, StepEvent):
             self._write(step_line(event, self.state))
         elif isinstance(event, EvalEvent):
-            self._write(eval_line(event))
+            config = self.state.started.config if self.state.started else None
+            if not config or config.get("objective") != GRPO:  # (GRPO's is minus its reward line's)
+                self._write(eval_line(event))
         elif isinstance(event, TaskEvalEvent):
             self._write(task_line(event))
         elif isinstance(event, PreferenceEvalEvent):

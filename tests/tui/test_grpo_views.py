@@ -38,6 +38,7 @@ def test_rollouts_and_held_out_reward_in_metrics_and_plain_log(tmp_path, make_st
             "train 1.5s") in text
     assert "held-out reward @ step 2: 0.5625 ± 0.4961 over 16 prompts (38.2 tokens/completion)" in text
     assert "held-out reward  base 0.1250 -> final 0.5625" in text and "eval perplexity" not in text
+    assert "eval @" not in text  # (the eval loss is minus the held-out reward: no line of its own)
 
 
 def test_dashboard_shows_rollouts_and_held_out_reward(tmp_path, make_step):
