@@ -140,6 +140,39 @@ class PreferenceEvalEvent:
 
 
 @dataclass
+class GRPOStepEvent:
+    """A GRPO step's rollouts: sent after its StepEvent at each logged step."""
+
+    step: int
+    reward: float  # mean reward of the step's sampled completions (the weighted sum of the reward functions)
+    reward_std: float  # its standard deviation over them
+    kl: float  # mean per-token KL to the reference (k3 estimator; 0 without a KL term)
+    completion_length: float  # mean tokens per completion
+    generate_s: float  # seconds sampling and scoring the completions (and the reference's pass)
+    train_s: float  # seconds of the forward, backward and update
+
+    def to_row(self) -> dict[str, float]:
+        """The metrics.jsonl fields of this event."""
+        return {"reward": self.reward, "reward_std": self.reward_std, "kl": self.kl,
+                "completion_length": self.completion_length, "generate_s": self.generate_s, "train_s": self.train_s}
+
+
+@dataclass
+class RewardEvalEvent:
+    """The held-out prompts were completed (greedily) and rewarded (each validation pass of GRPO)."""
+
+    step: int  # 0 = before training
+    n: int  # prompts completed
+    reward: float  # mean reward
+    reward_std: float  # its standard deviation
+    completion_length: float  # mean tokens per completion
+
+    def to_row(self) -> dict[str, float]:
+        """The metrics.jsonl fields of this event."""
+        return {"eval_reward": self.reward, "eval_reward_std": self.reward_std}
+
+
+@dataclass
 class RunFinished:
     """Sent once after the last step (also after an interrupt)."""
 
@@ -156,7 +189,8 @@ class RunFinished:
     ssd_life_per_1000_steps_pct: float | None = None  # the last StepEvent's projection
 
 
-Event = RunStarted | StepEvent | EvalEvent | TaskEvalEvent | PreferenceEvalEvent | RunFinished
+Event = (RunStarted | StepEvent | EvalEvent | TaskEvalEvent | PreferenceEvalEvent | GRPOStepEvent | RewardEvalEvent
+         | RunFinished)
 
 
 class EventSink(Protocol):

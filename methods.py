@@ -88,14 +88,16 @@ class Objective:
         rows_per_example: token rows a training example puts in a micro-batch (a preference
             pair: its chosen and its rejected completion); the planner sizes activations by it.
         reference: its loss compares with a frozen reference model's log-probabilities.
+        beta: its ``beta`` when the config leaves it unset (TRL's default for the trainer).
     """
 
     recipe: str | None
     rows_per_example: int = 1
     reference: bool = False
+    beta: float = 0.1
 
 
-SFT = "sft"
+SFT, GRPO = "sft", "grpo"
 _PREFERENCE = ".recipes.preference:PreferenceFinetune"
 
 #: name -> objective (named as TRL's trainers, LLaMA-Factory's ``stage`` and axolotl's ``rl``)
@@ -104,7 +106,14 @@ OBJECTIVES: dict[str, Objective] = {
     "dpo": Objective(_PREFERENCE, rows_per_example=2, reference=True),
     "orpo": Objective(_PREFERENCE, rows_per_example=2),
     "simpo": Objective(_PREFERENCE, rows_per_example=2),
+    # a micro-batch is batch_size completions, num_generations per prompt; the KL term's
+    # reference only when beta > 0 (TRL's default beta is 0)
+    GRPO: Objective(".recipes.grpo:GRPOFinetune", beta=0.0),
 }
+
+#: GRPO's loss reductions (TRL's ``loss_type``) and reward scalings (its ``scale_rewards``)
+GRPO_LOSS_TYPES = ("dapo", "grpo", "bnpo", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
 
 
 def objective(name: str) -> Objective:

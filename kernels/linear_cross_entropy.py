@@ -431,7 +431,8 @@ def head_loss_covers(config: object) -> bool:
 
 class CausalLMHeadLoss(torch.nn.Module):
     """``lm_head`` + the causal-LM loss as one module: ``(hidden [B,T,H], labels [B,T]) -> loss``
-    (a scalar, or with ``reduction="none"`` the ``[B, T]`` per-position losses).
+    (a scalar, or with ``reduction="none"`` the ``[B, T]`` per-position losses); with ``labels``
+    None, the logits (GRPO samples its completions through it out of core).
 
     Calling the head through a module (rather than reading ``lm_head.weight`` in
     a loss function) keeps module hooks working: the out-of-core engine brings
@@ -445,6 +446,8 @@ class CausalLMHeadLoss(torch.nn.Module):
         super().__init__()
         self.lm_head = lm_head
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None, reduction: str = "mean") -> torch.Tensor:
+        if labels is None:  # the logits, for sampling through the same module (and its hooks)
+            return self.lm_head(hidden)
         return causal_lm_loss(hidden, self.lm_head.weight, labels, bias=getattr(self.lm_head, "bias", None),
                               reduction=reduction)

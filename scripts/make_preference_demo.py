@@ -15,19 +15,24 @@ from pathlib import Path
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "data" / "demo" / "arithmetic_pairs.jsonl"
 
 
-def pairs(n: int, seed: int) -> list[dict]:
+def questions(n: int, seed: int) -> list[tuple[str, int, int]]:
+    """``n`` arithmetic questions: ``(question, right answer, a near miss)`` (the GRPO demo's too)."""
     rng = random.Random(seed)
-    rows = []
+    out = []
     for _ in range(n):
         a, b = rng.randint(2, 49), rng.randint(2, 49)
         op = rng.choice("+-")
         right = a + b if op == "+" else a - b
         wrong = right + rng.choice([-10, -2, -1, 1, 2, 10])
-        question = f"What is {a} {op} {b}? Answer with the number only."
-        rows.append({"prompt": [{"role": "user", "content": question}],
-                     "chosen": [{"role": "assistant", "content": str(right)}],
-                     "rejected": [{"role": "assistant", "content": str(wrong)}]})
-    return rows
+        out.append((f"What is {a} {op} {b}? Answer with the number only.", right, wrong))
+    return out
+
+
+def pairs(n: int, seed: int) -> list[dict]:
+    return [{"prompt": [{"role": "user", "content": question}],
+             "chosen": [{"role": "assistant", "content": str(right)}],
+             "rejected": [{"role": "assistant", "content": str(wrong)}]}
+            for question, right, wrong in questions(n, seed)]
 
 
 def main() -> None:

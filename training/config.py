@@ -16,7 +16,7 @@ from typing import Any, Mapping
 from ..activations.policy import ACTIVATION_COMPRESSION, ACTIVATION_POLICIES
 from ..dtypes import BF16_LEAN, DTYPES, PRECISIONS
 from ..errors import ConfigError
-from ..methods import FULL, SFT, method_traits, objective
+from ..methods import FULL, GRPO, GRPO_LOSS_TYPES, SCALE_REWARDS, SFT, method_traits, objective
 from ..methods import OBJECTIVES as _OBJECTIVE_REGISTRY
 from ..methods import METHODS as _METHOD_REGISTRY
 from ..offload.modes import DEVICE_CHOICES, NVME, OFFLOAD_MODES
@@ -48,10 +48,23 @@ class FinetuneConfig:
     # --- how -----------------------------------------------------------------
     method: str = FULL  # one of METHODS
     # one of OBJECTIVES: sft (next-token loss on data), or a preference objective on JSONL pairs
-    # {"prompt", "chosen", "rejected"} (TRL's format): dpo, orpo, simpo
+    # {"prompt", "chosen", "rejected"} (TRL's format): dpo, orpo, simpo; or grpo on prompt-only JSONL rows
     objective: str = SFT
-    beta: float = 0.1  # dpo / orpo / simpo: the preference loss's temperature (TRL's beta)
+    # dpo / orpo / simpo: the preference loss's temperature; grpo: the KL term's weight (TRL's beta).
+    # Unset: the objective's TRL default (0.1; grpo 0.0)
+    beta: float | None = None
     simpo_gamma: float = 0.5  # simpo: the target reward margin (TRL's simpo_gamma)
+    # --- GRPO (objective grpo: prompt-only JSONL, completions sampled and rewarded) --------
+    num_generations: int = 8  # completions sampled per prompt (a group); batch_size counts completions, as TRL's
+    max_completion_length: int = 128  # the most tokens sampled per completion (a prompt keeps seq_len - this)
+    temperature: float = 1.0  # sampling temperature (the log-probabilities are taken at it, as TRL's)
+    epsilon: float = 0.2  # the probability ratio is clipped to [1 - epsilon, 1 + epsilon_high]
+    epsilon_high: float = 0.0  # 0: epsilon
+    loss_type: str = "dapo"  # one of GRPO_LOSS_TYPES (TRL's loss_type)
+    scale_rewards: str = "group"  # one of SCALE_REWARDS: advantages over the group's std, the batch's, or none
+    reward_funcs: list[str] = field(default_factory=list)  # built-ins (exact_answer, format, regex) or module:function
+    reward_weights: list[float] = field(default_factory=list)  # one per reward function (empty: 1.0 each)
+    reward_pattern: str = ""  # the built-in regex reward's pattern (re.search)
     optim: str = "adamw"  # one of OPTIMIZERS
     optim_args: dict[str, Any] = field(default_factory=dict)  # optimizer-specific hyper-parameters
     lr: float = 5e-5  # peak learning rate
@@ -169,9 +182,14 @@ class FinetuneConfig:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a finite number >= 0")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"betas={list(self.betas)!r} must be two numbers in [0, 1), e.g. betas=0.9,0.999")
-        for name in ("beta", "simpo_gamma"):
-            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
-                raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive finite number")
+        if self.beta is None:
+            self.beta = objective(self.objective).beta
+        if not (self.simpo_gamma > 0 and math.isfinite(self.simpo_gamma)):
+            raise ConfigError(f"simpo_gamma={self.simpo_gamma!r} must be a positive finite number")
+        if self.objective == GRPO:
+            self._validate_grpo()
+        elif not (self.beta > 0 and math.isfinite(self.beta)):
+            raise ConfigError(f"beta={self.beta!r} must be a positive finite number")
         if not self.lora_alpha > 0:
             raise ConfigError(f"lora_alpha={self.lora_alpha!r} must be > 0")
         if not 0.0 <= self.lora_dropout < 1.0:
@@ -187,6 +205,46 @@ class FinetuneConfig:
         if not (self.ssd_tbw >= 0 and math.isfinite(self.ssd_tbw)):
             raise ConfigError(f"ssd_tbw={self.ssd_tbw!r} must be the swap disk's rated terabytes written, "
                               "a finite number > 0 (e.g. --ssd-tbw 600), or 0 when unknown")
+
+    def _validate_grpo(self) -> None:
+        """GRPO's sampling, loss and reward settings."""
+        from .rewards import check_reward_spec
+
+        if not self.reward_funcs:
+            raise ConfigError("objective='grpo' needs reward_funcs: built-ins (exact_answer, format, regex) or "
+                              "module:function, e.g. reward_funcs=exact_answer")
+        for spec in self.reward_funcs:
+            check_reward_spec(spec)
+        if not (self.beta >= 0 and math.isfinite(self.beta)):
+            raise ConfigError(f"beta={self.beta!r} must be a finite number >= 0 (the KL term's weight; 0: none)")
+        if self.beta > 0 and not self.uses_adapters:
+            raise ConfigError(f"beta={self.beta} with method={self.method!r}: the KL term's reference would be the "
+                              "initial weights, which a full fine-tune does not keep; use beta=0 (TRL's default) "
+                              "or method lora / qlora (the reference is then the base, adapters disabled)")
+        if self.num_generations < 2:
+            raise ConfigError(f"num_generations={self.num_generations!r} must be >= 2 (advantages compare a "
+                              "prompt's completions)")
+        if self.batch_size % self.num_generations:
+            raise ConfigError(f"batch_size={self.batch_size} must be a multiple of num_generations="
+                              f"{self.num_generations} (completions per micro-batch, as TRL's batch size), "
+                              f"e.g. batch_size={self.num_generations}")
+        if not 1 <= self.max_completion_length < self.seq_len:
+            raise ConfigError(f"max_completion_length={self.max_completion_length!r} must be in [1, seq_len="
+                              f"{self.seq_len}): a prompt and its completion fit in seq_len")
+        for name in ("temperature", "epsilon"):
+            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive finite number")
+        if not (self.epsilon_high >= 0 and math.isfinite(self.epsilon_high)):
+            raise ConfigError(f"epsilon_high={self.epsilon_high!r} must be >= 0 (0: epsilon)")
+        _choice("loss_type", self.loss_type, GRPO_LOSS_TYPES)
+        _choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
+        try:
+            self.reward_weights = [float(w) for w in self.reward_weights]
+        except (TypeError, ValueError):
+            raise ConfigError(f"reward_weights={self.reward_weights!r} must be numbers") from None
+        if self.reward_weights and len(self.reward_weights) != len(self.reward_funcs):
+            raise ConfigError(f"reward_weights has {len(self.reward_weights)} values for {len(self.reward_funcs)} "
+                              "reward_funcs; give one per function (or none: 1.0 each)")
 
     def _resolve_precision(self) -> None:
         """``bf16-lean`` computes in bfloat16 (the default float32 dtype is taken as unset) and
@@ -232,6 +290,7 @@ def _choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
 # Loading: YAML file + key=value overrides -> FinetuneConfig
 # ---------------------------------------------------------------------------------
 _FIELDS = {f.name: f for f in dataclasses.fields(FinetuneConfig)}
+_OPTIONAL_FLOATS = ("beta",)  # numbers whose default, None, the objective resolves
 
 
 def _parse_scalar(text: str) -> Any:
@@ -251,6 +310,8 @@ def _coerce(name: str, value: Any) -> Any:
     if default is dataclasses.MISSING:
         default = _FIELDS[name].default_factory()  # type: ignore[misc]
     try:
+        if name in _OPTIONAL_FLOATS:
+            return None if value is None else float(value)
         if value is None:
             if default is None or name in ("max_grad_norm",):
                 return None if default is None else 0.0

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Callable, Protocol
 import torch
 
 from ..errors import Interrupted, RankLostError
-from ..events import (EvalEvent, EventSink, NullSink, PreferenceEvalEvent, RunFinished, RunStarted, StepEvent,
-                      TaskEvalEvent, perplexity)
+from ..events import (EvalEvent, EventSink, GRPOStepEvent, NullSink, PreferenceEvalEvent, RewardEvalEvent,
+                      RunFinished, RunStarted, StepEvent, TaskEvalEvent, perplexity)
 from ..offload.device import resolve_device
 from ..offload.device import device_memory
 from ..offload.distributed import Ranks
@@ -75,6 +75,7 @@ class Stepped:
     loss: torch.Tensor | float  # a tensor is read (a host sync) at log steps only
     grad_norm: torch.Tensor | None = None  # before clipping (None: not computed)
     checkpointed: bool = False  # the step is a checkpoint already (ZO: its log line)
+    rollouts: GRPOStepEvent | None = None  # GRPO: its completions' rewards and timings, logged after the step
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class Evaluation:
     loss: float  # the held-out loss
     task: TaskEvalEvent | None = None  # the eval task's score, reported after the loss
     preference: PreferenceEvalEvent | None = None  # a preference objective's held-out accuracy and margin
+    reward: RewardEvalEvent | None = None  # GRPO: the held-out prompts' mean reward
 
 
 class Recipe(Protocol):
@@ -271,11 +273,13 @@ class Run:
                           ram_bytes=ram_total_bytes(), grad_norm=None if norm is None else float(norm),
                           eval_loss=eval_loss, stall_s=stall_s, tiers=tiers, **device_memory(self.device))
         self.sink.emit(dist.with_ranks(self.ranks, self.wear.fill(event), self.out))
+        if stepped.rollouts is not None:
+            self.sink.emit(stepped.rollouts)
 
     def _evaluate(self, recipe: Recipe, step: int) -> float:
         result = recipe.evaluate(step)
         self.sink.emit(EvalEvent(step=step, eval_loss=result.loss, perplexity=perplexity(result.loss)))
-        for score in (result.task, result.preference):
+        for score in (result.task, result.preference, result.reward):
             if score is not None:
                 self.sink.emit(score)
         return result.loss

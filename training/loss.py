@@ -124,3 +124,112 @@ def simpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, beta: float,
     model (TRL's CPO trainer with ``loss_type="simpo"``, ``cpo_alpha=0``)."""
     loss = -F.logsigmoid(beta * ((chosen - rejected) - gamma / beta)).mean()
     return loss, beta * chosen.detach(), beta * rejected.detach()
+
+
+# --------------------------------------------------------------------------- GRPO
+# Per-token log-probabilities of sampled completions, group-normalized advantages and the
+# clipped objective with its KL term, as TRL's GRPOTrainer computes them (tests check them
+# against its own code). Per-token tensors are ``[B, C]``: C completion positions, ``mask`` 1
+# on a completion's tokens (its end-of-sequence token included), 0 on the padding after it.
+
+def completion_logps(scorer: CausalLMScorer, batch: dict[str, torch.Tensor], completion: int,
+                     temperature: float = 1.0) -> torch.Tensor:
+    """``[B, C]`` fp32: the log-probability of each of the last ``completion`` tokens of every
+    row (``batch``: prompt then completion, labels -100 off the completion), at
+    ``temperature`` as TRL scores them (the logits divided by it; 0 where the label is -100).
+
+    Out of core the head's chunked loss computes them too; the hidden state is divided instead
+    of the logits (``W(h/T) = (Wh)/T`` but for rounding), so no logits are materialized.
+    """
+    if temperature == 1.0:
+        nll = scorer.token_nll(batch)
+    else:
+        batch = to_device(batch, scorer.device)
+        labels = batch["labels"]
+        if scorer.head_loss is not None:
+            nll = scorer.head_loss(scorer._hidden(batch) / temperature, labels, reduction="none")
+        else:
+            logits = scorer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            nll = F.pad(F.cross_entropy(logits[:, :-1].float().transpose(1, 2) / temperature, labels[:, 1:],
+                                        reduction="none"), (0, 1))
+    # position t predicts token t + 1: the completion's C tokens are predicted at T-C-1 … T-2
+    total = nll.shape[1]
+    return -nll[:, total - completion - 1:total - 1]
+
+
+def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Bessel-corrected standard deviation ignoring NaNs (TRL's ``nanstd``; NaN below 2 values)."""
+    mean = torch.nanmean(x, dim=dim, keepdim=True)
+    variance = torch.nanmean((x - mean) ** 2, dim=dim, keepdim=True)
+    count = torch.sum(~torch.isnan(x), dim=dim, keepdim=True)
+    correction = torch.where(count > 1, count / (count - 1), torch.full_like(count, float("nan"), dtype=x.dtype))
+    std = torch.sqrt(variance * correction)
+    return std.squeeze() if dim is None else std.squeeze(dim)
+
+
+def group_advantages(rewards_per_func: torch.Tensor, weights: torch.Tensor, num_generations: int,
+                     scale_rewards: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(advantages [N], rewards [N])`` of ``N`` completions, ``num_generations`` per prompt in
+    order, from ``[N, F]`` rewards (NaN: not scored): the weighted sum (NaN when no function
+    scored it), minus its group's mean, over the group's standard deviation (``scale_rewards``
+    ``group``), the whole batch's (``batch``) or 1 (``none``), +1e-4; NaN advantages are 0."""
+    unscorable = torch.isnan(rewards_per_func).all(dim=1)
+    rewards = (rewards_per_func * weights.unsqueeze(0)).nansum(dim=1)
+    rewards[unscorable] = torch.nan
+    groups = rewards.view(-1, num_generations)
+    mean = torch.nanmean(groups, dim=1).repeat_interleave(num_generations)
+    if scale_rewards == "batch":
+        std = _nanstd(rewards).expand_as(rewards) if rewards.numel() > 1 else torch.zeros_like(rewards)
+    else:
+        std = _nanstd(groups, dim=1).repeat_interleave(num_generations)
+    advantages = rewards - mean
+    if scale_rewards != "none":
+        advantages = advantages / (std + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0), rewards
+
+
+def grpo_loss(logps: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *, loss_type: str,
+              epsilon_low: float, epsilon_high: float, beta: float = 0.0, ref_logps: torch.Tensor | None = None,
+              old_logps: torch.Tensor | None = None, max_completion_length: int = 0,
+              tokens: torch.Tensor | float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, mean KL)`` of a micro-batch of completions: TRL's clipped surrogate with the
+    k3 KL estimator (importance-weighted, as TRL's default), reduced as ``loss_type`` says.
+
+    Args:
+        logps: ``[B, C]`` the policy's per-token log-probabilities (with their graph).
+        advantages: ``[B]``.
+        mask: ``[B, C]`` 1 on completion tokens.
+        loss_type: ``grpo`` (mean per sequence, then over sequences), ``bnpo`` (mean over the
+            micro-batch's tokens), ``dr_grpo`` (sum over ``B · max_completion_length``), ``dapo``
+            (sum over ``tokens``, the step's completion tokens).
+        epsilon_low, epsilon_high: the ratio's clip range ``[1 - low, 1 + high]``.
+        beta: the KL term's weight (0: none, ``ref_logps`` unused).
+        ref_logps: ``[B, C]`` the reference's, when ``beta > 0``.
+        old_logps: the sampling policy's (None: ``logps`` detached, ratio 1, as TRL with one
+            update per generation batch).
+    """
+    old = logps.detach() if old_logps is None else old_logps
+    ratio = torch.exp(logps - old)
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+    adv = advantages.unsqueeze(1)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    kl = torch.zeros((), device=logps.device)
+    if beta != 0.0:
+        delta = ref_logps - logps
+        per_token_kl = torch.exp(delta) - delta - 1
+        kl = ((per_token_kl * mask).sum() / mask.sum().clamp(min=1.0)).detach()
+        # times the ratio (TRL's default use_bias_correction_kl): 1 in value, but its gradient
+        # makes the KL's the unbiased reverse-KL gradient
+        per_token = per_token + beta * per_token_kl * ratio
+    if loss_type == "grpo":
+        loss = ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    elif loss_type == "bnpo":
+        loss = (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    elif loss_type == "dr_grpo":
+        loss = (per_token * mask).sum() / (per_token.size(0) * max_completion_length)
+    elif loss_type == "dapo":
+        normalizer = mask.sum() if tokens is None else torch.as_tensor(tokens, device=logps.device)
+        loss = (per_token * mask).sum() / normalizer.clamp(min=1.0)
+    else:
+        raise ValueError(f"unknown GRPO loss_type {loss_type!r}")
+    return loss, kl

@@ -16,7 +16,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..events import EvalEvent, PreferenceEvalEvent, RunFinished, RunStarted, StepEvent, TaskEvalEvent
+from ..events import (EvalEvent, GRPOStepEvent, PreferenceEvalEvent, RewardEvalEvent, RunFinished, RunStarted,
+                      StepEvent, TaskEvalEvent)
 from .format import (fmt_bytes, fmt_count, fmt_duration, fmt_float, fmt_gbps, fmt_lr,
                      fmt_percent, fmt_seconds, perplexity, sparkline)
 from .state import RunState, TierView
@@ -41,6 +42,8 @@ class _Snapshot:
     preference: tuple[PreferenceEvalEvent | None, PreferenceEvalEvent | None]  # the held-out pairs, likewise
     eta_s: float | None
     stall: float | None
+    rollouts: GRPOStepEvent | None = None  # GRPO: the last logged step's completions
+    reward: tuple[RewardEvalEvent | None, RewardEvalEvent | None] = (None, None)  # GRPO's held-out reward
     tiers: list[TierView] = field(default_factory=list)
 
 
@@ -131,7 +134,7 @@ class Dashboard:
                              losses=list(s.losses), eval_losses=list(s.eval_losses),
                              last_eval=s.last_eval, task=s.task_before_after(), preference=s.preference_before_after(),
                              eta_s=s.eta_s(),
-                             stall=s.stall_share(),
+                             stall=s.stall_share(), rollouts=s.rollouts, reward=s.reward_before_after(),
                              tiers=list(s.tiers.values()))
 
     def render(self) -> Any:
@@ -232,6 +235,10 @@ class Dashboard:
             grid.add_row("task", _task_text(*snap.task))
         if snap.preference[0] is not None or snap.preference[1] is not None:
             grid.add_row("pairs", _preference_text(*snap.preference))
+        if snap.rollouts is not None:
+            grid.add_row("rollout", _rollouts_text(snap.rollouts))
+        if snap.reward[0] is not None or snap.reward[1] is not None:
+            grid.add_row("reward", _reward_text(*snap.reward))
         if ev is not None:
             speed = Text.assemble((fmt_count(ev.tokens_per_s), "bold"), " tokens/s   ",
                                   (fmt_seconds(ev.step_s), "bold"), "/step   ",
@@ -320,6 +327,28 @@ def _preference_text(before: PreferenceEvalEvent | None, latest: PreferenceEvalE
     for name, fmt in (("accuracy", "{:.1%}"), ("margin", "{:+.4f}")):
         values = [fmt.format(getattr(p, name)) for p in (before, latest) if p is not None]
         text.append_text(Text.assemble((f"{name} ", "dim"), (" -> ".join(values), "bold"), "  "))
+    if latest is not None:
+        text.append(f"@{latest.step}", style="dim")
+    return text
+
+
+def _rollouts_text(ev: GRPOStepEvent) -> Any:
+    """``reward 0.4120 ± 0.2100  kl 0.0012  42 tok  gen 72% / train 28%``: the last logged step."""
+    from rich.text import Text
+
+    total = ev.generate_s + ev.train_s
+    share = ev.generate_s / total if total > 0 else 0.0
+    return Text.assemble(("reward ", "dim"), (f"{ev.reward:.4f} ± {ev.reward_std:.4f}", "bold"), "  ",
+                         ("kl ", "dim"), f"{ev.kl:.4f}", "  ", f"{ev.completion_length:.0f}", (" tok  ", "dim"),
+                         ("gen ", "dim"), f"{share:.0%}", (" / train ", "dim"), f"{1 - share:.0%}")
+
+
+def _reward_text(before: RewardEvalEvent | None, latest: RewardEvalEvent | None) -> Any:
+    """``held-out 0.1250 -> 0.5625  @40``: the held-out prompts' mean reward before training, then latest."""
+    from rich.text import Text
+
+    values = [f"{r.reward:.4f}" for r in (before, latest) if r is not None]
+    text = Text.assemble(("held-out ", "dim"), (" -> ".join(values), "bold"), "  ")
     if latest is not None:
         text.append(f"@{latest.step}", style="dim")
     return text

@@ -25,7 +25,9 @@ Row format (strict JSON, one object per line)::
   the same way; the one before training gets a row of its own, ``{"step": 0, "eval_loss":
   ..., "task_acc": ..., "task_acc_norm": ..., "time": ...}`` (no ``loss``: no step ran).
 * A PreferenceEvalEvent (a preference objective) adds ``pref_accuracy`` and ``pref_margin``
-  the same way.
+  the same way; GRPO's GRPOStepEvent adds ``reward``, ``reward_std``, ``kl``,
+  ``completion_length``, ``generate_s`` and ``train_s``, its RewardEvalEvent ``eval_reward`` and
+  ``eval_reward_std``.
 * A resumed run appends to the same file. On its first step ``s`` the rows of steps
   ``>= s`` left by the interrupted run (logged after its last checkpoint) are dropped,
   so the file holds each step once. A fresh run (first step 1) therefore starts a new file.
@@ -39,7 +41,11 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from ..events import EvalEvent, PreferenceEvalEvent, RunFinished, RunStarted, StepEvent, TaskEvalEvent
+from ..events import (EvalEvent, GRPOStepEvent, PreferenceEvalEvent, RewardEvalEvent, RunFinished, RunStarted,
+                      StepEvent, TaskEvalEvent)
+
+#: the events whose fields join their step's row (``to_row``)
+RowEvent = TaskEvalEvent | PreferenceEvalEvent | GRPOStepEvent | RewardEvalEvent
 
 METRICS_FILENAME = "metrics.jsonl"
 
@@ -123,7 +129,7 @@ class MetricsWriter:
         self._name = filename
         self._file: IO[bytes] | None = None
         self._pending_eval: EvalEvent | None = None
-        self._pending_task: TaskEvalEvent | PreferenceEvalEvent | None = None
+        self._pending_task: RowEvent | None = None
         self._last_row: dict[str, Any] | None = None  # the last row written, and where it starts
         self._last_offset = 0
         self._closed = False
@@ -155,7 +161,7 @@ class MetricsWriter:
                 # A trainer may send the EvalEvent of step s just before the StepEvent of s
                 # without filling StepEvent.eval_loss: merge it into that row.
                 self._pending_eval = event
-        elif isinstance(event, (TaskEvalEvent, PreferenceEvalEvent)):
+        elif isinstance(event, (TaskEvalEvent, PreferenceEvalEvent, GRPOStepEvent, RewardEvalEvent)):
             self._task(event)
         elif isinstance(event, StepEvent):
             self._write(event)
@@ -164,7 +170,7 @@ class MetricsWriter:
                 self._dir = Path(event.output_dir)
             self._flush()
 
-    def _task(self, event: TaskEvalEvent | PreferenceEvalEvent) -> None:
+    def _task(self, event: RowEvent) -> None:
         fields = {k: _clean(v) for k, v in event.to_row().items()}
         last = self._last_row
         if last is not None and last.get("step") == event.step:
@@ -177,7 +183,7 @@ class MetricsWriter:
     def _write(self, event: StepEvent) -> None:
         self._append(step_row(event), first_step=event.step, task=self._pending_task)
 
-    def _append(self, row: dict[str, Any], first_step: int, task: TaskEvalEvent | PreferenceEvalEvent | None) -> None:
+    def _append(self, row: dict[str, Any], first_step: int, task: RowEvent | None) -> None:
         """Write ``row`` with the pending eval and task results of its step merged in."""
         if self._dir is None:
             return  # no output directory: nothing to write to (make_sink(output_dir=None) without RunStarted)

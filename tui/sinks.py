@@ -116,6 +116,7 @@ class RunSink:
             ram_bytes=(last.ram_bytes or None) if last else None,
             peak_device_bytes=st.peak_device_bytes, base_eval_loss=base, final_eval_loss=final,
             mean_tokens_per_s=st.mean_tokens_per_s(), **_task_fields(st), **_preference_fields(st),
+            **_reward_fields(st),
             **wear_fields(event),
             paths=summary_paths(out, event.final_dir, self.metrics.path, self.loss_curve_path,
                                 event.interrupted))
@@ -212,6 +213,13 @@ def _preference_fields(state: RunState) -> dict[str, Any]:
             "final_pref_accuracy": after.accuracy if after else None,
             "base_pref_margin": before.margin if before else None,
             "final_pref_margin": after.margin if after else None}
+
+
+def _reward_fields(state: RunState) -> dict[str, Any]:
+    """GRPO's held-out mean reward before training and at the end."""
+    before, after = state.reward_before_after()
+    return {"base_eval_reward": before.reward if before else None,
+            "final_eval_reward": after.reward if after else None}
 
 
 def _task_fields(state: RunState) -> dict[str, Any]:

@@ -11,7 +11,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from ..events import EvalEvent, PreferenceEvalEvent, RunFinished, RunStarted, StepEvent, TaskEvalEvent, TierStats
+from ..events import (EvalEvent, GRPOStepEvent, PreferenceEvalEvent, RewardEvalEvent, RunFinished, RunStarted,
+                      StepEvent, TaskEvalEvent, TierStats)
 
 HISTORY = 120  # loss points kept for sparklines
 
@@ -44,6 +45,8 @@ class RunState:
         self.last_eval: tuple[int, float] | None = None
         self.task_evals: list[TaskEvalEvent] = []  # each scoring of the eval task, in step order
         self.preference_evals: list[PreferenceEvalEvent] = []  # a preference objective's held-out scores
+        self.rollouts: GRPOStepEvent | None = None  # GRPO: the last logged step's completions
+        self.reward_evals: list[RewardEvalEvent] = []  # GRPO: the held-out prompts' rewards
         self.tiers: dict[str, TierView] = {}
         self.peak_device_bytes: int | None = None
         self._first: tuple[int, float] | None = None  # (step, elapsed_s) of the first event seen
@@ -63,6 +66,10 @@ class RunState:
             self.task_evals.append(event)
         elif isinstance(event, PreferenceEvalEvent):
             self.preference_evals.append(event)
+        elif isinstance(event, GRPOStepEvent):
+            self.rollouts = event
+        elif isinstance(event, RewardEvalEvent):
+            self.reward_evals.append(event)
         elif isinstance(event, RunFinished):
             self.finished = event
 
@@ -150,6 +157,12 @@ class RunState:
         """The held-out pairs scored before training (step 0) and the last scoring after it."""
         before = next((p for p in self.preference_evals if p.step == 0), None)
         after = next((p for p in reversed(self.preference_evals) if p.step > 0), None)
+        return before, after
+
+    def reward_before_after(self) -> tuple[RewardEvalEvent | None, RewardEvalEvent | None]:
+        """GRPO's held-out reward before training (step 0) and the last one after it."""
+        before = next((r for r in self.reward_evals if r.step == 0), None)
+        after = next((r for r in reversed(self.reward_evals) if r.step > 0), None)
         return before, after
 
     def base_eval_loss(self) -> float | None:

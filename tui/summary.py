@@ -37,6 +37,8 @@ class RunSummary:
     final_pref_accuracy: float | None = None  # ... and after the last step
     base_pref_margin: float | None = None
     final_pref_margin: float | None = None
+    base_eval_reward: float | None = None  # GRPO: the held-out prompts' mean reward, before training
+    final_eval_reward: float | None = None  # ... and after the last step
     task: str | None = None  # the eval task's name, when one was scored
     base_task_acc: float | None = None  # before training
     final_task_acc: float | None = None  # after the last step
@@ -87,7 +89,9 @@ def summary_rows(summary: RunSummary) -> list[tuple[str, str]]:
     steps = f"{summary.steps_done}" + (f"/{summary.total_steps}" if summary.total_steps else "")
     rows.append(("steps", steps + ("  (interrupted)" if summary.interrupted else "")))
     rows.append(("wall time", fmt_duration(summary.wall_s)))
-    if summary.objective not in (None, "sft"):  # a preference loss: its perplexity means nothing
+    if summary.objective == "grpo":  # its eval loss is minus the held-out reward
+        rows += _reward_rows(summary)
+    elif summary.objective not in (None, "sft"):  # a preference loss: its perplexity means nothing
         rows += _preference_rows(summary)
     elif summary.final_eval_loss is not None:
         rows.append(("eval perplexity",
@@ -163,6 +167,13 @@ def _preference_rows(summary: RunSummary) -> list[tuple[str, str]]:
         if parts:
             rows.append((label, " -> ".join(parts)))
     return rows
+
+
+def _reward_rows(summary: RunSummary) -> list[tuple[str, str]]:
+    """``held-out reward  base 0.1250 -> final 0.5625``."""
+    parts = [f"{label} {value:.4f}" for label, value in (("base", summary.base_eval_reward),
+                                                         ("final", summary.final_eval_reward)) if value is not None]
+    return [("held-out reward", " -> ".join(parts))] if parts else []
 
 
 def _task_rows(summary: RunSummary) -> list[tuple[str, str]]:
