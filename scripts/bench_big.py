@@ -208,8 +208,8 @@ def _plan_only(args: argparse.Namespace) -> int:
     cfg = _config(args, tempfile.gettempdir())
     model, hf = _meta_model(args)
     probe = probe_hardware(tempfile.gettempdir(), measure=False)
-    plan = plan_for_config(cfg, hf, budgets=dataclasses.replace(
-        budgets_from_probe(probe), device_bytes=1 << 40, host_bytes=1 << 40, ram_bytes=1 << 40))
+    plan = plan_for_config(cfg, hf, budgets=dataclasses.replace(  # (the disk too: a plan, whatever is free now)
+        budgets_from_probe(probe), device_bytes=1 << 40, host_bytes=1 << 40, ram_bytes=1 << 40, nvme_bytes=1 << 50))
     out = {"shape": args.shape, "layers": hf.num_hidden_layers, "params": plan.params, "method": args.method,
            "plan": {"peak_rss_bytes": plan.expected_peak_rss_bytes, "step_s": plan.time.step_s,
                     "nvme_read_bytes": plan.time.io_bytes["nvme_read"],
