@@ -8,7 +8,7 @@ dequantizes it with bitsandbytes.
 
 :func:`nf4_quantize` runs the C++ kernel (``csrc/nf4_cpu.h``, in the CPU extension of
 ``adamw8bit.py``) on the CPU: one pass over the weights, where the reference's bucketize
-over fp32 copies takes ~14 M weights/s on two cores (80 minutes for a 70B base). The
+over fp32 copies does 6-14 M weights/s on two cores (1.4 to 3.5 hours for a 70B base). The
 reference :func:`nf4_quantize_ref` is the fallback and what the tests hold it to.
 """
 from __future__ import annotations

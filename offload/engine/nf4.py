@@ -5,7 +5,7 @@ QLoRA keeps the frozen base in NF4 (blocks of 64 weights, one fp32 absmax each:
 Out of core that is what moves: a unit's NF4 bytes stream from their tier, and the
 unit is dequantized into its compute dtype when it is fetched. The (de)quantization
 is bitsandbytes' (its ``dequantize_4bit``; the quantizer is ``kernels/nf4.py``'s, whose C++
-kernel gives bitsandbytes' bits ~30x faster: a 70B base quantizes in minutes): the numbers
+kernel gives bitsandbytes' bits 20-60x faster: a 70B base quantizes in minutes): the numbers
 are exactly those of a bitsandbytes NF4 layer.
 
 Why not bitsandbytes' ``Linear4bit`` modules themselves: their autograd function
