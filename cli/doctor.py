@@ -82,6 +82,19 @@ def model_report(spec: str, ram_available: int | None) -> dict[str, Any]:
     return {**report, "blocks": len(parts.layers), "streams": True, "reason": f"{reason}: {layout}"}
 
 
+def largest_report(free_bytes: int | None) -> dict[str, Any] | None:
+    """The largest reference shape a full fine-tune in the write-lean mode fits on the swap disk
+    (``planner.largest``), and the next one up with what it needs; None without a free figure."""
+    from ..planner.largest import HEADROOM, largest_full_finetune, swap_bytes_per_shape
+
+    if not free_bytes:
+        return None
+    fit = largest_full_finetune(free_bytes)
+    bigger = [f for f in swap_bytes_per_shape() if fit is None or f.swap_bytes > fit.swap_bytes]
+    return {"mode": "precision=bf16-lean optim=adamw8bit", "headroom": HEADROOM,
+            "fits": fit.to_dict() if fit else None, "next": bigger[0].to_dict() if bigger else None}
+
+
 def run(args: argparse.Namespace) -> int:
     """Probe, then print a table (or JSON with ``--json``). Returns 0."""
     data = probe(args.swap_dir, measure=not args.no_measure)
@@ -92,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from rich.console import Console
 
-    Console().print(render(data, measured=not args.no_measure))
+    Console().print(render(data, measured=not args.no_measure, largest=largest_report(data.get("swap_free_bytes"))))
     return 0
 
 
@@ -137,6 +150,15 @@ def _bandwidth(read: Any, write: Any, what: tuple[str, str], measured: bool) -> 
     return f"{what[0]} {fmt_gbps(read)}   {what[1]} {fmt_gbps(write)}"
 
 
+def _largest_line(report: dict[str, Any]) -> str:
+    """``llama3-8b shape (8.03B parameters, 32.1 GB of swap) in bf16-lean + AdamW8bit; 14b needs 59.1 GB``."""
+    fit, bigger = report.get("fits"), report.get("next")
+    head = (f"largest: the {fit['shape']} shape ({fit['params'] / 1e9:.2f}B parameters, "
+            f"{fmt_bytes(fit['swap_bytes'])} of swap)" if fit else "no reference shape fits")
+    tail = f"; {bigger['shape']} needs {fmt_bytes(bigger['swap_bytes'])}" if bigger else ""
+    return f"{head} with {report.get('mode')}{tail}"
+
+
 def _model_rows(table: Any, report: dict[str, Any], section: Any) -> None:
     from rich.markup import escape
 
@@ -148,13 +170,14 @@ def _model_rows(table: Any, report: dict[str, Any], section: Any) -> None:
     table.add_row("  out of core", f"{verdict}: {escape(str(report.get('reason')))}")
 
 
-def render(data: dict[str, Any], measured: bool = True) -> Any:
+def render(data: dict[str, Any], measured: bool = True, largest: dict[str, Any] | None = None) -> Any:
     """The probe as a rich renderable: sections System, Devices, Swap directory, Backends,
     Leftover swap directories, Model (with ``--model``), Warnings (yellow).
 
     Args:
         data: ``HardwareProbe.to_dict()``.
         measured: whether bandwidths were asked for (explains a missing figure).
+        largest: :func:`largest_report` of the swap disk's free space (a line under it).
 
     Returns:
         A rich ``Table`` (a grid with section headings).
@@ -197,6 +220,8 @@ def render(data: dict[str, Any], measured: bool = True) -> Any:
                   ("[green]yes[/]" if o_direct else "[yellow]no (reads may hit the page cache)[/]"))
     table.add_row("  bandwidth", _bandwidth(data.get("disk_read_gbps"), data.get("disk_write_gbps"),
                                             ("read", "write"), measured))
+    if largest:
+        table.add_row("  full fine-tune", escape(_largest_line(largest)))
 
     section("Backends")
     backends = data.get("backends") or {}

@@ -214,6 +214,9 @@ def account(w: Workload, lay: Layout, batch: int) -> Accounting:
         weights = [0 if lay.resident[i] else u.weights for i, u in enumerate(us)]
         acc.add(Tier.DEVICE, "prefetch window", step_window(weights, 2 * k + 2, [u.borrows for u in us]))
         acc.add(Tier.DEVICE, "grad window", _grad_window(w, [us[i] for i in streamed]))
+        # QLoRA: the unit computing is dequantized beside its NF4 bytes; one at a time (a
+        # frozen unit is let go before the one before it binds, engine._backward_begin)
+        acc.add(Tier.DEVICE, "dequantized unit", max(us[i].decoded for i in streamed))
         acc.add(Tier.DEVICE, "alignment", (k + 3) * slack)
         nvme_w = [us[i].weights for i in streamed if lay.weights[i] == Tier.NVME]
         # a unit whose state streams in pieces stages a piece at a time, its spilled gradient too

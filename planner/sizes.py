@@ -252,6 +252,7 @@ class UnitBytes:
     state_kinds: int = 0  # flat state buffers per unit (exp_avg, exp_avg_sq, ..., fp32 master)
     state_piece: int = 0  # when its state streams in pieces (unit_sizes.state_pieces): a piece's bytes
     ram_state: int = 0  # of ``state``, the small kinds kept in RAM when the rest is on NVMe (unit_sizes.ram_kinds)
+    decoded: int = 0  # QLoRA: its NF4 weights dequantized into the compute dtype, where it computes
 
 
 def unit_bytes(spec: ModelSpec, *, method: str, optim: str, dtype: str, precision: str = EXACT,
@@ -326,15 +327,17 @@ def _adapter_unit(u: UnitSpec, c: int, traits: MethodTraits, state: OptimizerSta
     # Per targeted linear, A [r, in] and B [out, r]: fp32 (peft's default), each with its state.
     adapter_state = sum(state.nbytes((r, i)) + state.nbytes((o, r)) for i, o in shapes)
     adapter = 4 * adapter_n * 2 + adapter_state  # weights + grads + state
+    decoded = 0
     if traits.quantized_base:
         quant = {p.name for p in u.params if u.kind == "block" and len(p.shape) == 2}
         base = sum(p.numel // 2 + 4 * math.ceil(p.numel / NF4_BLOCK) if p.name in quant else c * p.numel
                    for p in u.params)
+        decoded = c * u.numel if quant else 0  # (offload/engine/unit_memory.py: acquire decodes it whole)
     else:
         base = c * u.numel
     return UnitBytes(u.name, u.kind, weights=base, grads=0, state=0, trainable=adapter_n,
                      frozen_weights=base, adapter_bytes=adapter, matmul_params=matmul + adapter_n,
-                     borrows=u.borrows, tensors=len(u.params))
+                     borrows=u.borrows, tensors=len(u.params), decoded=decoded)
 
 
 def _with_state_pieces(units: list[UnitBytes], piecable: list[bool], world: int = 1) -> list[UnitBytes]:

@@ -102,6 +102,7 @@ inline uint8_t quantize_one(float y, const uint8_t* bucket, const float* thr) {
 }
 
 #include "stochastic_round_cpu.h"  // bf16-lean's rounding, in the same extension
+#include "nf4_cpu.h"  // QLoRA's NF4 quantizer, in the same extension
 
 #if defined(OUTCORE_AVX512)
 #include "adamw8bit_avx512.h"  // the vector block update (uses the definitions above)
@@ -358,11 +359,34 @@ void stochastic_round(torch::Tensor out, torch::Tensor x, int64_t key, int64_t o
   });
 }
 
+// NF4 quantization of x (fp32 or bf16, a multiple of 64 elements) into packed codes [n / 2]
+// and absmax [n / 64] (see nf4_cpu.h); bounds: the 15 fp32 midpoints between NF4 levels.
+void nf4_quantize(torch::Tensor x, torch::Tensor bounds, torch::Tensor packed, torch::Tensor absmax) {
+  const int64_t n = x.numel();
+  TORCH_CHECK(n % kNf4Block == 0, "nf4_quantize: ", n, " elements is not a multiple of ", kNf4Block);
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "x must be a contiguous CPU tensor");
+  check(bounds, at::kFloat, 15, "bounds");
+  check(packed, at::kByte, n / 2, "packed");
+  check(absmax, at::kFloat, n / kNf4Block, "absmax");
+  const float* bp = bounds.data_ptr<float>();
+  uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* ap = absmax.data_ptr<float>();
+  at::parallel_for(0, n / kNf4Block, 1 << 10, [&](int64_t a, int64_t b) {
+    if (x.scalar_type() == at::kBFloat16) {
+      nf4_quantize_blocks(x.data_ptr<at::BFloat16>(), bp, pp, ap, a, b);
+    } else {
+      TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32 or bfloat16, not ", x.scalar_type());
+      nf4_quantize_blocks(x.data_ptr<float>(), bp, pp, ap, a, b);
+    }
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw8bit_update", &adamw8bit_update, "fused block-wise 8-bit AdamW update (in place)");
   m.def("adamw8bit_update_many", &adamw8bit_update_many,
         "fused block-wise 8-bit AdamW update of many tensors (in place, one parallel region)");
   m.def("quantize_blockwise", &quantize_blockwise, "block-wise 8-bit quantization (the update's path)");
   m.def("stochastic_round", &stochastic_round, "fp32 -> bf16 stochastic rounding (in place)");
+  m.def("nf4_quantize", &nf4_quantize, "block-wise NF4 quantization (QLoRA's, bitsandbytes' bits)");
 }
 #endif  // OUTCORE_KERNEL_ONLY

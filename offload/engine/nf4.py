@@ -4,8 +4,9 @@ QLoRA keeps the frozen base in NF4 (blocks of 64 weights, one fp32 absmax each:
 0.5625 bytes per weight instead of 4) and computes with its dequantized values.
 Out of core that is what moves: a unit's NF4 bytes stream from their tier, and the
 unit is dequantized into its compute dtype when it is fetched. The (de)quantization
-is bitsandbytes' own (``quantize_4bit`` / ``dequantize_4bit``): the numbers are
-exactly those of a bitsandbytes NF4 layer.
+is bitsandbytes' (its ``dequantize_4bit``; the quantizer is ``kernels/nf4.py``'s, whose C++
+kernel gives bitsandbytes' bits 20-60x faster: a 70B base quantizes in minutes): the numbers
+are exactly those of a bitsandbytes NF4 layer.
 
 Why not bitsandbytes' ``Linear4bit`` modules themselves: their autograd function
 keeps the packed weight in ``ctx`` directly, outside ``saved_tensors_hooks``, so a
@@ -23,9 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ...kernels.nf4 import NF4_BLOCK as BLOCK  # weights per absmax (QLoRA's block size)
+from ...kernels.nf4 import nf4_quantize
 from .units import PARAM_ALIGN, Unit
 
-BLOCK = 64  # weights per absmax (QLoRA's block size)
+DECODE_CHUNK = 1 << 22  # weights dequantized per call (whole rows; every row is whole NF4 blocks)
 
 
 def _align(n: int) -> int:
@@ -73,16 +76,14 @@ class NF4Layout:
 
     def encode(self, k: int, value: torch.Tensor, out: torch.Tensor) -> None:
         """Store parameter ``k``'s ``value`` [shape] (any float dtype) into ``out`` [nbytes] (uint8)."""
-        import bitsandbytes.functional as F
-
         p = self.pieces[k]
         if not p.quantized:
             out[p.offset:p.offset + p.nbytes].view(self.dtype).copy_(value.reshape(-1))
             return
-        packed, state = F.quantize_4bit(value.detach().float().contiguous(), blocksize=BLOCK, quant_type="nf4")
-        out[p.offset:p.offset + p.nbytes].copy_(packed.view(-1))
-        absmax = out[p.offset + _align(p.nbytes):][:state.absmax.numel() * 4].view(torch.float32)
-        absmax.copy_(state.absmax)
+        packed, scales = nf4_quantize(value.detach())
+        out[p.offset:p.offset + p.nbytes].copy_(packed)
+        absmax = out[p.offset + _align(p.nbytes):][:scales.numel() * 4].view(torch.float32)
+        absmax.copy_(scales)
 
     def decode(self, raw: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
         """Dequantize the unit's bytes ``raw`` [nbytes] (uint8) into ``flat`` [unit.numel] (compute dtype)."""
@@ -96,9 +97,17 @@ class NF4Layout:
                 dest.copy_(src.view(self.dtype).view(slot.shape))
                 continue
             absmax = raw[p.offset + _align(p.nbytes):][:slot.numel // BLOCK * 4].view(torch.float32)
-            state = F.QuantState(absmax=absmax, shape=slot.shape, code=_nf4_code(), blocksize=BLOCK,
-                                 quant_type="nf4", dtype=self.dtype)
-            dest.copy_(F.dequantize_4bit(src.view(-1, 1), state))
+            # a few rows at a time (rows of whole NF4 blocks): bitsandbytes returns a new tensor,
+            # and a 70B block's MLP matrix whole would be a 470 MB temporary beside the unit
+            rows, cols = dest.reshape(-1, slot.shape[-1]).shape
+            step = max(1, DECODE_CHUNK // cols) if cols % BLOCK == 0 else rows
+            for r in range(0, rows, step):
+                m = min(rows, r + step) - r
+                state = F.QuantState(absmax=absmax[r * cols // BLOCK:][:m * cols // BLOCK],
+                                     shape=torch.Size((m, cols)), code=_nf4_code(), blocksize=BLOCK,
+                                     quant_type="nf4", dtype=self.dtype)
+                dest.view(rows, cols)[r:r + m].copy_(F.dequantize_4bit(src[r * cols // 2:][:m * cols // 2].view(-1, 1),
+                                                                         state))
         return flat
 
 

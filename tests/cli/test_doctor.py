@@ -70,6 +70,17 @@ def test_table_shows_every_section(fake_probe, capsys):
         assert text in out, text
 
 
+def test_the_table_names_the_largest_full_finetune_the_disk_holds():
+    from outcore.cli.doctor import largest_report
+
+    out = io.StringIO()
+    free = 40 * 10**9
+    Console(file=out, width=200).print(render(_probe_dict(swap_free_bytes=free), largest=largest_report(free)))
+    text = out.getvalue()
+    assert "largest: the llama3-8b shape (8.03B parameters" in text and "bf16-lean" in text
+    assert "14b needs 55.0 GiB" in text
+
+
 def test_warnings_are_yellow():
     console = Console(file=io.StringIO(), force_terminal=True, color_system="standard", width=120)
     console.print(render(_probe_dict()))

@@ -136,6 +136,16 @@ def test_qlora_stores_block_matrices_as_nf4(tiny):
     assert plan.tier_bytes["DEVICE"]["weights"] == expected
 
 
+def test_qlora_streamed_counts_the_dequantized_block(tiny):
+    """Out of core the block computing is dequantized beside its NF4 bytes: the plan's DEVICE
+    holds one block in the compute dtype (a 70B block: 1.7 GB in bf16, more than its NF4 window)."""
+    plan = make_plan(tiny, method="qlora", offload="nvme", budgets=BIG, seq_len=32)
+    block = sum(p.numel() for n, p in tiny.named_parameters() if ".layers.0." in n)
+    assert plan.tier_bytes["DEVICE"]["dequantized unit"] == 4 * block
+    assert "dequantized unit" not in make_plan(tiny, method="lora", offload="nvme", budgets=BIG,
+                                               seq_len=32).tier_bytes["DEVICE"]
+
+
 def test_activation_estimate_matches_what_autograd_saves(tiny):
     from outcore.planner.sizes import block_activation_bytes, head_activation_bytes
 

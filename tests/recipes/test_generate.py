@@ -9,6 +9,7 @@ import torch
 
 import outcore
 from outcore.errors import CheckpointError, ConfigError, ModelError
+from outcore.offload.engine.units import WEIGHTS, Part
 from outcore.recipes.generate import STOP, Completion, load_generator, resolve_model_or_run
 
 PROMPTS = ["Hello there", "To be, or not to be: that is the question"]  # two lengths: left padding
@@ -138,3 +139,28 @@ def test_each_token_streams_the_weights_again_with_the_same_tokens(tiny_llama_fa
     finally:
         streamed.close()
     assert not (tmp_path / "swap").exists()
+
+
+def test_nf4_streamed_generation_equals_the_nf4_rounded_model(tiny_llama_factory, tmp_path):
+    """QLoRA's base streamed for inference (how a 70B model generates here): the blocks' matrices
+    stored and read as NF4 (0.56 B a weight) give the tokens of the model with them NF4-rounded."""
+    from outcore.offload.engine import StreamedInference
+    from outcore.offload.engine.nf4 import nf4_round_trip
+
+    ids = torch.tensor([[1, 5, 9, 33, 70]])
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    ref = tiny_llama_factory(layers=4)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if ".layers." in name and p.dim() == 2:
+                p.copy_(nf4_round_trip(p, p.dtype))
+    want = ref.generate(ids, **kw)
+    model = tiny_llama_factory(layers=4)
+    streamed = StreamedInference(model, offload="nvme", swap_dir=tmp_path / "swap", prefetch=1,
+                                 device="cpu", quantize_frozen=True)
+    try:
+        block = streamed.engine.units[1]
+        assert block.layout.nf4 is not None and block.layout.handles[Part(WEIGHTS)].nbytes < 0.2 * block.numel * 4
+        assert torch.equal(model.generate(ids, **kw), want)
+    finally:
+        streamed.close()

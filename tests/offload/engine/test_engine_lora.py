@@ -126,3 +126,24 @@ def test_qlora_streams_nf4_and_equals_the_dequantized_reference(tiny_llama_facto
     for name, w in unit_weights(om, block).items():  # what the store decodes is the reference's base
         assert torch.equal(w, names[name].detach().cpu()), name
     om.close()
+
+
+def test_nf4_decodes_a_few_rows_at_a_time_to_the_same_bits(tiny_llama_factory, monkeypatch):
+    """A matrix larger than ``DECODE_CHUNK`` is dequantized in slices of whole rows (no temporary
+    the size of a 70B MLP matrix): the same values as bitsandbytes' whole-matrix round trip."""
+    from outcore.offload.engine import nf4
+    from outcore.offload.engine.units import causal_lm_units
+
+    model = tiny_llama_factory(layers=1)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    block = causal_lm_units(model)[1]
+    layout = nf4.NF4Layout(block, torch.float32)
+    raw = torch.zeros(layout.nbytes, dtype=torch.uint8)
+    for k, slot in enumerate(block.slots):
+        layout.encode(k, slot.param.data, raw)
+    monkeypatch.setattr(nf4, "DECODE_CHUNK", 3 * 64)  # 3 rows of 64 columns: slices end mid-matrix
+    flat = layout.decode(raw, torch.empty(block.numel))
+    for slot in block.slots:
+        want = nf4.nf4_round_trip(slot.param.data, torch.float32) if slot.param.dim() == 2 else slot.param.data
+        assert torch.equal(block.view(flat, slot), want), slot.name
