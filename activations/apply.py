@@ -33,6 +33,7 @@ from .compress import codec_for
 from .offload import _MIN_BYTES, ActivationOffloader
 from .pack import BlockPack
 from .policy import AUTO, ActivationPolicy, BlockProfile, choose_policy, expand_policy
+from .tiling import is_tileable, tile_mlp, tile_of
 
 _DEFAULT_NVME_BPS = (2.0e9, 3.0e9)  # read, write: this hardware class (BENCHMARKING.md), until probed
 
@@ -66,7 +67,7 @@ class ActivationHandle:
 
     def __init__(self, model: nn.Module, layers: nn.ModuleList, policies: list[ActivationPolicy] | None,
                  store: Any, auto: dict | None, prefetch_depth: int, min_bytes: int = _MIN_BYTES,
-                 keep_last: int = 1, compress: str = "none"):
+                 keep_last: int = 1, compress: str = "none", tile: int = 0):
         self.model, self.layers = model, layers
         self.policies = policies if policies is not None else [ActivationPolicy.KEEP] * len(layers)
         self.profiles: list[BlockProfile] | None = None
@@ -81,6 +82,10 @@ class ActivationHandle:
         self._ensure_offloader()
         for i, layer in enumerate(layers):
             layer.forward = self._wrap(i, layer.forward, layer)
+        #: tokens per MLP tile (0: untiled); the blocks whose MLP it tiles are undone by remove()
+        self.tile = tile
+        self._untile = [tile_mlp(layer.mlp, tile) for layer in layers
+                        if tile and is_tileable(getattr(layer, "mlp", None))]
 
     # ------------------------------------------------------------------ plumbing
     def _ensure_offloader(self) -> None:
@@ -171,6 +176,9 @@ class ActivationHandle:
         """Unwrap every block and stop the offload threads (and a private store)."""
         for layer in self.layers:
             layer.__dict__.pop("forward", None)
+        for untile in self._untile:
+            untile()
+        self._untile = []
         if self.offloader is not None:
             self.offloader.close()
             self.offloader = None
@@ -186,7 +194,8 @@ def apply_activation_policy(model: nn.Module,
                             policy: "ActivationPolicy | str | Sequence[ActivationPolicy | str]" = "keep",
                             store: Any = None, *, device_budget: int | None = None,
                             prefetch_depth: int = 2, min_bytes: int = _MIN_BYTES, keep_last: int = 1,
-                            compress: str = "none", **bandwidth: float) -> ActivationHandle:
+                            compress: str = "none", seq_tile: "int | str" = 0,
+                            **bandwidth: float) -> ActivationHandle:
     """Apply activation policies to ``model``'s decoder blocks.
 
     Args:
@@ -207,6 +216,9 @@ def apply_activation_policy(model: nn.Module,
         compress: how offloaded activations are stored, one of
             :data:`~.policy.ACTIVATION_COMPRESSION` (``int8`` / ``fp8``: 8-bit with
             per-block scales, :mod:`.compress`; ``none``: bit-identical to keep).
+        seq_tile: each block's MLP computed over tiles of this many tokens (``auto``:
+            :func:`~.tiling.auto_tile` of the model's shape; 0: untiled), so its memory in
+            the forward, the recompute and the backward grows with the tile (:mod:`.tiling`).
         **bandwidth: for "auto": ``host_budget``, ``host_bps``, ``nvme_budget``,
             ``nvme_read_bps``, ``nvme_write_bps``, ``copy_bps`` (as in
             :func:`choose_policy`; ``copy_bps`` is measured on a CPU device when not given).
@@ -217,7 +229,8 @@ def apply_activation_policy(model: nn.Module,
     Raises:
         ModelError: no decoder blocks found, or the model is already wrapped.
         ConfigError: an unknown policy or ``compress`` name, a list of the wrong length, an
-            unknown keyword, or a negative ``prefetch_depth``/``min_bytes``/``keep_last``.
+            unknown keyword, a bad ``seq_tile``, or a negative
+            ``prefetch_depth``/``min_bytes``/``keep_last``.
     """
     layers = find_decoder_layers(model)
     if any("forward" in layer.__dict__ for layer in layers):
@@ -232,7 +245,7 @@ def apply_activation_policy(model: nn.Module,
             raise ConfigError(f"{name}={v} must be >= 0")
     codec_for(compress)  # an unknown name fails here, not at the first offloaded block
     opts = dict(prefetch_depth=int(prefetch_depth), min_bytes=int(min_bytes), keep_last=int(keep_last),
-                compress=compress)
+                compress=compress, tile=tile_of(model, seq_tile))
     if isinstance(policy, str) and policy.lower() == AUTO:
         if device_budget is None:
             device_budget = _available_device_bytes(next(model.parameters()).device) // 2

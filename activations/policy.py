@@ -71,6 +71,30 @@ ACTIVATION_COMPRESSION = ("none", "int8", "fp8")
 COMPRESS_BLOCK = 256  # elements per scale: (256 + 4) / 512 = 0.51x the bytes of bf16, 0.25x of fp32
 
 
+#: ``seq_tile`` (``FinetuneConfig.seq_tile``, ``apply_activation_policy``, the planner): each
+#: block's MLP runs over tiles of that many tokens (``activations/tiling.py``); ``auto`` sizes
+#: the tile from the model's shape, 0 leaves the MLP untiled.
+SEQ_TILE_AUTO = "auto"
+
+
+def parse_seq_tile(value: "int | str") -> "int | str":
+    """``auto`` or a tile of tokens >= 0 (0: untiled) from a config value (``"4096"`` -> 4096).
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if isinstance(value, str) and value.strip().lower() == SEQ_TILE_AUTO:
+        return SEQ_TILE_AUTO
+    try:
+        n = int(value)
+        ok = n >= 0 and not isinstance(value, bool) and float(value) == n
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"seq_tile={value!r} must be '{SEQ_TILE_AUTO}', 0 (untiled) or tokens per tile, e.g. 4096")
+    return n
+
+
 def compressed_ratio(compress: str, dtype_bytes: int) -> float:
     """Stored bytes per raw byte of an offloaded floating-point activation of ``dtype_bytes``
     bytes per element under ``compress`` (what the planner sizes offloaded activations by).

@@ -150,11 +150,16 @@ class FullFinetune:
 
     def _activations(self) -> None:
         """What each block keeps for its backward: the plan resolves `auto` when there is one."""
-        policy = self.plan.activations if self.plan is not None else self.cfg.activations
-        if policy == ActivationPolicy.KEEP.value:
-            return
         from ..activations import apply_activation_policy
+        from ..activations.tiling import tile_of
         from ..models import unwrap_peft
+
+        policy = self.plan.activations if self.plan is not None else self.cfg.activations
+        tile = tile_of(unwrap_peft(self.model), self.cfg.seq_tile)
+        rows = self.cfg.seq_len * self.cfg.batch_size * objective(self.cfg.objective).rows_per_example
+        tile = tile if 0 < tile < rows else 0  # (a micro-batch of one tile runs untiled anyway)
+        if policy == ActivationPolicy.KEEP.value and not tile:
+            return
 
         # Offloaded activations go to the run's store: its swap dir (the disk the user
         # chose) and its traffic counters, not a private store in the temp dir.
@@ -162,7 +167,7 @@ class FullFinetune:
         on_disk = policy == OFFLOAD and store is not None and store.has_tier("nvme")
         hooks = apply_activation_policy(unwrap_peft(self.model), policy, store=store if on_disk else None,
                                         keep_last=self.cfg.activations_keep_last,
-                                        compress=self.cfg.activations_compress)
+                                        compress=self.cfg.activations_compress, seq_tile=tile)
         # (closed first: its offload threads stop before the store they write to closes)
         self._resources.callback(hooks.remove)
 
