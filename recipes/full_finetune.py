@@ -164,10 +164,14 @@ class FullFinetune:
         # Offloaded activations go to the run's store: its swap dir (the disk the user
         # chose) and its traffic counters, not a private store in the temp dir.
         store = None if self.engine is None else self.engine.store
-        on_disk = policy == OFFLOAD and store is not None and store.has_tier("nvme")
+        to_disk = policy in (OFFLOAD, ActivationPolicy.RECOMPUTE_NVME.value)
+        on_disk = to_disk and store is not None and store.has_tier("nvme")
+        # block checkpoints on HOST: a private store's HOST tier sized by the plan
+        host = self.plan.tier_bytes["HOST"].get("activations", 0) if self.plan is not None else 0
         hooks = apply_activation_policy(unwrap_peft(self.model), policy, store=store if on_disk else None,
                                         keep_last=self.cfg.activations_keep_last,
-                                        compress=self.cfg.activations_compress, seq_tile=tile)
+                                        compress=self.cfg.activations_compress, seq_tile=tile,
+                                        host_budget=max(host, 1 << 30))
         # (closed first: its offload threads stop before the store they write to closes)
         self._resources.callback(hooks.remove)
 

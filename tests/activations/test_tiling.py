@@ -152,18 +152,24 @@ def test_seq_tile_values(model):
 @pytest.mark.slow(ci=True)
 def test_tiled_out_of_core_run_equals_tiled_in_memory(tiny_run_inputs, tmp_path, monkeypatch):
     """The recipe tiles from ``seq_tile``; weights streamed from NVMe and blocks recomputed
-    give the in-memory tiled run's losses bit for bit."""
+    (their checkpoints kept, or on NVMe) give the in-memory tiled run's losses bit for bit."""
     import outcore.activations
     from outcore.recipes.full_finetune import finetune
     from outcore.training.config import load_config
     from tests._helpers import RecordingSink
 
-    tiles = []
+    tiles, blocks = [], []
     real = outcore.activations.apply_activation_policy
 
     def noting(*a, **kw):
-        handle = real(*a, **kw)
+        handle = real(*a, **{**kw, "min_bytes": 0})  # the tiny model's checkpoints are below the default
         tiles.append(handle.tile)
+        remove = handle.remove
+
+        def remove_and_note():
+            blocks.append(handle.offloader.stats["blocks"] if handle.offloader is not None else 0)
+            remove()
+        handle.remove = remove_and_note
         return handle
     monkeypatch.setattr(outcore.activations, "apply_activation_policy", noting)
 
@@ -175,5 +181,8 @@ def test_tiled_out_of_core_run_equals_tiled_in_memory(tiny_run_inputs, tmp_path,
 
     mem = run("mem", offload="none")
     ooc = run("ooc", offload="nvme", activations="recompute")
-    assert tiles == [16, 16]  # 64 rows per micro-batch: 4 tiles in both runs
-    assert mem.losses == ooc.losses
+    # block checkpoints on the run's NVMe (the engine's store), read back for each recompute
+    ckpt = run("ckpt", offload="nvme", activations="recompute_nvme", activations_keep_last=0)
+    assert tiles == [16, 16, 16]  # 64 rows per micro-batch: 4 tiles in every run
+    assert blocks[:2] == [0, 0] and blocks[2] > 0  # checkpoints really went through the store
+    assert mem.losses == ooc.losses == ckpt.losses
