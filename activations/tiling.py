@@ -17,7 +17,9 @@ untiled block. The gradient of the MLP's own weights is a sum over tokens; tiled
 one sum per tile added up, a different order of the same fp32 additions, so it differs
 by rounding: within ``(tokens + tiles) * 2**-24`` of ``|dy|^T |x|`` element-wise
 (the standard bound of a reordered fp32 sum; measured on a tiny Llama, ~4e-7 of the
-gradient's largest element). Tiled and offloaded == tiled in memory, bit for bit.
+gradient's largest element). In 16 bits each tile's gradient is rounded by its own GEMM and
+the tiles are added in fp32, rounded once: within one 16-bit rounding of a partial sum per
+tile. Tiled and offloaded == tiled in memory, bit for bit.
 
 The tile is ``seq_tile`` tokens of the micro-batch's rows flattened (batch x sequence):
 ``auto`` (:func:`auto_tile`) gives a tile ~32 MiB of one intermediate tensor, the chunked
@@ -114,10 +116,10 @@ class TiledMLP(torch.autograd.Function):
             if grad_x is not None:
                 grad_x[:, lo:lo + ctx.tile] = grads[0]
                 grads = grads[1:]
-            for i, g in enumerate(grads):  # one sum per tile, added in token order
-                if g is not None:
-                    sums[i] = g if sums[i] is None else sums[i].add_(g)
-        it = iter(sums)
+            for i, g in enumerate(grads):  # one sum per tile, added in token order (16-bit: in fp32,
+                if g is not None:          # as one GEMM over every token would accumulate)
+                    sums[i] = g.float() if sums[i] is None else sums[i].add_(g)
+        it = iter(s if s is None else s.to(p.dtype) for s, p in zip(sums, params))
         return (None, None, None if grad_x is None else grad_x.view_as(x),
                 *(next(it) if need else None for need in needs))
 

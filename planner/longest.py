@@ -37,6 +37,7 @@ class LongestContext:
     step_s: float  # estimated step time at that length
     checkpoints: str  # where the block checkpoints live (CHECKPOINTS)
     trained_len: int  # the model's max_position_embeddings (0: unknown)
+    rope_scaling: str = ""  # the RoPE scaling its config sets ("yarn x4.0"; "": none)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -48,9 +49,10 @@ class LongestContext:
 
     def describe(self) -> str:
         """One line: the length, where the checkpoints live, the step time, beyond training."""
-        beyond = (f"; beyond the {self.trained_len} tokens the model was trained at, positions are "
-                  "extrapolated unless the model's config sets rope_scaling") \
-            if self.trained_len and self.seq_len > self.trained_len else ""
+        rope = (f"RoPE scaling {self.rope_scaling} (the model's config)" if self.rope_scaling else
+                 "positions extrapolated: the model's config sets no RoPE scaling (rope_parameters)")
+        beyond = (f"; beyond the {self.trained_len} tokens the model was trained at: {rope}"
+                  if self.trained_len and self.seq_len > self.trained_len else "")
         return (f"{self.seq_len} tokens x batch {self.batch_size} ({self.setting}, offload {self.offload}: "
                 f"block checkpoints {self.checkpoints}), step ~{_duration(self.step_s)}{beyond}")
 
@@ -97,4 +99,4 @@ def longest_context(w: Workload, layouts: Callable[[Workload], list[Layout]], ba
     lay, wn = min(fitting(n), key=lambda c: step_time(c[1], c[0], batch).step_s)
     return LongestContext(seq_len=n, batch_size=batch, offload=lay.name(w.grads_kept), activations=lay.activations,
                           step_s=step_time(wn, lay, batch).step_s, checkpoints=CHECKPOINTS[lay.activations],
-                          trained_len=w.spec.trained_len)
+                          trained_len=w.spec.trained_len, rope_scaling=w.spec.rope_scaling)

@@ -78,6 +78,8 @@ class ModelSpec:
     tileable_mlp: bool = False
     #: the length the model was trained at (``max_position_embeddings``; 0: unknown)
     trained_len: int = 0
+    #: the RoPE scaling its config sets (``rope_parameters`` / ``rope_scaling``: "yarn x4.0"), "" for none
+    rope_scaling: str = ""
 
     @property
     def numel(self) -> int:
@@ -132,7 +134,15 @@ def model_spec_from_model(model: Any) -> ModelSpec:
                      tied=any(u.borrows for u in units), expert_share=_expert_share(base.config),
                      chunked_loss=head_loss_covers(base.config),
                      tileable_mlp=bool(len(layers)) and is_tileable(getattr(layers[0], "mlp", None)),
-                     trained_len=int(getattr(text, "max_position_embeddings", 0) or 0), **dims)
+                     trained_len=int(getattr(text, "max_position_embeddings", 0) or 0),
+                     rope_scaling=_rope_scaling(text), **dims)
+
+
+def _rope_scaling(cfg: Any) -> str:
+    """The RoPE scaling a config sets, as transformers reads it ("yarn x4.0"); "" for none."""
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, Mapping) else "default"
+    return "" if kind == "default" else f"{kind} x{rope.get('factor', '?')}"
 
 
 def _expert_share(cfg: Any) -> float:

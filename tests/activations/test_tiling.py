@@ -186,3 +186,22 @@ def test_tiled_out_of_core_run_equals_tiled_in_memory(tiny_run_inputs, tmp_path,
     assert tiles == [16, 16, 16]  # 64 rows per micro-batch: 4 tiles in every run
     assert blocks[:2] == [0, 0] and blocks[2] > 0  # checkpoints really went through the store
     assert mem.losses == ooc.losses == ckpt.losses
+
+
+def test_bfloat16_sums_the_tiles_in_fp32(model):
+    """16-bit weights: each tile's weight gradient (rounded to bf16 by its own GEMM) is added up
+    in fp32 and rounded once; what is per token stays bit-identical."""
+    model.to(torch.bfloat16)
+    ids = _ids()
+    ref = _step(model, ids)
+    untile = _tiled(model)
+    got = _step(model, ids)
+    untile()
+    assert torch.equal(got[0], ref[0])
+    tiles = -(-ids.numel() // TILE)
+    for name, g in ref[1].items():
+        if not _is_mlp_weight(name):
+            assert torch.equal(got[1][name], g), name
+        else:  # at most one bf16 rounding (2**-8 relative) of a partial sum per tile
+            assert got[1][name].dtype == torch.bfloat16
+            assert (got[1][name].float() - g.float()).abs().max() <= tiles * 2 ** -8 * g.float().abs().max(), name

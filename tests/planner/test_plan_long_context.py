@@ -99,3 +99,19 @@ def test_a_length_that_does_not_fit_is_refused_naming_the_longest(tiny):
     # a length another policy trains is refused naming that policy
     with pytest.raises(BudgetError, match=f"it fits with --activations {plan.longest.activations}"):
         make_plan(tiny, offload="none", activations="keep", budgets=TIGHT, seq_len=n, batch_size=1)
+
+
+def test_beyond_the_trained_length_the_plan_says_how_positions_go():
+    from transformers import LlamaConfig
+
+    def plan(**rope):
+        cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                          tie_word_embeddings=True, **rope)
+        return make_plan(cfg, offload="none", activations="auto", budgets=TIGHT, seq_len=256, batch_size=1)
+    plain = plan().longest
+    assert plain.seq_len > 512 and plain.rope_scaling == ""
+    assert "beyond the 512 tokens the model was trained at: positions extrapolated" in plain.describe()
+    yarn = plan(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                 "original_max_position_embeddings": 512}).longest
+    assert yarn.rope_scaling == "yarn x4.0" and "RoPE scaling yarn x4.0" in yarn.describe()
