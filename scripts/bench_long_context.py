@@ -4,7 +4,9 @@ beside outcore out of core, on the default model (SmolLM2-135M), one micro-batch
 
 Each (mode, length) runs in its own process, one after the other (a peak of one must not hide
 another's, BENCHMARKING.md); the peak is the process's RSS high-water mark (``ru_maxrss``) over
-loading the model and ``--steps`` optimizer steps, what an RSS cap (``--cap``) would stop:
+loading the model and ``--steps`` optimizer steps, what an RSS cap (``--cap``) would stop (glibc's
+mmap threshold fixed at 128 KiB in every child, as ``bench_memory.py`` does, so freed tensors
+leave the RSS):
 
 - ``hf_gc``: the whole fp32 model in RAM, ``gradient_checkpointing_enable()`` (non-reentrant,
   transformers' default), the model's own loss (full ``[tokens, vocab]`` logits), torch's
@@ -135,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"unknown mode(s) {bad}: choose from {', '.join(MODES)}")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
+    # every tensor over 128 KiB its own mapping, unmapped when freed: the peak is what was live,
+    # not what glibc's heap kept after a free (its dynamic threshold heaps tensors up to 32 MiB)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
     for seq in lengths:
         for mode in modes:
             if runs[mode] and runs[mode][-1].get("status") != "ok":
@@ -143,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd += ["--swap-dir", args.swap_dir] if args.swap_dir else []
             t0 = time.perf_counter()
             try:
-                p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
                 lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
                 res = json.loads(lines[-1][7:]) if lines else {
                     "mode": mode, "seq_len": seq, "status": f"failed (exit {p.returncode})",
@@ -166,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         "first_over_cap": {m: next((r["seq_len"] for r in rs if r.get("status") != "ok"
                                     or r["peak_rss_bytes"] > cap), None) for m, rs in runs.items()},
         "machine": {"cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg()},
+        "malloc_mmap_threshold": env["MALLOC_MMAP_THRESHOLD_"],
     }
     if args.json:
         from outcore.cli.jsonout import emit_json
