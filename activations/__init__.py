@@ -7,6 +7,8 @@
 
 Every policy gives gradients bit-identical (fp32) to keeping activations: offload
 moves bytes, recompute replays the same deterministic forward (RNG state restored).
+``seq_tile`` runs each block's MLP over tiles of tokens (``tiling.py``): exact but for the
+MLP weights' gradients, summed per tile (fp32 rounding).
 """
 from .._exports import lazy_exports
 
@@ -17,6 +19,7 @@ _EXPORTS = {
     "ActivationOffloader": ".offload", "BlockPack": ".pack", "PackedRef": ".pack",
     "ActivationPolicy": ".policy", "BlockProfile": ".policy", "choose_policy": ".policy",
     "expand_policy": ".policy", "ACTIVATION_POLICIES": ".policy", "ACTIVATION_COMPRESSION": ".policy",
+    "TiledMLP": ".tiling", "tile_mlp": ".tiling",
 }
 __all__ = list(sorted(_EXPORTS))
 

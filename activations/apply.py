@@ -17,6 +17,7 @@ device, the measured copy bandwidth), and applies its choice from the next step 
 """
 from __future__ import annotations
 
+import functools
 import tempfile
 import time
 from typing import Any, Sequence
@@ -33,7 +34,9 @@ from .compress import codec_for
 from .offload import _MIN_BYTES, ActivationOffloader
 from .pack import BlockPack
 from .policy import AUTO, ActivationPolicy, BlockProfile, choose_policy, expand_policy
+from .tiling import is_tileable, tile_mlp, tile_of
 
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")  # transformers' names for it
 _DEFAULT_NVME_BPS = (2.0e9, 3.0e9)  # read, write: this hardware class (BENCHMARKING.md), until probed
 
 
@@ -66,7 +69,7 @@ class ActivationHandle:
 
     def __init__(self, model: nn.Module, layers: nn.ModuleList, policies: list[ActivationPolicy] | None,
                  store: Any, auto: dict | None, prefetch_depth: int, min_bytes: int = _MIN_BYTES,
-                 keep_last: int = 1, compress: str = "none"):
+                 keep_last: int = 1, compress: str = "none", tile: int = 0, host_budget: int = 1 << 30):
         self.model, self.layers = model, layers
         self.policies = policies if policies is not None else [ActivationPolicy.KEEP] * len(layers)
         self.profiles: list[BlockProfile] | None = None
@@ -74,13 +77,17 @@ class ActivationHandle:
         self._store, self._own_store = store, False
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._prefetch_depth, self._min_bytes, self._keep_last = prefetch_depth, min_bytes, keep_last
-        self._compress = compress
+        self._compress, self._host_budget = compress, host_budget
         self._device = next(model.parameters()).device  # where the blocks compute
         self.offloader: ActivationOffloader | None = None
         self._measure: list[list[float]] = [[0, 0, 0.0, 0] for _ in layers]  # saved, input, seconds, stored
         self._ensure_offloader()
         for i, layer in enumerate(layers):
             layer.forward = self._wrap(i, layer.forward, layer)
+        #: tokens per MLP tile (0: untiled); the blocks whose MLP it tiles are undone by remove()
+        self.tile = tile
+        self._untile = [tile_mlp(layer.mlp, tile) for layer in layers
+                        if tile and is_tileable(getattr(layer, "mlp", None))]
 
     # ------------------------------------------------------------------ plumbing
     def _ensure_offloader(self) -> None:
@@ -88,8 +95,8 @@ class ActivationHandle:
             return
         if self._store is None:  # no store given: a private one with a temporary swap dir
             from ..offload import TieredStore
-            host = (self._auto or {}).get("host_budget", 1 << 30)
-            need_host = ActivationPolicy.OFFLOAD_HOST in self.policies
+            host = (self._auto or {}).get("host_budget", self._host_budget)
+            need_host = any(p.offloads and p.to_host for p in self.policies)
             self._tmp = tempfile.TemporaryDirectory(prefix="outcore-act-")
             # on the model's device: its HOST buffers are pinned for that device's copies
             self._store = TieredStore(device_bytes=0, host_bytes=host if need_host else 0,
@@ -109,6 +116,9 @@ class ActivationHandle:
             policy = self.policies[index]
             if policy is ActivationPolicy.RECOMPUTE:
                 out = checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            elif policy.recomputes:  # the checkpoint offloaded
+                with self.offloader.block(index, policy, layer):
+                    out = _offloaded_checkpoint(forward, args, kwargs)
             elif policy.offloads:
                 with self.offloader.block(index, policy, layer):
                     out = forward(*args, **kwargs)
@@ -171,6 +181,9 @@ class ActivationHandle:
         """Unwrap every block and stop the offload threads (and a private store)."""
         for layer in self.layers:
             layer.__dict__.pop("forward", None)
+        for untile in self._untile:
+            untile()
+        self._untile = []
         if self.offloader is not None:
             self.offloader.close()
             self.offloader = None
@@ -186,7 +199,8 @@ def apply_activation_policy(model: nn.Module,
                             policy: "ActivationPolicy | str | Sequence[ActivationPolicy | str]" = "keep",
                             store: Any = None, *, device_budget: int | None = None,
                             prefetch_depth: int = 2, min_bytes: int = _MIN_BYTES, keep_last: int = 1,
-                            compress: str = "none", **bandwidth: float) -> ActivationHandle:
+                            compress: str = "none", seq_tile: "int | str" = 0,
+                            **bandwidth: float) -> ActivationHandle:
     """Apply activation policies to ``model``'s decoder blocks.
 
     Args:
@@ -207,7 +221,11 @@ def apply_activation_policy(model: nn.Module,
         compress: how offloaded activations are stored, one of
             :data:`~.policy.ACTIVATION_COMPRESSION` (``int8`` / ``fp8``: 8-bit with
             per-block scales, :mod:`.compress`; ``none``: bit-identical to keep).
-        **bandwidth: for "auto": ``host_budget``, ``host_bps``, ``nvme_budget``,
+        seq_tile: each block's MLP computed over tiles of this many tokens (``auto``:
+            :func:`~.tiling.auto_tile` of the model's shape; 0: untiled), so its memory in
+            the forward, the recompute and the backward grows with the tile (:mod:`.tiling`).
+        **bandwidth: ``host_budget`` (bytes a private store's HOST tier holds; default
+            1 GiB), and for "auto": ``host_bps``, ``nvme_budget``,
             ``nvme_read_bps``, ``nvme_write_bps``, ``copy_bps`` (as in
             :func:`choose_policy`; ``copy_bps`` is measured on a CPU device when not given).
 
@@ -217,7 +235,8 @@ def apply_activation_policy(model: nn.Module,
     Raises:
         ModelError: no decoder blocks found, or the model is already wrapped.
         ConfigError: an unknown policy or ``compress`` name, a list of the wrong length, an
-            unknown keyword, or a negative ``prefetch_depth``/``min_bytes``/``keep_last``.
+            unknown keyword, a bad ``seq_tile``, or a negative
+            ``prefetch_depth``/``min_bytes``/``keep_last``.
     """
     layers = find_decoder_layers(model)
     if any("forward" in layer.__dict__ for layer in layers):
@@ -232,14 +251,31 @@ def apply_activation_policy(model: nn.Module,
             raise ConfigError(f"{name}={v} must be >= 0")
     codec_for(compress)  # an unknown name fails here, not at the first offloaded block
     opts = dict(prefetch_depth=int(prefetch_depth), min_bytes=int(min_bytes), keep_last=int(keep_last),
-                compress=compress)
+                compress=compress, tile=tile_of(model, seq_tile))
     if isinstance(policy, str) and policy.lower() == AUTO:
         if device_budget is None:
             device_budget = _available_device_bytes(next(model.parameters()).device) // 2
         auto = dict(bandwidth, device_budget=int(device_budget))
         return ActivationHandle(model, layers, None, store, auto, **opts)
     return ActivationHandle(model, layers, expand_policy(policy, len(layers), keep_last=int(keep_last)),
-                            store, None, **opts)
+                            store, None, host_budget=int(bandwidth.get("host_budget", 1 << 30)), **opts)
+
+
+def _offloaded_checkpoint(forward, args: tuple, kwargs: dict) -> Any:
+    """``forward`` recomputed in the backward, its inputs saved through the hooks around it.
+
+    The reentrant checkpoint saves its tensor inputs with ``save_for_backward``, so the
+    offloader's pack hook sees the block's input hidden state (and nothing else: the forward
+    runs without a graph) and moves it to its tier; the non-reentrant one keeps its inputs
+    in a closure no hook sees. Keyword arguments (the mask, RoPE's cos / sin, shared by every
+    block) ride in the closure. It restores the RNG state for the recompute, as the other.
+    A KV cache is dropped, as transformers' own checkpointing drops it: the recompute
+    would append the block's keys and values to it a second time.
+    """
+    kwargs = {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
+    if "use_cache" in kwargs:
+        kwargs["use_cache"] = False
+    return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=True)
 
 
 def _copy_bps(device: torch.device, nbytes: int = 16 << 20) -> float:

@@ -15,7 +15,7 @@ thread, which copies it into one buffer and stores it with one call:
   (``store.alloc_extent`` / ``write_extent``: its budget and traffic counters apply;
   reserved on the caller's thread, so a budget too small fails at once, in the
   forward, naming the block);
-- ``OFFLOAD_HOST``: a block of the store's HOST arena (``store.register``).
+- ``OFFLOAD_HOST``: a block of the store's HOST arena (``store.register``). (``RECOMPUTE_*``: one tensor, its input.)
 
 The forward never waits for the disk, only for backpressure: at most
 ``max_inflight_bytes`` of sealed blocks may wait for their write.
@@ -211,7 +211,7 @@ class ActivationOffloader:
         from ..offload import Tier
 
         self._raise_failed()
-        rec = _Block(self, index, Tier.HOST if policy is ActivationPolicy.OFFLOAD_HOST else Tier.NVME)
+        rec = _Block(self, index, Tier.HOST if policy.to_host else Tier.NVME)
         self._blocks[index] = weakref.ref(rec)
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         outer_pack, outer_unpack = outer if outer is not None else (None, None)

@@ -10,6 +10,10 @@ In the forward pass each decoder block saves tensors for its backward (its
   or NVME tier of the ``TieredStore`` as soon as they are saved, and prefetch
   them back ahead of the backward in reverse block order (costs bandwidth; free
   when the transfer hides behind compute).
+- ``RECOMPUTE_HOST`` / ``RECOMPUTE_NVME``: recompute, with the block's checkpoint
+  (its input hidden state, ``c x hidden`` bytes per token) moved to the HOST or NVME
+  tier the same way and fetched ahead of its recompute: the device then holds no
+  activation that grows with the number of blocks (long context).
 
 :func:`choose_policy` picks one per block from the budgets, the measured
 activation sizes and compute times, and the measured bandwidths, the way
@@ -32,6 +36,8 @@ class ActivationPolicy(enum.Enum):
     RECOMPUTE = "recompute"
     OFFLOAD_HOST = "offload_host"
     OFFLOAD_NVME = "offload_nvme"
+    RECOMPUTE_HOST = "recompute_host"
+    RECOMPUTE_NVME = "recompute_nvme"
 
     @classmethod
     def parse(cls, value: "ActivationPolicy | str") -> "ActivationPolicy":
@@ -50,7 +56,19 @@ class ActivationPolicy(enum.Enum):
 
     @property
     def offloads(self) -> bool:
-        return self in (ActivationPolicy.OFFLOAD_HOST, ActivationPolicy.OFFLOAD_NVME)
+        """Whether the block's saved tensors (or its checkpoint) go through the offloader."""
+        return self in (ActivationPolicy.OFFLOAD_HOST, ActivationPolicy.OFFLOAD_NVME,
+                        ActivationPolicy.RECOMPUTE_HOST, ActivationPolicy.RECOMPUTE_NVME)
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether the block runs again in the backward (its checkpoint kept, or offloaded)."""
+        return self in (ActivationPolicy.RECOMPUTE, ActivationPolicy.RECOMPUTE_HOST, ActivationPolicy.RECOMPUTE_NVME)
+
+    @property
+    def to_host(self) -> bool:
+        """Whether what it offloads goes to the HOST tier (else NVME)."""
+        return self in (ActivationPolicy.OFFLOAD_HOST, ActivationPolicy.RECOMPUTE_HOST)
 
 
 #: ``auto``: measure the first training forward, then :func:`choose_policy` per block
@@ -58,9 +76,13 @@ class ActivationPolicy(enum.Enum):
 AUTO = "auto"
 #: ``offload``: OFFLOAD_NVME for every block but the last ``keep_last`` (:func:`expand_policy`).
 OFFLOAD = "offload"
+#: ``recompute_host`` / ``recompute_nvme``: every block recomputed, the checkpoints of all but
+#: the last ``keep_last`` on that tier (:func:`expand_policy`)
+CHECKPOINT_OFFLOADS = (ActivationPolicy.RECOMPUTE_HOST.value, ActivationPolicy.RECOMPUTE_NVME.value)
 #: The run-level names (``--activations``, ``FinetuneConfig.activations``, the planner):
-#: one policy for every block, ``offload``, or ``auto``.
-ACTIVATION_POLICIES = (AUTO, ActivationPolicy.KEEP.value, ActivationPolicy.RECOMPUTE.value, OFFLOAD)
+#: one policy for every block, ``offload``, recompute with offloaded checkpoints, or ``auto``.
+ACTIVATION_POLICIES = (AUTO, ActivationPolicy.KEEP.value, ActivationPolicy.RECOMPUTE.value, OFFLOAD,
+                       *CHECKPOINT_OFFLOADS)
 
 #: How offloaded activations are stored (``--activations-compress``,
 #: ``FinetuneConfig.activations_compress``, the planner): ``none`` moves the bytes as
@@ -69,6 +91,30 @@ ACTIVATION_POLICIES = (AUTO, ActivationPolicy.KEEP.value, ActivationPolicy.RECOM
 #: ``COMPRESS_BLOCK`` elements (``activations/compress.py``).
 ACTIVATION_COMPRESSION = ("none", "int8", "fp8")
 COMPRESS_BLOCK = 256  # elements per scale: (256 + 4) / 512 = 0.51x the bytes of bf16, 0.25x of fp32
+
+
+#: ``seq_tile`` (``FinetuneConfig.seq_tile``, ``apply_activation_policy``, the planner): each
+#: block's MLP runs over tiles of that many tokens (``activations/tiling.py``); ``auto`` sizes
+#: the tile from the model's shape, 0 leaves the MLP untiled.
+SEQ_TILE_AUTO = "auto"
+
+
+def parse_seq_tile(value: "int | str") -> "int | str":
+    """``auto`` or a tile of tokens >= 0 (0: untiled) from a config value (``"4096"`` -> 4096).
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if isinstance(value, str) and value.strip().lower() == SEQ_TILE_AUTO:
+        return SEQ_TILE_AUTO
+    try:
+        n = int(value)
+        ok = n >= 0 and not isinstance(value, bool) and float(value) == n
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise ConfigError(f"seq_tile={value!r} must be '{SEQ_TILE_AUTO}', 0 (untiled) or tokens per tile, e.g. 4096")
+    return n
 
 
 def compressed_ratio(compress: str, dtype_bytes: int) -> float:
@@ -217,6 +263,8 @@ def expand_policy(policy: "ActivationPolicy | str | Sequence[ActivationPolicy | 
 
     ``"offload"`` means OFFLOAD_NVME for every block but the last ``keep_last``
     (their backward comes first, so their transfers could not be hidden).
+    ``"recompute_host"`` / ``"recompute_nvme"``: that policy for every block but the last
+    ``keep_last``, which recompute from a checkpoint kept on the device.
 
     Raises:
         ConfigError: an unknown name, a list of the wrong length, or ``keep_last < 0``.
@@ -226,6 +274,9 @@ def expand_policy(policy: "ActivationPolicy | str | Sequence[ActivationPolicy | 
     if isinstance(policy, str) and policy.lower() == OFFLOAD:
         kept = min(keep_last, n_blocks)
         return [ActivationPolicy.OFFLOAD_NVME] * (n_blocks - kept) + [ActivationPolicy.KEEP] * kept
+    if isinstance(policy, str) and policy.lower() in CHECKPOINT_OFFLOADS:
+        kept = min(keep_last, n_blocks)  # their recompute comes first: nothing to hide a read behind
+        return [ActivationPolicy(policy.lower())] * (n_blocks - kept) + [ActivationPolicy.RECOMPUTE] * kept
     if isinstance(policy, (str, ActivationPolicy)):
         return [ActivationPolicy.parse(policy)] * n_blocks
     out = [ActivationPolicy.parse(p) for p in _per_block(policy, n_blocks, "policy")]

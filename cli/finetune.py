@@ -33,6 +33,15 @@ examples:
   outcore finetune --config run.yaml lr=2e-5 --resume runs/notes
 """
 
+#: ``--seq-len max`` / ``seq_len=max``: the longest context the plan finds (cli/plan.py:take_longest)
+SEQ_LEN_MAX = "max"
+
+
+def seq_len_arg(text: str) -> "int | str":
+    """``--seq-len``'s value: tokens, or ``max`` (argparse names this function in its error)."""
+    return SEQ_LEN_MAX if text.strip().lower() == SEQ_LEN_MAX else int(text)
+
+
 # (flag, FinetuneConfig field, type, metavar, help)
 FLAGS: tuple[tuple[str, str, Any, str | None, str], ...] = (
     ("--model", "model", str, "PATH|ID",
@@ -44,7 +53,8 @@ FLAGS: tuple[tuple[str, str, Any, str | None, str], ...] = (
     ("--optim", "optim", str, "NAME", f"one of: {', '.join(OPTIMIZERS)}"),
     ("--precision", "precision", str, "MODE", f"one of: {', '.join(PRECISIONS)} (bf16-lean: no fp32 master)"),
     ("--max-steps", "max_steps", int, "N", "optimizer steps"),
-    ("--seq-len", "seq_len", int, "N", "tokens per training sequence"),
+    ("--seq-len", "seq_len", seq_len_arg, "N|max",
+     "tokens per training sequence; 'max': the longest the plan finds fits the budgets"),
     ("--batch-size", "batch_size", int, "N", "sequences per micro-batch"),
     ("--lr", "lr", float, "LR", "peak learning rate"),
     ("--seed", "seed", int, "N", "seed of data order and initialization"),
@@ -100,7 +110,19 @@ def config_from_args(args: argparse.Namespace) -> Any:
     """
     from ..training.config import load_config
 
-    return load_config(args.config, list(args.overrides or []), **given_flags(args))
+    flags, overrides = given_flags(args), list(args.overrides or [])
+    if wants_longest(args):  # resolved by the plan once the config is known (cli/plan.py:take_longest)
+        flags.pop("seq_len", None)
+        overrides = [o for o in overrides if o.split("=", 1)[0].strip() != "seq_len"]
+    return load_config(args.config, overrides, **flags)
+
+
+def wants_longest(args: argparse.Namespace) -> bool:
+    """Whether the command line asks for ``--seq-len max`` (or ``seq_len=max``; a flag wins)."""
+    if hasattr(args, "seq_len"):
+        return str(args.seq_len).strip().lower() == SEQ_LEN_MAX
+    said = [o.split("=", 1)[1] for o in args.overrides or [] if o.split("=", 1)[0].strip() == "seq_len" and "=" in o]
+    return bool(said) and said[-1].strip().lower() == SEQ_LEN_MAX
 
 
 def _output_dir(result: Any, fallback: str) -> Path:
@@ -120,6 +142,10 @@ def run(args: argparse.Namespace) -> int:
         OutcoreError: bad config, model, data or output directory (the CLI prints it).
     """
     config = config_from_args(args)
+    if wants_longest(args):
+        from .plan import take_longest
+
+        config = take_longest(config)
     if args.dry_run:
         import yaml
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, ModelError
-from .finetune import add_config_arguments, config_from_args
+from .finetune import add_config_arguments, config_from_args, wants_longest
 from .jsonout import emit_json
 
 HELP = "show where a run's tensors would live and the expected step time"
@@ -30,6 +30,7 @@ examples:
   outcore plan
   outcore plan --model ./llama-8b --offload nvme --device-mem 6GiB --host-mem 16GiB
   outcore plan --config run.yaml --json
+  outcore plan --seq-len max --offload nvme     # the longest context these budgets train
 """
 
 
@@ -92,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
     note = plan_note(config, world) if world > 1 else None
     hf_config = model_config(config.model)
     probe = probe_hardware(config.swap_dir, measure=not args.no_measure)
+    if wants_longest(args):
+        config = take_longest(config, hf_config, probe, world)
     plan = plan_for_config(config, hf_config, probe, world=world)
     if args.json:
         emit_json(json.dumps({**plan.to_dict(), **({"ranks": world, "per_rank": note} if note else {})},
@@ -99,3 +102,36 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(plan.table().rstrip("\n") + (f"\n{note}" if note else ""))
     return 0
+
+
+def take_longest(config: Any, hf_config: Any = None, probe: Any = None, world: int = 1) -> Any:
+    """``config`` at the longest context its plan finds (``--seq-len max``), with the activation
+    policy that gets there; says so in one line on stderr.
+
+    Args:
+        config: the run's FinetuneConfig (its ``seq_len`` is a placeholder).
+        hf_config, probe: the model's config and the hardware probe (read / probed when None,
+            without measuring the disk, as a run's own plan does).
+        world: data-parallel ranks.
+
+    Raises:
+        BudgetError: not even one token fits (the plan's own error).
+    """
+    import dataclasses
+    import sys
+
+    from ..errors import BudgetError
+    from ..offload.store import probe_hardware
+    from ..planner import plan_for_config
+
+    hf_config = hf_config if hf_config is not None else model_config(config.model)
+    probe = probe if probe is not None else probe_hardware(config.swap_dir, measure=False)
+    try:  # (compute is timed at the plan's length: the configured one times like a real step)
+        longest = plan_for_config(config, hf_config, probe, world=world).longest
+    except BudgetError:
+        longest = plan_for_config(dataclasses.replace(config, seq_len=1), hf_config, probe, world=world).longest
+    if longest is None:
+        raise BudgetError(f"--seq-len max: not even one token of batch_size={config.batch_size} fits these "
+                          "budgets; lower --batch-size or raise --device-mem / --host-mem")
+    print(f"outcore: --seq-len max: {longest.describe()}", file=sys.stderr)
+    return dataclasses.replace(config, seq_len=longest.seq_len, activations=longest.activations)

@@ -41,9 +41,10 @@ class Candidate:
 def written_per_step(w: Workload, lay: Layout, batch: int, st: StepTime) -> int:
     """Bytes one step of ``lay`` writes to the SSD: the swap file's write-backs (weights, optimizer
     state, spilled gradients: ``st.io_bytes["nvme_write"]``) and, with activation policy
-    ``offload``, the activations the blocks save (the planner's HOST figure for them)."""
+    ``offload``, the activations the blocks save (the planner's HOST figure for them); with
+    ``recompute_nvme`` the block checkpoints, counted by ``step_time``."""
     acts = activation_bytes(w, lay.activations, batch, lay.prefetch)[1] if lay.activations == OFFLOAD else 0
-    return int(st.io_bytes["nvme_write"]) + int(acts)
+    return int(st.io_bytes["nvme_write"]) + int(acts)  # (offloaded checkpoints are in nvme_write)
 
 
 def describe(w: Workload, lay: Layout, batch: int, st: StepTime) -> Candidate:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from ..activations.policy import OFFLOAD, ActivationPolicy, compressed_ratio
+from ..activations.policy import CHECKPOINT_OFFLOADS, OFFLOAD, ActivationPolicy, compressed_ratio
 from ..dtypes import DTYPE_BYTES
 from ..methods import MethodTraits
 from ..offload.engine.unit_sizes import step_window, window_bytes
@@ -22,11 +22,14 @@ from ..offload.store import Tier
 from ..offload.store.directio import ALIGN  # the store aligns every arena block and NVMe extent to it
 from .budget import Budgets
 from .compute import ComputeRates
-from .sizes import (ModelSpec, UnitBytes, block_activation_bytes, checkpoint_bytes, forward_flops_per_token,
-                    head_activation_bytes)
+from .sizes import (ModelSpec, UnitBytes, block_activation_bytes, checkpoint_bytes, chunked_head_bytes,
+                    forward_flops_per_token, head_activation_bytes, mlp_tile_bytes)
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
 KEEP, RECOMPUTE = ActivationPolicy.KEEP.value, ActivationPolicy.RECOMPUTE.value
+RECOMPUTE_HOST, RECOMPUTE_NVME = CHECKPOINT_OFFLOADS
+#: the run-level policies that recompute every block in the backward
+RECOMPUTED = (RECOMPUTE, *CHECKPOINT_OFFLOADS)
 
 
 def _slack(u: UnitBytes, allocations: int = 1) -> int:
@@ -47,6 +50,10 @@ class Workload:
     budgets: Budgets
     activations_compress: str = "none"  # how offloaded activations are stored (activations.policy)
     rates: ComputeRates | None = None  # measured per unit kind (compute.py); None: budgets.flops
+    seq_tile: int = 0  # tokens per MLP tile (activations/tiling.py); 0: untiled
+
+    def tiled(self, batch: int) -> bool:  # a micro-batch of ``batch`` sequences runs its MLPs tiled
+        return self.spec.tileable_mlp and 0 < self.seq_tile < batch * self.seq_len
 
     @property
     def has_backward(self) -> bool:
@@ -55,14 +62,18 @@ class Workload:
     def compute_s(self, unit: UnitBytes, tokens: int, activations: str) -> float:
         """Seconds of compute ``unit`` costs per step over ``tokens`` tokens (0 without a rate)."""
         rate = self.rates.of(unit.kind) if self.rates else self.budgets.flops
-        flops = tokens * forward_flops_per_token(self.spec, unit, self.seq_len) * self.compute_passes(unit, activations)
+        passes = self.compute_passes(unit, activations, tiled=self.tiled(max(1, tokens // self.seq_len)))
+        flops = tokens * forward_flops_per_token(self.spec, unit, self.seq_len) * passes
         return flops / rate if rate > 0 else 0.0
 
-    def compute_passes(self, unit: UnitBytes, activations: str) -> float:
+    def compute_passes(self, unit: UnitBytes, activations: str, tiled: bool = False) -> float:
         """Forward-equivalents of compute ``unit`` costs per step: the method's passes, plus
-        one more forward of a block whose activations are recomputed for its backward."""
-        recomputed = activations == RECOMPUTE and unit.kind == "block" and self.has_backward
-        return self.method.compute_passes + (1.0 if recomputed else 0.0)
+        one more forward of a block whose activations are recomputed for its backward, plus
+        one more of a tiled MLP (3 x hidden x intermediate of the block's matmuls per token)."""
+        block = unit.kind == "block" and self.has_backward
+        mlp = min(1.0, 3 * self.spec.hidden * self.spec.intermediate / max(unit.matmul_params, 1))
+        return self.method.compute_passes + (1.0 if activations in RECOMPUTED and block else 0.0) + \
+            (mlp if tiled and block else 0.0)
 
 
 @dataclass(frozen=True)
@@ -164,22 +175,37 @@ def _grad_window(w: Workload, streamed: list[UnitBytes]) -> int:
     return grads + 4 * max(at_once)
 
 
-def activation_bytes(w: Workload, policy: str, batch: int, window: int) -> tuple[int, int]:
-    """(DEVICE bytes, HOST bytes) of activations for ``batch`` sequences under ``policy``."""
+def activation_bytes(w: Workload, policy: str, batch: int, window: int) -> tuple[int, int, int]:
+    """(DEVICE, HOST, NVME) bytes of activations for ``batch`` sequences under ``policy``.
+
+    A recomputed block holds its saved tensors (and a tiled MLP one tile's) while its
+    backward runs, one block at a time; its checkpoint, the block's input, waits on
+    DEVICE (``recompute``) or, but for the ``window + 1`` blocks read ahead and the last
+    kept, on HOST / NVME (``recompute_host`` / ``recompute_nvme``). The head is the chunked
+    loss's where the model's loss is it (``ModelSpec.chunked_loss``).
+    """
     s, spec = w.seq_len, w.spec
-    head = head_activation_bytes(spec, w.dtype, s)
     if not w.has_backward:  # ZO: two forward passes in flight, nothing saved for a backward
         c = DTYPE_BYTES[w.dtype]
-        return batch * 2 * (s * c * (2 * spec.hidden + 2 * spec.intermediate) + s * 4 * spec.vocab), 0
-    block = block_activation_bytes(spec, w.dtype, s)
+        return batch * 2 * (s * c * (2 * spec.hidden + 2 * spec.intermediate) + s * 4 * spec.vocab), 0, 0
+    head = (chunked_head_bytes(spec, w.dtype, batch * s) if spec.chunked_loss
+            else batch * head_activation_bytes(spec, w.dtype, s))
+    saved = batch * block_activation_bytes(spec, w.dtype, s, tiled=w.tiled(batch))  # one block's
+    tile = mlp_tile_bytes(spec, w.dtype, w.seq_tile) if w.tiled(batch) else 0  # one tile's, one block at a time
     L = spec.layers
+    ckpt = batch * checkpoint_bytes(spec, w.dtype, s)
     if policy == KEEP:
-        return batch * (L * block + head), 0
+        return L * saved + tile + head, 0, 0
     if policy == RECOMPUTE:
-        return batch * (L * checkpoint_bytes(spec, w.dtype, s) + block + head), 0
+        return L * ckpt + saved + tile + head, 0, 0
+    if policy in CHECKPOINT_OFFLOADS:
+        near = min(L, max(window, 1) + 1)  # read ahead, and the last block's (kept)
+        away = (L - near) * ckpt
+        dev = near * ckpt + saved + tile + head
+        return (dev, away, 0) if policy == RECOMPUTE_HOST else (dev, 0, away)
     if policy == OFFLOAD:  # the offloaded bytes shrink by the codec's ratio
-        offloaded = int(batch * L * block * compressed_ratio(w.activations_compress, DTYPE_BYTES[w.dtype]))
-        return batch * (min(L, max(window, 1) + 1) * block + head), offloaded
+        offloaded = int(L * saved * compressed_ratio(w.activations_compress, DTYPE_BYTES[w.dtype]))
+        return min(L, max(window, 1) + 1) * saved + tile + head, offloaded, 0
     raise ValueError(f"unknown activation policy {policy!r}")
 
 
@@ -238,9 +264,10 @@ def account(w: Workload, lay: Layout, batch: int) -> Accounting:
         if w.budgets.device_kind != "cpu" and state:  # the update runs on the GPU: its state streams there
             acc.add(Tier.DEVICE, "state window", window_bytes(state, k + 1))
             acc.add(Tier.DEVICE, "alignment", (k + 2) * kinds * slack)
-    dev, host = activation_bytes(w, lay.activations, batch, lay.prefetch)
+    dev, host, nvme = activation_bytes(w, lay.activations, batch, lay.prefetch)
     acc.add(Tier.DEVICE, "activations", dev)
     acc.add(Tier.HOST, "activations", host)
+    acc.add(Tier.NVME, "activations", nvme)
     return acc
 
 
@@ -300,6 +327,12 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
         if lay.state[i] == Tier.NVME and u.state:
             io["nvme_read"] += u.state - u.ram_state
             io["nvme_write"] += u.state - u.ram_state
+    _, host_acts, nvme_acts = activation_bytes(w, lay.activations, batch, lay.prefetch)
+    if lay.activations in CHECKPOINT_OFFLOADS:  # block checkpoints out in the forward, back in the backward
+        io["nvme_write"] += nvme_acts
+        io["nvme_read"] += nvme_acts
+        io["d2h"] += host_acts if cuda else 0
+        io["h2d"] += host_acts if cuda else 0
     gb = 1e9
     io_s = {"nvme_read": io["nvme_read"] / (b.disk_read_gbps * gb),
             "nvme_write": io["nvme_write"] / (b.disk_write_gbps * gb),

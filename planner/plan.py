@@ -30,9 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
-from ..activations.policy import ACTIVATION_POLICIES, AUTO, ActivationPolicy
+from ..activations.policy import ACTIVATION_POLICIES, AUTO, CHECKPOINT_OFFLOADS, SEQ_TILE_AUTO, ActivationPolicy
 from ..bytesize import format_bytes
-from ..dtypes import EXACT, torch_dtype
+from ..dtypes import DTYPE_BYTES, EXACT, torch_dtype
 from ..errors import BudgetError, ConfigError
 from ..methods import SFT, method_traits, objective
 from ..offload.modes import CPU, NONE, NVME, OFFLOAD_MODES
@@ -43,13 +43,17 @@ from .budget import RUNTIME_OVERHEAD_BYTES, Budgets, budgets_from_probe
 from .choice import Candidate, choose, describe
 from .compute import measure_compute_rates
 from .layout import Layout, StepTime, Workload, account, prefetch_depth, step_time
+from .longest import LongestContext, longest_context
 from .sizes import ModelSpec, model_spec, unit_bytes
 
 __all__ = ["MemoryPlan", "UnitPlacement", "make_plan", "plan_for_config", "Budgets", "budgets_from_probe"]
 
 MAX_MICRO_BATCH = 1 << 16  # search bound for the largest micro-batch that fits
-#: what activation policy ``auto`` tries, in order: keep when it fits, else recompute
-_AUTO_ACTIVATIONS = (ActivationPolicy.KEEP.value, ActivationPolicy.RECOMPUTE.value)
+#: what activation policy ``auto`` tries, in order: keep when it fits, else recompute (the block
+#: checkpoints on DEVICE, else on NVMe: the longest contexts)
+_AUTO_ACTIVATIONS = (ActivationPolicy.KEEP.value, ActivationPolicy.RECOMPUTE.value, CHECKPOINT_OFFLOADS[1])
+#: what the longest-context search weighs: every policy
+_ALL_ACTIVATIONS = tuple(p for p in ACTIVATION_POLICIES if p != AUTO)
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,8 @@ class MemoryPlan:
     notes: list[str] = field(default_factory=list)
     candidates: list[Candidate] = field(default_factory=list)  # every configuration considered (choice.py)
     chosen: int | None = None  # which of the candidates this plan is
+    longest: LongestContext | None = None  # the longest sequence that trains at this micro-batch (longest.py)
+    seq_tile: int = 0  # tokens per MLP tile (0: untiled)
 
     # -- derived ---------------------------------------------------------------------
     def tier_total(self, tier: Tier | str) -> int:
@@ -145,6 +151,8 @@ class MemoryPlan:
             "notes": list(self.notes),
             "candidates": [{**c.to_dict(), "chosen": i == self.chosen} for i, c in enumerate(self.candidates)],
             "written_per_step_bytes": self.written_per_step_bytes,
+            "seq_tile": self.seq_tile,
+            "longest_context": None if self.longest is None else self.longest.to_dict(),
         }
 
     def table(self) -> str:
@@ -264,12 +272,29 @@ def _budget_error(w: Workload, lay: Layout, batch: int, offload: str) -> BudgetE
                        f"try {', '.join(hints)}")
 
 
+def _length_error(w: Workload, error: BudgetError, layouts, batch: int) -> BudgetError:
+    """``error`` with what fits instead, when the sequence length is what does not: the setting at
+    which ``w.seq_len`` trains (another activation policy, a smaller micro-batch), or the
+    longest context that trains at all (at micro-batch 1) and its setting."""
+    longest = longest_context(w, lambda wn: layouts(wn, 1), 1)
+    if longest is None:
+        return error
+    for b in dict.fromkeys((batch, 1)):
+        at = longest_context(w, lambda wn, b=b: layouts(wn, b), b, up_to=w.seq_len)
+        if at is not None and at.seq_len >= w.seq_len:
+            return BudgetError(f"seq_len={w.seq_len} does not fit as asked: {error}; it fits with {at.setting} "
+                               f"(the longest context that fits: {longest.seq_len} tokens)")
+    return BudgetError(f"seq_len={w.seq_len} does not fit: {error}; the longest context that fits is "
+                       f"{longest.seq_len} tokens: --seq-len {longest.seq_len} {longest.setting}")
+
+
 def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: str = "float32", precision: str = EXACT,
               seq_len: int = 256, batch_size: int = 1, activations: str = "keep", offload: str = "auto",
               budgets: Budgets | None = None, probe: Any = None, grad_accum: int = 1,
               max_grad_norm: float = 0.0, optim_args: Mapping[str, Any] | None = None, lora_r: int = 8,
               lora_targets: tuple[str, ...] | list[str] = ("q_proj", "k_proj", "v_proj", "o_proj"),
-              activations_compress: str = "none", world: int = 1) -> MemoryPlan:
+              activations_compress: str = "none", world: int = 1, seq_tile: "int | str" = SEQ_TILE_AUTO
+              ) -> MemoryPlan:
     """Decide where every tensor of a fine-tuning run lives.
 
     Args:
@@ -290,6 +315,8 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
         optim_args, lora_r, lora_targets, activations_compress: as in ``FinetuneConfig``
             (the last sizes offloaded activations by its codec's ratio).
         world: data-parallel ranks (a full fine-tune's state sharded: the plan is one rank's).
+        seq_tile: tokens per MLP tile, ``auto`` or 0 (``activations/tiling.py``): a tiled MLP
+            holds one tile's intermediates, not the sequence's.
 
     Returns:
         The :class:`MemoryPlan`.
@@ -314,7 +341,10 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
     budgets = budgets.with_flops(dtype)
     rates = measure_compute_rates(spec, torch_dtype(dtype), seq_len, budgets.device_kind,
                                   budgets.flops) if measure else None
-    w = Workload(spec, ub, traits, dtype, seq_len, grads_kept, budgets, activations_compress, rates)
+    from ..activations.tiling import resolve_tile
+
+    tile = resolve_tile(seq_tile, spec.intermediate, DTYPE_BYTES[dtype])
+    w = Workload(spec, ub, traits, dtype, seq_len, grads_kept, budgets, activations_compress, rates, tile)
     policies = list(_AUTO_ACTIVATIONS) if activations == AUTO else [activations]
     if not traits.backward:
         policies = [ActivationPolicy.KEEP.value]  # nothing is saved for a backward
@@ -323,10 +353,13 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
     times = [step_time(w, lay, batch_size) for lay in layouts]
     candidates = [describe(w, lay, batch_size, st) for lay, st in zip(layouts, times)]
     best = choose(candidates)
+    every = list(_ALL_ACTIVATIONS) if traits.backward else policies
     if best is None:
-        raise _budget_error(w, layouts[0] if offload == NONE else layouts[-1], batch_size, offload)
+        raise _length_error(w, _budget_error(w, layouts[0] if offload == NONE else layouts[-1], batch_size,
+                                             offload), lambda wn, b: _layouts(wn, offload, every, b), batch_size)
     plan = _build(w, layouts[best], times[best], batch_size, offload, method, optim)
-    plan.candidates, plan.chosen = candidates, best
+    plan.candidates, plan.chosen, plan.seq_tile = candidates, best, tile if w.tiled(batch_size) else 0
+    plan.longest = longest_context(w, lambda wn: _layouts(wn, offload, every, batch_size), batch_size)
     return plan
 
 
@@ -415,7 +448,7 @@ def plan_for_config(cfg: Any, model_or_hf_config: Any, probe: Any = None,
                      offload=cfg.offload, budgets=budgets, grad_accum=cfg.grad_accum,
                      max_grad_norm=float(cfg.max_grad_norm or 0.0), optim_args=cfg.optim_args,
                      lora_r=cfg.lora_r, lora_targets=tuple(cfg.lora_targets),
-                     activations_compress=cfg.activations_compress,
+                     activations_compress=cfg.activations_compress, seq_tile=cfg.seq_tile,
                      world=world if cfg.offload != NONE else 1)  # (in memory, every rank a replica)
 
 

@@ -71,6 +71,15 @@ class ModelSpec:
     #: of a mixture-of-experts block's expert weights, the share one token multiplies by
     #: (experts per token / experts); 1.0 for a dense model
     expert_share: float = 1.0
+    #: the run's loss is the chunked head (``kernels/linear_cross_entropy.py:head_loss_covers``):
+    #: no [tokens, vocab] logits are held
+    chunked_loss: bool = False
+    #: a dense gated MLP per block, which ``seq_tile`` tiles (``activations/tiling.py``)
+    tileable_mlp: bool = False
+    #: the length the model was trained at (``max_position_embeddings``; 0: unknown)
+    trained_len: int = 0
+    #: the RoPE scaling its config sets (``rope_parameters`` / ``rope_scaling``: "yarn x4.0"), "" for none
+    rope_scaling: str = ""
 
     @property
     def numel(self) -> int:
@@ -114,9 +123,26 @@ def model_spec_from_model(model: Any) -> ModelSpec:
                        for s in u.slots if "lora_" not in s.name)
         kind = "block" if u.name.startswith("block.") else u.name
         units.append(UnitSpec(u.index, u.name, kind, params, tuple(u.borrows)))
+    from ..activations.apply import find_decoder_layers
+    from ..activations.tiling import is_tileable
+    from ..kernels.linear_cross_entropy import head_loss_covers
+
     dims = _dims(base.config)
+    layers = find_decoder_layers(base)
+    text = getattr(base.config, "text_config", None) or base.config
     return ModelSpec(model_type=str(getattr(base.config, "model_type", "unknown")), units=tuple(units),
-                     tied=any(u.borrows for u in units), expert_share=_expert_share(base.config), **dims)
+                     tied=any(u.borrows for u in units), expert_share=_expert_share(base.config),
+                     chunked_loss=head_loss_covers(base.config),
+                     tileable_mlp=bool(len(layers)) and is_tileable(getattr(layers[0], "mlp", None)),
+                     trained_len=int(getattr(text, "max_position_embeddings", 0) or 0),
+                     rope_scaling=_rope_scaling(text), **dims)
+
+
+def _rope_scaling(cfg: Any) -> str:
+    """The RoPE scaling a config sets, as transformers reads it ("yarn x4.0"); "" for none."""
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    kind = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, Mapping) else "default"
+    return "" if kind == "default" else f"{kind} x{rope.get('factor', '?')}"
 
 
 def _expert_share(cfg: Any) -> float:
@@ -357,22 +383,42 @@ def _with_state_pieces(units: list[UnitBytes], piecable: list[bool], world: int 
 # ---------------------------------------------------------------------------------
 # Activations and FLOPs
 # ---------------------------------------------------------------------------------
-def block_activation_bytes(spec: ModelSpec, dtype: str, seq_len: int) -> int:
+def block_activation_bytes(spec: ModelSpec, dtype: str, seq_len: int, tiled: bool = False) -> int:
     """Bytes autograd saves for one decoder block per sequence (``seq_len`` tokens, SDPA attention).
 
     Counted from what a Llama-style block saves (checked against
     ``saved_tensors_hooks`` in the tests): per RMSNorm its fp32 input and
     normalized input and its output; q, k, v and the attention output; the
-    MLP's gate, act(gate), up and their product; plus fp32 per-token scalars
-    (two rsqrt, one log-sum-exp per head).
+    MLP's gate, act(gate), up and their product (none when ``tiled``: the tiled MLP
+    saves only its input, the norm's output, counted already); plus fp32 per-token
+    scalars (two rsqrt, one log-sum-exp per head).
     """
     c = DTYPE_BYTES[dtype]
     h, kv = spec.hidden, spec.kv_heads * spec.head_dim
     q = spec.heads * spec.head_dim
     # Per RMSNorm: fp32 input and normalized input, its output (and in bf16/fp16 the cast copy).
     norms = 2 * (4 * h + 4 * h + c * h + (c * h if c != 4 else 0))
-    per_token = norms + c * (2 * q + 2 * kv + 4 * spec.intermediate) + 4 * (2 + spec.heads)
+    mlp = 0 if tiled else 4 * spec.intermediate
+    per_token = norms + c * (2 * q + 2 * kv + mlp) + 4 * (2 + spec.heads)
     return seq_len * per_token
+
+
+def mlp_tile_bytes(spec: ModelSpec, dtype: str, tile: int) -> int:
+    """Bytes one tile of a tiled MLP holds in its backward: the tile recomputed (gate, act(gate),
+    up, their product), their three gradients and the output's: eight ``[tile, intermediate]``."""
+    return 8 * tile * spec.intermediate * DTYPE_BYTES[dtype]
+
+
+def chunked_head_bytes(spec: ModelSpec, dtype: str, tokens: int) -> int:
+    """Bytes the chunked head loss holds for ``tokens`` rows (``kernels/linear_cross_entropy.py``):
+    per token the final norm's saved tensors and the hidden state's gradient (computed in the
+    forward), the loss and target; once, the fp32 ``[vocab, hidden]`` weight gradient and one
+    chunk of fp32 logits (~32 MiB)."""
+    from ..kernels.linear_cross_entropy import default_chunk_size
+
+    c, h = DTYPE_BYTES[dtype], spec.hidden
+    per_token = 4 * 2 * h + c * h + (c * h if c != 4 else 0) + c * h + 4 + 8
+    return tokens * per_token + 4 * spec.vocab * h + 4 * spec.vocab * default_chunk_size(tokens, spec.vocab)
 
 
 def head_activation_bytes(spec: ModelSpec, dtype: str, seq_len: int) -> int:

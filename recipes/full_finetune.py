@@ -150,19 +150,28 @@ class FullFinetune:
 
     def _activations(self) -> None:
         """What each block keeps for its backward: the plan resolves `auto` when there is one."""
-        policy = self.plan.activations if self.plan is not None else self.cfg.activations
-        if policy == ActivationPolicy.KEEP.value:
-            return
         from ..activations import apply_activation_policy
+        from ..activations.tiling import tile_of
         from ..models import unwrap_peft
+
+        policy = self.plan.activations if self.plan is not None else self.cfg.activations
+        tile = tile_of(unwrap_peft(self.model), self.cfg.seq_tile)
+        rows = self.cfg.seq_len * self.cfg.batch_size * objective(self.cfg.objective).rows_per_example
+        tile = tile if 0 < tile < rows else 0  # (a micro-batch of one tile runs untiled anyway)
+        if policy == ActivationPolicy.KEEP.value and not tile:
+            return
 
         # Offloaded activations go to the run's store: its swap dir (the disk the user
         # chose) and its traffic counters, not a private store in the temp dir.
         store = None if self.engine is None else self.engine.store
-        on_disk = policy == OFFLOAD and store is not None and store.has_tier("nvme")
+        to_disk = policy in (OFFLOAD, ActivationPolicy.RECOMPUTE_NVME.value)
+        on_disk = to_disk and store is not None and store.has_tier("nvme")
+        # block checkpoints on HOST: a private store's HOST tier sized by the plan
+        host = self.plan.tier_bytes["HOST"].get("activations", 0) if self.plan is not None else 0
         hooks = apply_activation_policy(unwrap_peft(self.model), policy, store=store if on_disk else None,
                                         keep_last=self.cfg.activations_keep_last,
-                                        compress=self.cfg.activations_compress)
+                                        compress=self.cfg.activations_compress, seq_tile=tile,
+                                        host_budget=max(host, 1 << 30))
         # (closed first: its offload threads stop before the store they write to closes)
         self._resources.callback(hooks.remove)
 

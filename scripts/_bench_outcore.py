@@ -153,12 +153,14 @@ class OutcoreTrainer:
         self.offloaded = offload_from_plan(cfg, self.model, self.optimizer, self.plan, self.work,
                                            self.head_loss, fill)
         self.activations = None
-        if self.plan.activations != "keep":
+        if self.plan.activations != "keep" or self.plan.seq_tile:
             from outcore.activations import apply_activation_policy
 
-            offloads = self.plan.activations == "offload" and self.offloaded.store.has_tier("nvme")
+            to_disk = self.plan.activations in ("offload", "recompute_nvme")
+            offloads = to_disk and self.offloaded.store.has_tier("nvme")
             store = self.offloaded.store if offloads else None  # as the recipe does
-            self.activations = apply_activation_policy(self.model, self.plan.activations, store=store)
+            self.activations = apply_activation_policy(self.model, self.plan.activations, store=store,
+                                                       seq_tile=self.plan.seq_tile)
 
     def _loss(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
         hidden = self.decoder(input_ids=ids).last_hidden_state

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from ..activations.policy import ACTIVATION_COMPRESSION, ACTIVATION_POLICIES
+from ..activations.policy import ACTIVATION_COMPRESSION, ACTIVATION_POLICIES, SEQ_TILE_AUTO, parse_seq_tile
 from ..dtypes import BF16_LEAN, DTYPES, PRECISIONS
 from ..errors import ConfigError
 from ..methods import FULL, GRPO, GRPO_LOSS_TYPES, SCALE_REWARDS, SFT, method_traits, objective
@@ -99,6 +99,9 @@ class FinetuneConfig:
     activations: str = "keep"  # one of ACTIVATION_POLICIES
     activations_keep_last: int = 1  # with offload: the last N blocks keep theirs (backward needs them first)
     activations_compress: str = "none"  # one of ACTIVATION_COMPRESSION: offloaded activations stored 8-bit
+    # each block's MLP over tiles of this many tokens (its memory grows with the tile, not the
+    # sequence): "auto" (~32 MiB of intermediate per tile; SmolLM2 fp32: 4096), 0 = untiled
+    seq_tile: int | str = SEQ_TILE_AUTO
     ssd_tbw: float = 0.0  # the swap disk's rated terabytes written: show the share of its life a run uses (0 = unknown)
     # --- evaluation, logging, checkpoints --------------------------------------
     eval_every: int = 20  # steps between validation passes (0 = only before and after)
@@ -133,6 +136,7 @@ class FinetuneConfig:
         _choice("activations", self.activations, ACTIVATION_POLICIES)
         _choice("activations_compress", self.activations_compress, ACTIVATION_COMPRESSION)
         _choice("ui", self.ui, UI_MODES)
+        self.seq_tile = parse_seq_tile(self.seq_tile)
         for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "lora_r",
                      "keep_checkpoints"):
             if int(getattr(self, name)) < 1:

@@ -60,3 +60,19 @@ def test_missing_model_is_one_line(tmp_path, capsys):
     assert rc == 2
     assert err.count("\n") == 1 and err.startswith("outcore: error: model path")
     assert str(tmp_path / "nope") in err
+
+
+def test_seq_len_max_takes_the_longest_context_and_too_long_is_refused(tiny_config_dir, capsys):
+    budget = ["--model", str(tiny_config_dir), "--device-mem", "256MiB", "--host-mem", "256MiB", "--offload", "nvme",
+              "--batch-size", "1"]
+    rc, out, err = _plan([*budget, "--seq-len", "max", "--json"], capsys)
+    assert rc == 0
+    plan = json.loads(out)
+    longest = plan["longest_context"]
+    assert plan["seq_len"] == longest["seq_len"] > 512 and plan["activations"] == longest["activations"]
+    assert err.startswith(f"outcore: --seq-len max: {longest['seq_len']} tokens") and "trained at" in err
+    rc, out, err = _plan([*budget, "seq_len=max"], capsys)  # the key=value spelling too
+    assert rc == 0 and f"seq {longest['seq_len']} x batch 1" in out
+    rc, _, err = _plan([*budget, "--seq-len", str(4 * longest["seq_len"])], capsys)
+    assert rc == 2 and len(err.strip().splitlines()) == 1
+    assert f"the longest context that fits is {longest['seq_len']} tokens: --seq-len {longest['seq_len']}" in err

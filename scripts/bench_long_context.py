@@ -1,0 +1,187 @@
+#!/usr/bin/env python3
+"""Peak RSS against sequence length: in-memory training with Hugging Face gradient checkpointing
+beside outcore out of core, on the default model (SmolLM2-135M), one micro-batch of one sequence.
+
+Each (mode, length) runs in its own process, one after the other (a peak of one must not hide
+another's, BENCHMARKING.md); the peak is the process's RSS high-water mark (``ru_maxrss``) over
+loading the model and ``--steps`` optimizer steps, what an RSS cap (``--cap``) would stop (glibc's
+mmap threshold fixed at 128 KiB in every child, as ``bench_memory.py`` does, so freed tensors
+leave the RSS):
+
+- ``hf_gc``: the whole fp32 model in RAM, ``gradient_checkpointing_enable()`` (non-reentrant,
+  transformers' default), the model's own loss (full ``[tokens, vocab]`` logits), torch's
+  fused AdamW: the usual in-memory recipe for long context.
+- ``outcore_recompute``: out of core (``offload=nvme``: weights and AdamW state on the swap
+  disk), every block recomputed, its checkpoint (input hidden state) kept in RAM, the MLP
+  tiled (``seq_tile=auto``), the chunked head loss.
+- ``outcore_recompute_nvme``: the same with the block checkpoints on NVMe too.
+
+Per mode, the least-squares slope of peak RSS per 1K tokens over the lengths that ran, beside
+``hidden x bytes x blocks x 1K`` (what keeping every block checkpoint in RAM costs per 1K
+tokens); and the first length over ``--cap``.
+
+Usage::
+
+    python scripts/bench_long_context.py --json                       # 1K, 2K, 4K, 8K, 16K
+    python scripts/bench_long_context.py --json --lengths 256,512     # a busy machine: short ones
+    python scripts/bench_long_context.py --json --modes outcore_recompute_nvme --lengths 16384,32768
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODES = ("hf_gc", "outcore_recompute", "outcore_recompute_nvme")
+DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384)
+GiB = 1 << 30
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def _ids(seq: int):
+    import torch
+
+    return torch.randint(3, 49152, (1, seq), generator=torch.Generator().manual_seed(seq))
+
+
+def _child(mode: str, seq: int, steps: int, work_dir: str) -> dict:
+    """One mode at one length in this process: ``steps`` optimizer steps; peak RSS and step times."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/ is not a package
+    from _bench_outcore import OutcoreTrainer, full_model
+
+    torch.manual_seed(0)
+    times, out = [], {"mode": mode, "seq_len": seq}
+    if mode == "hf_gc":
+        model = full_model("default", None, 0)
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()  # transformers' default: non-reentrant torch.utils.checkpoint per block
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+        out["rss_loaded_bytes"] = _peak_rss()
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            ids = _ids(seq)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t0)
+    else:
+        policy = "recompute_nvme" if mode.endswith("_nvme") else "recompute"
+        hyper = {"lr": 1e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+        trainer = OutcoreTrainer("default", None, 0, offload="nvme", optim="adamw", seq_len=seq, batch_size=1,
+                                 hyper=hyper, work_dir=work_dir, activations=policy)
+        try:
+            out["rss_loaded_bytes"] = _peak_rss()
+            out["plan"] = {"activations": trainer.plan.activations, "seq_tile": trainer.plan.seq_tile,
+                           "expected_peak_rss_bytes": trainer.plan.expected_peak_rss_bytes}
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                trainer.step(_ids(seq))
+                times.append(time.perf_counter() - t0)
+            out["tiers"] = trainer.tier_stats()
+        finally:
+            trainer.close()
+    out.update(status="ok", peak_rss_bytes=_peak_rss(), step_s=times)
+    return out
+
+
+def _slope(points: list[tuple[int, int]]) -> float | None:
+    """Least-squares bytes per 1K tokens through (seq_len, peak) points (None under two lengths)."""
+    if len({s for s, _ in points}) < 2:
+        return None
+    n = len(points)
+    mx, my = sum(s for s, _ in points) / n, sum(p for _, p in points) / n
+    sxx = sum((s - mx) ** 2 for s, _ in points)
+    return 1024 * sum((s - mx) * (p - my) for s, p in points) / sxx
+
+
+def _checkpoint_bytes_per_1k() -> int:
+    """hidden x bytes x blocks x 1K of the default model (fp32): every block checkpoint in RAM."""
+    from outcore.cli.plan import model_config
+
+    cfg = model_config("default")
+    return int(cfg.hidden_size) * 4 * int(cfg.num_hidden_layers) * 1024
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="sequence lengths, comma-separated")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}")
+    ap.add_argument("--steps", type=int, default=1, help="optimizer steps per run (the first is timed too)")
+    ap.add_argument("--cap", default="4GiB", help="the RSS cap each length is checked against")
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take")
+    ap.add_argument("--swap-dir", default=None, help="where the outcore runs' swap files go (default: a temp dir)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--child", nargs=2, metavar=("MODE", "SEQ"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(_child(args.child[0], int(args.child[1]), args.steps,
+                                            args.swap_dir or tempfile.gettempdir())), flush=True)
+        return 0
+    from outcore.bytesize import parse_bytes
+
+    cap = parse_bytes(args.cap, "--cap")
+    lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        ap.error(f"unknown mode(s) {bad}: choose from {', '.join(MODES)}")
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    # every tensor over 128 KiB its own mapping, unmapped when freed: the peak is what was live,
+    # not what glibc's heap kept after a free (its dynamic threshold heaps tensors up to 32 MiB)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
+    for seq in lengths:
+        for mode in modes:
+            if runs[mode] and runs[mode][-1].get("status") != "ok":
+                continue  # it stopped at a shorter length: a longer one would too
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, str(seq), "--steps", str(args.steps)]
+            cmd += ["--swap-dir", args.swap_dir] if args.swap_dir else []
+            t0 = time.perf_counter()
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
+                lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+                res = json.loads(lines[-1][7:]) if lines else {
+                    "mode": mode, "seq_len": seq, "status": f"failed (exit {p.returncode})",
+                    "error": (p.stderr.strip().splitlines() or [""])[-1]}
+            except subprocess.TimeoutExpired:
+                res = {"mode": mode, "seq_len": seq, "status": f"timed out after {args.timeout:.0f} s"}
+            res["wall_s"] = time.perf_counter() - t0
+            runs[mode].append(res)
+            if not args.json:
+                peak = res.get("peak_rss_bytes")
+                print(f"{mode:<24} seq {seq:>6}: {res['status']}"
+                      + (f", peak RSS {peak / GiB:.2f} GiB, step {res['step_s'][-1]:.1f} s" if peak else ""),
+                      file=sys.stderr)
+    ok = {m: [(r["seq_len"], r["peak_rss_bytes"]) for r in rs if r.get("status") == "ok"] for m, rs in runs.items()}
+    result = {
+        "model": "default (SmolLM2-135M-Instruct, fp32)", "batch_size": 1, "steps": args.steps,
+        "lengths": lengths, "cap_bytes": cap, "runs": runs,
+        "slope_bytes_per_1k_tokens": {m: _slope(p) for m, p in ok.items()},
+        "checkpoints_in_ram_bytes_per_1k_tokens": _checkpoint_bytes_per_1k(),
+        "first_over_cap": {m: next((r["seq_len"] for r in rs if r.get("status") != "ok"
+                                    or r["peak_rss_bytes"] > cap), None) for m, rs in runs.items()},
+        "machine": {"cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg()},
+        "malloc_mmap_threshold": env["MALLOC_MMAP_THRESHOLD_"],
+    }
+    if args.json:
+        from outcore.cli.jsonout import emit_json
+
+        emit_json(json.dumps(result, indent=2))
+    else:
+        print(json.dumps({k: result[k] for k in ("slope_bytes_per_1k_tokens", "checkpoints_in_ram_bytes_per_1k_tokens",
+                                                 "first_over_cap")}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
