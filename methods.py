@@ -104,6 +104,8 @@ OBJECTIVES: dict[str, Objective] = {
     "dpo": Objective(_PREFERENCE, rows_per_example=2, reference=True),
     "orpo": Objective(_PREFERENCE, rows_per_example=2),
     "simpo": Objective(_PREFERENCE, rows_per_example=2),
+    # unpaired: an example is its completion's row and its mismatched KL row
+    "kto": Objective(".recipes.kto:KTOFinetune", rows_per_example=2, reference=True),
 }
 
 

@@ -48,10 +48,14 @@ class FinetuneConfig:
     # --- how -----------------------------------------------------------------
     method: str = FULL  # one of METHODS
     # one of OBJECTIVES: sft (next-token loss on data), or a preference objective on JSONL pairs
-    # {"prompt", "chosen", "rejected"} (TRL's format): dpo, orpo, simpo
+    # {"prompt", "chosen", "rejected"} (TRL's format): dpo, orpo, simpo; or kto on unpaired rows
     objective: str = SFT
-    beta: float = 0.1  # dpo / orpo / simpo: the preference loss's temperature (TRL's beta)
+    beta: float = 0.1  # dpo / orpo / simpo / kto: the preference loss's temperature (TRL's beta)
     simpo_gamma: float = 0.5  # simpo: the target reward margin (TRL's simpo_gamma)
+    # kto (JSONL {"prompt", "completion", "label"}): the weights of the desirable and the
+    # undesirable examples' losses (TRL's names)
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
     optim: str = "adamw"  # one of OPTIMIZERS
     optim_args: dict[str, Any] = field(default_factory=dict)  # optimizer-specific hyper-parameters
     lr: float = 5e-5  # peak learning rate
@@ -147,6 +151,9 @@ class FinetuneConfig:
         if self.objective != SFT and self.zeroth_order:
             raise ConfigError(f"objective={self.objective!r} trains with gradients; method 'zo' runs objective 'sft' "
                               "only: use --method full, lora or qlora")
+        if self.objective == "kto" and self.batch_size < 2:
+            raise ConfigError(f"objective 'kto' estimates its KL term from a batch's other completions: "
+                              f"batch_size={self.batch_size} has none; use batch_size >= 2")
         if self.eval_task and self.zeroth_order:
             raise ConfigError(f"eval_task={self.eval_task!r} is not scored by method 'zo' yet; "
                               "drop it, or score the result with 'outcore eval RUN_DIR --task FILE'")
@@ -169,7 +176,7 @@ class FinetuneConfig:
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a finite number >= 0")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ConfigError(f"betas={list(self.betas)!r} must be two numbers in [0, 1), e.g. betas=0.9,0.999")
-        for name in ("beta", "simpo_gamma"):
+        for name in ("beta", "simpo_gamma", "desirable_weight", "undesirable_weight"):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive finite number")
         if not self.lora_alpha > 0:

@@ -25,7 +25,7 @@ Row format (strict JSON, one object per line)::
   the same way; the one before training gets a row of its own, ``{"step": 0, "eval_loss":
   ..., "task_acc": ..., "task_acc_norm": ..., "time": ...}`` (no ``loss``: no step ran).
 * A PreferenceEvalEvent (a preference objective) adds ``pref_accuracy`` and ``pref_margin``
-  the same way.
+  (KTO also ``pref_kl``) the same way.
 * A resumed run appends to the same file. On its first step ``s`` the rows of steps
   ``>= s`` left by the interrupted run (logged after its last checkpoint) are dropped,
   so the file holds each step once. A fresh run (first step 1) therefore starts a new file.
