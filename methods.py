@@ -88,11 +88,14 @@ class Objective:
         rows_per_example: token rows a training example puts in a micro-batch (a preference
             pair: its chosen and its rejected completion); the planner sizes activations by it.
         reference: its loss compares with a frozen reference model's log-probabilities.
+        zo_recipe: the recipe that runs it with method ``zo`` (a scalar loss of the batch that
+            two perturbed forwards can score), or None: ``zo`` does not run it.
     """
 
     recipe: str | None
     rows_per_example: int = 1
     reference: bool = False
+    zo_recipe: str | None = None
 
 
 SFT = "sft"
@@ -100,8 +103,8 @@ _PREFERENCE = ".recipes.preference:PreferenceFinetune"
 
 #: name -> objective (named as TRL's trainers, LLaMA-Factory's ``stage`` and axolotl's ``rl``)
 OBJECTIVES: dict[str, Objective] = {
-    SFT: Objective(None),
-    "dpo": Objective(_PREFERENCE, rows_per_example=2, reference=True),
+    SFT: Objective(None, zo_recipe=".recipes.zo_finetune:ZORecipe"),
+    "dpo": Objective(_PREFERENCE, rows_per_example=2, reference=True, zo_recipe=".recipes.zo_preference:ZODPORecipe"),
     "orpo": Objective(_PREFERENCE, rows_per_example=2),
     "simpo": Objective(_PREFERENCE, rows_per_example=2),
     # unpaired: an example is its completion's row and its mismatched KL row
@@ -120,7 +123,10 @@ def objective(name: str) -> Objective:
 
 def recipe_of(method_name: str, objective_name: str = SFT) -> str:
     """The recipe (``"module:Class"``) that runs ``objective_name`` with ``method_name``."""
-    return objective(objective_name).recipe or method(method_name).recipe
+    chosen = objective(objective_name)
+    if method_name == ZO and chosen.zo_recipe:
+        return chosen.zo_recipe
+    return chosen.recipe or method(method_name).recipe
 
 
 def _named(table: dict, what: str, name: str):

@@ -70,7 +70,7 @@ class PreferenceFinetune(FullFinetune):
 
         path = self.run.out / REFERENCE_FILE
         fingerprint = self._fingerprint()
-        stored = _read_reference(path, fingerprint, must_exist=bool(self.cfg.resume) and not self.cfg.uses_adapters)
+        stored = read_reference(path, fingerprint, must_exist=bool(self.cfg.resume) and not self.cfg.uses_adapters)
         if stored is None:
             n = len(self.train_set) + len(self.val_set)
             print(f"outcore: computing the {self.objective.upper()} reference log-probabilities of {n} "
@@ -78,19 +78,13 @@ class PreferenceFinetune(FullFinetune):
                   f"stored in {path}", file=sys.stderr)
             stored = {"train": self._reference(self.train_set), "val": self._reference(self.val_set)}
             if self.run.ranks.is_main:
-                _write_reference(path, fingerprint, stored)
+                write_reference(path, fingerprint, stored)
         self.train_set = self.train_set.with_values("ref_logps", stored["train"])
         self.val_set = self.val_set.with_values("ref_logps", stored["val"])
         self.loader = BatchLoader(self.train_set, self.cfg.batch_size, seed=self.cfg.seed, shuffle=self.shuffle)
 
     def _fingerprint(self) -> str:
-        """What the reference depends on: the model, its dtype and every pair's tokens."""
-        h = hashlib.sha256(f"{self.cfg.model}|{self.cfg.dtype}|{self.cfg.seq_len}".encode())
-        for dataset in (self.train_set, self.val_set):
-            batch = dataset.get_batch(torch.arange(len(dataset)))
-            for key in ("input_ids", "labels"):
-                h.update(batch[key].to(torch.int32).numpy().tobytes())
-        return h.hexdigest()
+        return reference_fingerprint(self.cfg, self.train_set, self.val_set)
 
     @torch.no_grad()
     def _reference(self, dataset: Any) -> torch.Tensor:
@@ -151,11 +145,21 @@ class PreferenceFinetune(FullFinetune):
                                                                     margin=margin / n))
 
 
+def reference_fingerprint(cfg: Any, train_set: Any, val_set: Any) -> str:
+    """What the reference depends on: the model, its dtype and every pair's tokens."""
+    h = hashlib.sha256(f"{cfg.model}|{cfg.dtype}|{cfg.seq_len}".encode())
+    for dataset in (train_set, val_set):
+        batch = dataset.get_batch(torch.arange(len(dataset)))
+        for key in ("input_ids", "labels"):
+            h.update(batch[key].to(torch.int32).numpy().tobytes())
+    return h.hexdigest()
+
+
 def _checksum(values: dict[str, torch.Tensor]) -> str:
     return hashlib.sha256(b"".join(values[k].numpy().tobytes() for k in ("train", "val"))).hexdigest()
 
 
-def _read_reference(path: Path, fingerprint: str, must_exist: bool) -> dict[str, torch.Tensor] | None:
+def read_reference(path: Path, fingerprint: str, must_exist: bool) -> dict[str, torch.Tensor] | None:
     """The stored reference log-probabilities, or None when there are none for this run's model
     and data (they are then computed again).
 
@@ -183,7 +187,7 @@ def _read_reference(path: Path, fingerprint: str, must_exist: bool) -> dict[str,
     return None
 
 
-def _write_reference(path: Path, fingerprint: str, values: dict[str, torch.Tensor]) -> None:
+def write_reference(path: Path, fingerprint: str, values: dict[str, torch.Tensor]) -> None:
     """Write the store whole or not at all: a crash never leaves half of one."""
     stored = {"fingerprint": fingerprint, "checksum": _checksum(values), **values}
     write_atomic(path, lambda f: torch.save(stored, f), suffix=".pt")

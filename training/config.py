@@ -148,9 +148,10 @@ class FinetuneConfig:
             raise ConfigError(
                 f"method={self.method!r} does not go with optim={self.optim!r}: "
                 f"method 'zo' needs optim {' or '.join(ZO_OPTIMIZERS)}, and those need method 'zo'")
-        if self.objective != SFT and self.zeroth_order:
-            raise ConfigError(f"objective={self.objective!r} trains with gradients; method 'zo' runs objective 'sft' "
-                              "only: use --method full, lora or qlora")
+        if self.zeroth_order and objective(self.objective).zo_recipe is None:
+            runs = " and ".join(repr(name) for name, o in _OBJECTIVE_REGISTRY.items() if o.zo_recipe)
+            raise ConfigError(f"objective={self.objective!r} trains with gradients; method 'zo' runs objective "
+                              f"{runs} only: use --method full, lora or qlora")
         if self.objective == "kto" and self.batch_size < 2:
             raise ConfigError(f"objective 'kto' estimates its KL term from a batch's other completions: "
                               f"batch_size={self.batch_size} has none; use batch_size >= 2")
