@@ -174,6 +174,9 @@ def build_unpaired_datasets(spec: str | Path, tokenizer, seq_len: int, batch_siz
     if not rows:
         raise DataError(f"data={str(spec)!r} has no rows; add JSONL rows with 'prompt', 'completion' and 'label'")
     encoded = [(*encode_unpaired(tokenizer, where, p, c), label) for where, p, c, label in _examples(tokenizer, rows)]
+    if isinstance(rows[0][1], dict) and "chosen" in rows[0][1]:
+        log.warning("%s: pairs unpaired as TRL does, each 1000 pairs' chosen completions before their rejected "
+                    "ones; KTO's batches keep that order, so write unpaired rows to mix the labels", spec)
     # as TRL: an example trains when its prompt leaves room for a completion token
     kept = [e for e in encoded if len(e[0]) < seq_len and (e[0] or len(e[1]) > 1)]
     if not kept:
