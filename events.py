@@ -130,13 +130,24 @@ class PreferenceEvalEvent:
     """The held-out preference pairs were scored (each validation pass of a preference objective)."""
 
     step: int  # 0 = before training
-    n: int  # pairs scored
-    accuracy: float  # share of pairs whose chosen completion the objective rewards above the rejected one
-    margin: float  # mean reward of the chosen completion minus the rejected one's
+    n: int  # pairs scored (KTO: examples)
+    # share of pairs whose chosen completion the objective rewards above the rejected one (KTO: of
+    # examples whose reward has their label's sign: > 0 for a desirable completion, < 0 else)
+    accuracy: float
+    # mean reward of the chosen completion minus the rejected one's (KTO: of the desirable
+    # examples minus the undesirable ones')
+    margin: float
+    kl: float | None = None  # KTO: the mean of its batches' KL estimates (None: a paired objective)
+
+    @property
+    def unit(self) -> str:
+        """What ``n`` counts: ``pairs``, or (KTO) ``examples``."""
+        return "pairs" if self.kl is None else "examples"
 
     def to_row(self) -> dict[str, float]:
         """The metrics.jsonl fields of this event."""
-        return {"pref_accuracy": self.accuracy, "pref_margin": self.margin}
+        row = {"pref_accuracy": self.accuracy, "pref_margin": self.margin}
+        return row if self.kl is None else {**row, "pref_kl": self.kl}
 
 
 @dataclass

@@ -89,12 +89,15 @@ class Objective:
             pair: its chosen and its rejected completion); the planner sizes activations by it.
         reference: its loss compares with a frozen reference model's log-probabilities.
         beta: its ``beta`` when the config leaves it unset (TRL's default for the trainer).
+        zo_recipe: the recipe that runs it with method ``zo`` (a scalar loss of the batch that
+            two perturbed forwards can score), or None: ``zo`` does not run it.
     """
 
     recipe: str | None
     rows_per_example: int = 1
     reference: bool = False
     beta: float = 0.1
+    zo_recipe: str | None = None
 
 
 SFT, GRPO = "sft", "grpo"
@@ -102,13 +105,15 @@ _PREFERENCE = ".recipes.preference:PreferenceFinetune"
 
 #: name -> objective (named as TRL's trainers, LLaMA-Factory's ``stage`` and axolotl's ``rl``)
 OBJECTIVES: dict[str, Objective] = {
-    SFT: Objective(None),
-    "dpo": Objective(_PREFERENCE, rows_per_example=2, reference=True),
+    SFT: Objective(None, zo_recipe=".recipes.zo_finetune:ZORecipe"),
+    "dpo": Objective(_PREFERENCE, rows_per_example=2, reference=True, zo_recipe=".recipes.zo_preference:ZODPORecipe"),
     "orpo": Objective(_PREFERENCE, rows_per_example=2),
     "simpo": Objective(_PREFERENCE, rows_per_example=2),
     # a micro-batch is batch_size completions, num_generations per prompt; the KL term's
     # reference only when beta > 0 (TRL's default beta is 0)
     GRPO: Objective(".recipes.grpo:GRPOFinetune", beta=0.0),
+    # unpaired: an example is its completion's row and its mismatched KL row
+    "kto": Objective(".recipes.kto:KTOFinetune", rows_per_example=2, reference=True),
 }
 
 #: GRPO's loss reductions (TRL's ``loss_type``) and reward scalings (its ``scale_rewards``)
@@ -127,7 +132,10 @@ def objective(name: str) -> Objective:
 
 def recipe_of(method_name: str, objective_name: str = SFT) -> str:
     """The recipe (``"module:Class"``) that runs ``objective_name`` with ``method_name``."""
-    return objective(objective_name).recipe or method(method_name).recipe
+    chosen = objective(objective_name)
+    if method_name == ZO and chosen.zo_recipe:
+        return chosen.zo_recipe
+    return chosen.recipe or method(method_name).recipe
 
 
 def _named(table: dict, what: str, name: str):

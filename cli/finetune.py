@@ -21,7 +21,8 @@ Fine-tune a causal language model. With no options it fine-tunes the embedded
 default: SmolLM2-135M-Instruct on the Shakespeare corpus.
 
 methods:     {', '.join(METHODS)}
-objectives:  {', '.join(OBJECTIVES)} (preference objectives read JSONL prompt/chosen/rejected pairs)
+objectives:  {', '.join(OBJECTIVES)} (preference objectives read JSONL prompt/chosen/rejected pairs;
+             kto also prompt/completion/label rows)
 optimizers:  {', '.join(OPTIMIZERS)}
 
 Any config key can be set as key=value (e.g. lr=1e-4 eval_every=10

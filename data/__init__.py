@@ -13,6 +13,7 @@ from ._chat import IGNORE_INDEX, assistant_spans, encode_rows, has_chat_template
 from ._dataset import SequenceDataset, build_datasets, split_rows
 from ._preference import PreferenceDataset, build_preference_datasets, encode_pair
 from ._prompts import Prompt, PromptDataset, build_prompt_datasets, encode_prompt
+from ._unpaired import UnpairedDataset, build_unpaired_datasets, encode_unpaired
 from ._loader import BatchLoader, eval_batches
 from ._sources import DataSource, default_data_path, iter_jsonl, read_text_files, resolve_data_spec
 from ._text import load_text_tokens, pack_sequences, tokenize_documents, tokenizer_fingerprint
@@ -20,7 +21,7 @@ from ._text import load_text_tokens, pack_sequences, tokenize_documents, tokeniz
 __all__ = [
     "IGNORE_INDEX", "BatchLoader", "DataSource", "PreferenceDataset", "build_preference_datasets", "encode_pair",
     "Prompt", "PromptDataset", "build_prompt_datasets", "encode_prompt",
-    "SequenceDataset", "assistant_spans",
+    "SequenceDataset", "UnpairedDataset", "assistant_spans", "build_unpaired_datasets", "encode_unpaired",
     "build_datasets", "check_seq_len", "default_data_path", "encode_rows", "eval_batches",
     "has_chat_template", "iter_jsonl", "load_text_tokens", "pack_sequences", "read_text_files",
     "resolve_data_spec", "split_rows", "tokenize_documents", "tokenizer_fingerprint",

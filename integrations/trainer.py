@@ -20,9 +20,9 @@ checkpoint folders. What changes sits under four of its methods:
   read the model (a Hugging Face directory, streamed one unit at a time) and the units'
   weights and state (``outcore-units/``, training/checkpoint/run_state.py's ``save_units``).
 
-TRL's ``DPOTrainer`` with ``precompute_ref_log_probs=True`` works the same way: the reference's
-log-probabilities are computed by the streamed model before the first step, so no second model
-is held.
+TRL's ``DPOTrainer`` and ``KTOTrainer`` with ``precompute_ref_log_probs=True`` work the same
+way: the reference's log-probabilities are computed by the streamed model before the first step,
+so no second model is held.
 
 A peft model (LoRA; TRL's ``peft_config=``) streams only its frozen base: its adapters stay
 resident and the Trainer's own optimizer, clipping and adapter-only saving serve them as usual.

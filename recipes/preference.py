@@ -1,4 +1,5 @@
-"""Preference fine-tuning — DPO, ORPO, SimPO — with full, LoRA or QLoRA, in memory or out of core.
+"""Preference fine-tuning — DPO, ORPO, SimPO (and KTO, :mod:`.kto`) — with full, LoRA or QLoRA,
+in memory or out of core.
 
 The full fine-tuning recipe with another loss and other data: everything else (the model in
 memory or streamed through the tiers, the trainer, checkpoints, export, the run lifecycle) is
@@ -46,6 +47,8 @@ class PreferenceFinetune(FullFinetune):
         run: the run it is part of.
     """
 
+    shuffle = True  # the loader's order: KTO's batches are fixed (its KL rows are made within them)
+
     def __init__(self, run: Run) -> None:
         super().__init__(run)
         self.objective = self.cfg.objective
@@ -59,34 +62,29 @@ class PreferenceFinetune(FullFinetune):
 
     # ------------------------------------------------------------------ the reference
     def _prepare(self) -> None:
-        """DPO: attach the reference log-probabilities of every pair (read from the run's
-        store of them, or computed and stored now)."""
+        """DPO, KTO: attach the reference log-probabilities of every pair's two rows (read from
+        the run's store of them, or computed and stored now)."""
         if not objective(self.objective).reference:
             return
         from ..data import BatchLoader
 
         path = self.run.out / REFERENCE_FILE
         fingerprint = self._fingerprint()
-        stored = _read_reference(path, fingerprint, must_exist=bool(self.cfg.resume) and not self.cfg.uses_adapters)
+        stored = read_reference(path, fingerprint, must_exist=bool(self.cfg.resume) and not self.cfg.uses_adapters)
         if stored is None:
             n = len(self.train_set) + len(self.val_set)
-            print(f"outcore: computing the DPO reference log-probabilities of {n} pairs (one forward pass), "
+            print(f"outcore: computing the {self.objective.upper()} reference log-probabilities of {n} "
+                  f"{'examples' if self.objective == 'kto' else 'pairs'} (one forward pass), "
                   f"stored in {path}", file=sys.stderr)
             stored = {"train": self._reference(self.train_set), "val": self._reference(self.val_set)}
             if self.run.ranks.is_main:
-                _write_reference(path, fingerprint, stored)
+                write_reference(path, fingerprint, stored)
         self.train_set = self.train_set.with_values("ref_logps", stored["train"])
         self.val_set = self.val_set.with_values("ref_logps", stored["val"])
-        self.loader = BatchLoader(self.train_set, self.cfg.batch_size, seed=self.cfg.seed)
+        self.loader = BatchLoader(self.train_set, self.cfg.batch_size, seed=self.cfg.seed, shuffle=self.shuffle)
 
     def _fingerprint(self) -> str:
-        """What the reference depends on: the model, its dtype and every pair's tokens."""
-        h = hashlib.sha256(f"{self.cfg.model}|{self.cfg.dtype}|{self.cfg.seq_len}".encode())
-        for dataset in (self.train_set, self.val_set):
-            batch = dataset.get_batch(torch.arange(len(dataset)))
-            for key in ("input_ids", "labels"):
-                h.update(batch[key].to(torch.int32).numpy().tobytes())
-        return h.hexdigest()
+        return reference_fingerprint(self.cfg, self.train_set, self.val_set)
 
     @torch.no_grad()
     def _reference(self, dataset: Any) -> torch.Tensor:
@@ -147,11 +145,21 @@ class PreferenceFinetune(FullFinetune):
                                                                     margin=margin / n))
 
 
+def reference_fingerprint(cfg: Any, train_set: Any, val_set: Any) -> str:
+    """What the reference depends on: the model, its dtype and every pair's tokens."""
+    h = hashlib.sha256(f"{cfg.model}|{cfg.dtype}|{cfg.seq_len}".encode())
+    for dataset in (train_set, val_set):
+        batch = dataset.get_batch(torch.arange(len(dataset)))
+        for key in ("input_ids", "labels"):
+            h.update(batch[key].to(torch.int32).numpy().tobytes())
+    return h.hexdigest()
+
+
 def _checksum(values: dict[str, torch.Tensor]) -> str:
     return hashlib.sha256(b"".join(values[k].numpy().tobytes() for k in ("train", "val"))).hexdigest()
 
 
-def _read_reference(path: Path, fingerprint: str, must_exist: bool) -> dict[str, torch.Tensor] | None:
+def read_reference(path: Path, fingerprint: str, must_exist: bool) -> dict[str, torch.Tensor] | None:
     """The stored reference log-probabilities, or None when there are none for this run's model
     and data (they are then computed again).
 
@@ -174,12 +182,12 @@ def _read_reference(path: Path, fingerprint: str, must_exist: bool) -> dict[str,
         except Exception as err:  # noqa: BLE001 - any unreadable file is reported the same way
             why = f"cannot be read ({type(err).__name__})"
     if must_exist:
-        raise DataError(f"{path} {why}: a resumed full fine-tune cannot recompute its DPO reference from weights "
+        raise DataError(f"{path} {why}: a resumed full fine-tune cannot recompute its reference from weights "
                         f"that have trained; resume with the run's own model and data, or start a new run")
     return None
 
 
-def _write_reference(path: Path, fingerprint: str, values: dict[str, torch.Tensor]) -> None:
+def write_reference(path: Path, fingerprint: str, values: dict[str, torch.Tensor]) -> None:
     """Write the store whole or not at all: a crash never leaves half of one."""
     stored = {"fingerprint": fingerprint, "checksum": _checksum(values), **values}
     write_atomic(path, lambda f: torch.save(stored, f), suffix=".pt")

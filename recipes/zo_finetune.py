@@ -40,6 +40,7 @@ from typing import Any
 
 from ..errors import CheckpointError, ConfigError
 from ..events import EventSink
+from ..methods import objective
 from ..offload.modes import NVME
 from ..training import distributed as dist
 from ..training.build import load_zo_model
@@ -100,7 +101,7 @@ class ZORecipe:
         Raises:
             OutcoreError: bad model, data or log.
         """
-        from ..data import BatchLoader, build_datasets, check_seq_len
+        from ..data import BatchLoader, check_seq_len
         from ..offload.zo import ZOBlockTrainer
         from ..offload.zo import StoreWeights
         from ..optim.zo_replay import ZOLog, ZOLogWriter, replay_into_
@@ -112,9 +113,7 @@ class ZORecipe:
         n_params = sum(p.numel() for p in self.model.parameters())
         n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         check_seq_len(self.model, cfg.seq_len)
-        self.train_set, self.val_set = build_datasets(
-            cfg.data, self.tokenizer, cfg.seq_len, seed=cfg.seed,
-            val_fraction=cfg.val_fraction, max_bytes=cfg.data_max_bytes)
+        self.train_set, self.val_set = self._datasets()
         self.loader = BatchLoader(self.train_set, cfg.batch_size, seed=cfg.seed)
 
         previous = ZOLog.load(run.out) if cfg.resume else None
@@ -140,6 +139,7 @@ class ZORecipe:
         self._resources.callback(self.trainer.close, flush=False)
         if previous is not None:
             self.trainer.set_backend(previous.header.get("backend"))  # z drawn as the run drew it
+        self._prepare()
         header = {**self.trainer.header(),
                   "base": {"kind": "model", "model": cfg.model, "dtype": cfg.dtype, "lora": lora}}
         if previous is not None:
@@ -154,9 +154,22 @@ class ZORecipe:
             for rec in self.trainer.log:
                 self.writer.append(rec)
         weights = self.trainer.weights
-        return Built(n_params, n_trainable, tokens_per_step=cfg.batch_size * cfg.seq_len,
+        rows = cfg.batch_size * objective(cfg.objective).rows_per_example  # (a preference pair is two rows)
+        return Built(n_params, n_trainable, tokens_per_step=rows * cfg.seq_len,
                      store=weights.store if isinstance(weights, StoreWeights) else None, swap_dir=swap,
                      checkpoint_step=len(self.trainer.log))  # the log is a checkpoint, of step 0 too
+
+    def _datasets(self) -> tuple[Any, Any]:
+        """``(train, val)``: the run's token rows."""
+        from ..data import build_datasets
+
+        cfg = self.cfg
+        return build_datasets(cfg.data, self.tokenizer, cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction,
+                              max_bytes=cfg.data_max_bytes)
+
+    def _prepare(self) -> None:
+        """What an objective adds once the trainer holds the weights (before a resumed log's
+        steps are known to it): the next-token loss adds nothing."""
 
     # ------------------------------------------------------------------ train
     def step(self, lr: float) -> Stepped:

@@ -48,12 +48,17 @@ class FinetuneConfig:
     # --- how -----------------------------------------------------------------
     method: str = FULL  # one of METHODS
     # one of OBJECTIVES: sft (next-token loss on data), or a preference objective on JSONL pairs
-    # {"prompt", "chosen", "rejected"} (TRL's format): dpo, orpo, simpo; or grpo on prompt-only JSONL rows
+    # {"prompt", "chosen", "rejected"} (TRL's format): dpo, orpo, simpo; kto on unpaired rows;
+    # or grpo on prompt-only JSONL rows
     objective: str = SFT
-    # dpo / orpo / simpo: the preference loss's temperature; grpo: the KL term's weight (TRL's beta).
-    # Unset: the objective's TRL default (0.1; grpo 0.0)
+    # dpo / orpo / simpo / kto: the preference loss's temperature; grpo: the KL term's weight (TRL's
+    # beta). Unset: the objective's TRL default (0.1; grpo 0.0)
     beta: float | None = None
     simpo_gamma: float = 0.5  # simpo: the target reward margin (TRL's simpo_gamma)
+    # kto (JSONL {"prompt", "completion", "label"}): the weights of the desirable and the
+    # undesirable examples' losses (TRL's names)
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
     # --- GRPO (objective grpo: prompt-only JSONL, completions sampled and rewarded) --------
     num_generations: int = 8  # completions sampled per prompt (a group); batch_size counts completions, as TRL's
     max_completion_length: int = 128  # the most tokens sampled per completion (a prompt keeps seq_len - this)
@@ -161,9 +166,13 @@ class FinetuneConfig:
             raise ConfigError(
                 f"method={self.method!r} does not go with optim={self.optim!r}: "
                 f"method 'zo' needs optim {' or '.join(ZO_OPTIMIZERS)}, and those need method 'zo'")
-        if self.objective != SFT and self.zeroth_order:
-            raise ConfigError(f"objective={self.objective!r} trains with gradients; method 'zo' runs objective 'sft' "
-                              "only: use --method full, lora or qlora")
+        if self.zeroth_order and objective(self.objective).zo_recipe is None:
+            runs = " and ".join(repr(name) for name, o in _OBJECTIVE_REGISTRY.items() if o.zo_recipe)
+            raise ConfigError(f"objective={self.objective!r} trains with gradients; method 'zo' runs objective "
+                              f"{runs} only: use --method full, lora or qlora")
+        if self.objective == "kto" and self.batch_size < 2:
+            raise ConfigError(f"objective 'kto' estimates its KL term from a batch's other completions: "
+                              f"batch_size={self.batch_size} has none; use batch_size >= 2")
         if self.eval_task and self.zeroth_order:
             raise ConfigError(f"eval_task={self.eval_task!r} is not scored by method 'zo' yet; "
                               "drop it, or score the result with 'outcore eval RUN_DIR --task FILE'")
@@ -188,8 +197,9 @@ class FinetuneConfig:
             raise ConfigError(f"betas={list(self.betas)!r} must be two numbers in [0, 1), e.g. betas=0.9,0.999")
         if self.beta is None:
             self.beta = objective(self.objective).beta
-        if not (self.simpo_gamma > 0 and math.isfinite(self.simpo_gamma)):
-            raise ConfigError(f"simpo_gamma={self.simpo_gamma!r} must be a positive finite number")
+        for name in ("simpo_gamma", "desirable_weight", "undesirable_weight"):
+            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
+                raise ConfigError(f"{name}={getattr(self, name)!r} must be a positive finite number")
         if self.objective == GRPO:
             self._validate_grpo()
         elif not (self.beta > 0 and math.isfinite(self.beta)):
@@ -422,24 +432,19 @@ def load_config(path: str | Path | None = None, overrides: Mapping[str, Any] | l
     return FinetuneConfig(**{k: _coerce(k, v) for k, v in values.items()})
 
 
-#: How the embedded default trains (``outcore finetune`` with no settings, README's first
-#: command): write-lean, bf16 weights updated in place by AdamW8bit, 4 B written to the SSD per
-#: parameter per step where fp32 AdamW writes 12 (weights 4, moments 8). The first run a
-#: newcomer makes should not cost their SSD tens of gigabytes for a 40-step demonstration.
+#: How the embedded default trains (``outcore finetune`` with no settings): write-lean, bf16
+#: weights updated in place by AdamW8bit, 4 B written to the SSD per parameter per step where fp32
+#: AdamW writes 12, so a newcomer's first run does not cost their SSD tens of gigabytes.
 FIRST_RUN = {"precision": BF16_LEAN, "optim": "adamw8bit"}
 
 
 def first_run_settings(values: Mapping[str, Any]) -> dict[str, Any]:
-    """:data:`FIRST_RUN` when ``values`` (the keys a user gave) train the embedded default
-    model on its default data with full fine-tuning and next-token loss and set none of
-    precision, optimizer or dtype; otherwise nothing (``--precision exact`` restores fp32
-    AdamW on the default too)."""
+    """:data:`FIRST_RUN` when the keys a user gave (``values``) leave model, data, method and objective
+    the embedded default's and set no precision, optimizer or dtype; otherwise nothing."""
     default = {"model": "default", "data": "default", "method": FULL, "objective": SFT}
     if any(str(values.get(k, v)) != v for k, v in default.items()):
         return {}
-    if any(k in values for k in ("precision", "optim", "dtype")):
-        return {}
-    return dict(FIRST_RUN)
+    return {} if any(k in values for k in ("precision", "optim", "dtype")) else dict(FIRST_RUN)
 
 
 def save_config(config: FinetuneConfig, path: str | Path) -> None:

@@ -126,6 +126,27 @@ def simpo_loss(chosen: torch.Tensor, rejected: torch.Tensor, beta: float,
     return loss, beta * chosen.detach(), beta * rejected.detach()
 
 
+def kto_loss(logps: torch.Tensor, ref_logps: torch.Tensor, kl_logps: torch.Tensor, ref_kl_logps: torch.Tensor,
+             desirable: torch.Tensor, beta: float, desirable_weight: float = 1.0,
+             undesirable_weight: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """KTO (TRL's ``loss_type="kto"``) on unpaired completions, summed log-probabilities.
+
+    A desirable completion's loss is ``1 - σ(β(r - z))``, an undesirable one's ``1 - σ(β(z - r))``,
+    with ``r`` its log-ratio to the reference and ``z`` the KL estimate: the batch's mean
+    log-ratio of its mismatched completions (each prompt with another row's completion),
+    detached and clamped at 0. The loss is the mean over the batch of the weighted losses.
+
+    Returns:
+        ``(loss, rewards [B] = β r (detached), z)``.
+    """
+    kl = (kl_logps - ref_kl_logps).mean().detach().clamp(min=0)
+    ratio = logps - ref_logps
+    desirable = desirable.to(device=ratio.device, dtype=torch.bool)
+    losses = torch.where(desirable, desirable_weight * (1 - torch.sigmoid(beta * (ratio - kl))),
+                         undesirable_weight * (1 - torch.sigmoid(beta * (kl - ratio))))
+    return losses.mean(), beta * ratio.detach(), kl
+
+
 # --------------------------------------------------------------------------- GRPO
 # Per-token log-probabilities of sampled completions, group-normalized advantages and the
 # clipped objective with its KL term, as TRL's GRPOTrainer computes them (tests check them

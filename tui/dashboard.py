@@ -234,7 +234,8 @@ class Dashboard:
         if snap.task[0] is not None or snap.task[1] is not None:
             grid.add_row("task", _task_text(*snap.task))
         if snap.preference[0] is not None or snap.preference[1] is not None:
-            grid.add_row("pairs", _preference_text(*snap.preference))
+            label = "pairs" if (snap.preference[1] or snap.preference[0]).kl is None else "rewards"  # (KTO)
+            grid.add_row(label, _preference_text(*snap.preference))
         if snap.rollouts is not None:
             grid.add_row("rollout", _rollouts_text(snap.rollouts))
         if snap.reward[0] is not None or snap.reward[1] is not None:
@@ -320,13 +321,16 @@ def _params(n_params: int, n_trainable: int) -> str:
 
 
 def _preference_text(before: PreferenceEvalEvent | None, latest: PreferenceEvalEvent | None) -> Any:
-    """``accuracy 0.0% -> 75.0%  margin +0.0000 -> +0.4210  @40``: before training, then latest."""
+    """``accuracy 0.0% -> 75.0%  margin +0.0000 -> +0.4210  @40``: before training, then latest
+    (KTO adds the latest KL estimate, ``KL 0.0123``: before training the policy is the reference)."""
     from rich.text import Text
 
     text = Text()
     for name, fmt in (("accuracy", "{:.1%}"), ("margin", "{:+.4f}")):
         values = [fmt.format(getattr(p, name)) for p in (before, latest) if p is not None]
         text.append_text(Text.assemble((f"{name} ", "dim"), (" -> ".join(values), "bold"), "  "))
+    if (latest or before).kl is not None:
+        text.append_text(Text.assemble(("KL ", "dim"), (f"{(latest or before).kl:.4f}", "bold"), "  "))
     if latest is not None:
         text.append(f"@{latest.step}", style="dim")
     return text

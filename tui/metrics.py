@@ -25,7 +25,7 @@ Row format (strict JSON, one object per line)::
   the same way; the one before training gets a row of its own, ``{"step": 0, "eval_loss":
   ..., "task_acc": ..., "task_acc_norm": ..., "time": ...}`` (no ``loss``: no step ran).
 * A PreferenceEvalEvent (a preference objective) adds ``pref_accuracy`` and ``pref_margin``
-  the same way; GRPO's GRPOStepEvent adds ``reward``, ``reward_std``, ``kl``,
+  (KTO also ``pref_kl``) the same way; GRPO's GRPOStepEvent adds ``reward``, ``reward_std``, ``kl``,
   ``completion_length``, ``generate_s`` and ``train_s``, its RewardEvalEvent ``eval_reward`` and
   ``eval_reward_std``.
 * A resumed run appends to the same file. On its first step ``s`` the rows of steps

@@ -76,8 +76,10 @@ def task_line(ev: TaskEvalEvent) -> str:
 
 
 def preference_line(ev: PreferenceEvalEvent) -> str:
-    """``preference @ step 20: accuracy 62.5% of 16 pairs, margin +0.0312``."""
-    return f"preference @ step {ev.step}: accuracy {ev.accuracy:.1%} of {ev.n} pairs, margin {ev.margin:+.4f}"
+    """``preference @ step 20: accuracy 62.5% of 16 pairs, margin +0.0312`` (KTO: ``of 16
+    examples, margin +0.0312, KL 0.0040``)."""
+    line = f"preference @ step {ev.step}: accuracy {ev.accuracy:.1%} of {ev.n} {ev.unit}, margin {ev.margin:+.4f}"
+    return line if ev.kl is None else f"{line}, KL {ev.kl:.4f}"
 
 
 def rollouts_line(ev: GRPOStepEvent) -> str:

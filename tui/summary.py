@@ -157,10 +157,10 @@ def wear_text(written: float | None, per_step: float | None, life_pct: float | N
 
 def _preference_rows(summary: RunSummary) -> list[tuple[str, str]]:
     """``eval loss (dpo)  base 0.6931 -> final 0.6672``, then the held-out pairs' accuracy and margin."""
-    rows = []
+    rows, unit = [], "examples" if summary.objective == "kto" else "pairs"
     for label, base, final, fmt in (
             (f"eval loss ({summary.objective})", summary.base_eval_loss, summary.final_eval_loss, fmt_float),
-            ("pairs accuracy", summary.base_pref_accuracy, summary.final_pref_accuracy, "{:.1%}".format),
+            (f"{unit} accuracy", summary.base_pref_accuracy, summary.final_pref_accuracy, "{:.1%}".format),
             ("reward margin", summary.base_pref_margin, summary.final_pref_margin, "{:+.4f}".format)):
         parts = [f"base {fmt(base)}"] if base is not None else []
         parts += [f"final {fmt(final)}"] if final is not None else []

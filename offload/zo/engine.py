@@ -284,13 +284,19 @@ class ZOBlockTrainer:
     @torch.no_grad()
     def eval_loss(self, batch: dict[str, torch.Tensor]) -> float:
         """Unperturbed loss on ``batch`` with the current weights (flushes first)."""
+        return float(self.forward(batch))
+
+    @torch.no_grad()
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The head block's output (``blocks.head``'s, else the loss) on ``batch``, unperturbed,
+        with the current weights (flushes first; streams every block once)."""
         self.flush()
         ctx, h = self.blocks.start(to_device(batch, self.device)), None
         for b, clean in self._visits():
             self._point(b, clean, [], None, 0)
             h = self.blocks.run(b, h, ctx)
             self._release(b, False)
-        return float(h)
+        return h
 
     @torch.no_grad()
     def state_dict(self) -> dict[str, torch.Tensor]:

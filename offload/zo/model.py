@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -83,6 +83,10 @@ class CausalLMBlocks:
             raise ConfigError(f"{type(model).__name__} has no parameter with requires_grad=True; "
                               "unfreeze what ZO should train")
         self.names = [n for n, _ in trainable]
+        #: what the head block returns from its fp32 logits ``[B, T, V]`` and the batch's
+        #: context (:meth:`start`: ``labels`` and the batch's other tensors under ``batch``);
+        #: None: the model's own mean next-token loss. A ZO step needs a 0-d loss from it.
+        self.head: Callable[[torch.Tensor, dict[str, Any]], torch.Tensor] | None = None
         self.layer_types = _layer_types(model.config, len(self.parts.layers))
         index = {id(p): j for j, (_, p) in enumerate(trainable)}  # transient: built once, then dropped
         owner = {id(s.param): (u.index, s) for u in self.units for s in u.slots}
@@ -121,7 +125,7 @@ class CausalLMBlocks:
         """
         ids = batch["input_ids"]
         labels = batch.get("labels")
-        return {"input_ids": ids, "labels": ids if labels is None else labels,
+        return {"input_ids": ids, "labels": ids if labels is None else labels, "batch": batch,
                 "attention_mask": batch.get("attention_mask"),
                 "position_ids": torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)}
 
@@ -160,7 +164,7 @@ class CausalLMBlocks:
 
         Returns:
             The next hidden state [B, T, H], or for the head block the mean
-            next-token cross-entropy as a 0-d tensor.
+            next-token cross-entropy as a 0-d tensor (or what :attr:`head` returns).
         """
         p = self.parts
         if b == 0:
@@ -170,6 +174,8 @@ class CausalLMBlocks:
             cap = getattr(self.model.config, "final_logit_softcapping", None)
             if cap:  # Gemma 2 / 3: the model's logits are soft-capped before its loss
                 logits = torch.tanh(logits / cap) * cap
+            if self.head is not None:
+                return self.head(logits, ctx)
             # the model's own loss (transformers' ForCausalLMLoss): the same shift and
             # reduction order, so the loss is the model's to the bit
             return self.model.loss_function(logits, ctx["labels"], vocab_size=logits.shape[-1])

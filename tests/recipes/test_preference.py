@@ -109,7 +109,7 @@ def test_bad_objective_settings_are_one_line_errors():
 
     with pytest.raises(ConfigError, match="objective='ppo' is not one of: sft, dpo, orpo, simpo"):
         load_config(overrides={"objective": "ppo"})
-    with pytest.raises(ConfigError, match="method 'zo' runs objective 'sft' only"):
-        load_config(overrides={"objective": "dpo", "method": "zo", "optim": "mezo"})
+    with pytest.raises(ConfigError, match="method 'zo' runs objective 'sft' and 'dpo' only"):
+        load_config(overrides={"objective": "orpo", "method": "zo", "optim": "mezo"})
     with pytest.raises(ConfigError, match="beta=0.0 must be a positive finite number"):
         load_config(overrides={"objective": "dpo", "beta": 0.0})

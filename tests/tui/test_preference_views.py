@@ -47,3 +47,31 @@ def test_dashboard_shows_the_pairs(tmp_path, make_step):
     console.print(sink.view.render())
     sink.close()
     assert "accuracy 0.0% -> 75.0%  margin +0.0000 -> +0.4210  @2" in console.file.getvalue()
+
+
+def test_kto_scores_show_examples_and_kl(tmp_path, make_step):
+    from rich.console import Console
+
+    out = tmp_path / "run"
+    events = [RunStarted("kto-run", "tiny", 1000, 1000, 2, str(out), config={"objective": "kto"}),
+              EvalEvent(0, 0.5, 2.0), PreferenceEvalEvent(0, 12, 0.0, 0.0, kl=0.0), make_step(1, 2),
+              make_step(2, 2), EvalEvent(2, 0.4, math.exp(0.4)), PreferenceEvalEvent(2, 12, 0.75, 0.3, kl=0.0123),
+              RunFinished(2, 5.0, 1 << 30, str(out), 0.5, 0.4, False, None)]
+    stream = io.StringIO()
+    sink = make_sink("plain", None, stream=stream)
+    for ev in events:
+        sink.emit(ev)
+    sink.close()
+    assert read_metrics(out / "metrics.jsonl")[-1]["pref_kl"] == 0.0123
+    text = stream.getvalue()
+    assert "preference @ step 2: accuracy 75.0% of 12 examples, margin +0.3000, KL 0.0123" in text
+    assert "examples accuracy  base 0.0% -> final 75.0%" in text
+
+    sink = make_sink("rich", tmp_path / "run2", stream=io.StringIO())
+    for ev in events[:-1]:
+        sink.emit(ev)
+    console = Console(file=io.StringIO(), width=160, color_system=None)
+    console.print(sink.view.render())
+    sink.close()
+    shown = console.file.getvalue()
+    assert "rewards  accuracy 0.0% -> 75.0%  margin +0.0000 -> +0.3000  KL 0.0123  @2" in shown
