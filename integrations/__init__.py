@@ -1,7 +1,8 @@
 """Use outcore from the tools people already train with.
 
 ``OutOfCoreTrainer`` is ``transformers.Trainer`` trained out of core; ``out_of_core(cls)`` does
-the same to any Trainer subclass (TRL's ``SFTTrainer``). See ``trainer.py``.
+the same to any Trainer subclass (TRL's ``SFTTrainer``, ``DPOTrainer``, ``GRPOTrainer``). See
+``trainer.py``.
 """
 from __future__ import annotations
 

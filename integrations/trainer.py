@@ -22,7 +22,12 @@ checkpoint folders. What changes sits under four of its methods:
 
 TRL's ``DPOTrainer`` and ``KTOTrainer`` with ``precompute_ref_log_probs=True`` work the same
 way: the reference's log-probabilities are computed by the streamed model before the first step,
-so no second model is held.
+so no second model is held. TRL's ``GRPOTrainer`` (transformers' generation, ``beta=0`` or a peft
+model: no second model either) samples its completions with ``model.generate`` through the
+engine's hooks.
+TRL's trainers compute log-probabilities with a fused head that reads ``lm_head.weight`` without
+calling ``lm_head``: the engine ends the head unit when the model's forward returns
+(``OutOfCoreEngine._model_forward_end``), so the head leaves memory as after any forward.
 
 A peft model (LoRA; TRL's ``peft_config=``) streams only its frozen base: its adapters stay
 resident and the Trainer's own optimizer, clipping and adapter-only saving serve them as usual.

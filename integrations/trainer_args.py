@@ -15,7 +15,8 @@ process (the engine is the memory manager of one process), optimizers other than
 (the Trainer exempts biases and norms; the engine's updates take one hyper-parameter group) —
 both honoured for a peft (LoRA) model, whose resident adapters the Trainer's own optimizer steps —,
 gradient checkpointing and ``torch_compile`` (they re-run or trace the forward the engine's
-hooks stream), ``load_best_model_at_end`` and Liger kernels.
+hooks stream), ``load_best_model_at_end``, Liger kernels and TRL's ``use_vllm`` (vLLM would load
+the weights itself; transformers' ``generate`` streams them).
 """
 from __future__ import annotations
 
@@ -53,6 +54,8 @@ def _refusals(args: Any, adapters: bool) -> list[tuple[bool, str]]:
         (args.load_best_model_at_end, "load_best_model_at_end=True: not supported out of core; pick the "
                                       "checkpoint-N folder yourself after training"),
         (bool(getattr(args, "use_liger_kernel", False)), "use_liger_kernel=True: not supported out of core; drop it"),
+        (bool(getattr(args, "use_vllm", False)), "use_vllm=True: vLLM would load the policy's weights, which "
+                                                 "stream out of core; leave it False (generate() streams them)"),
     ]
 
 

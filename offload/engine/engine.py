@@ -122,6 +122,7 @@ class OutOfCoreEngine:
             for s in u.slots:
                 s.param.data = _empty(s.param.dtype, self.device)
         self._handles = []
+        self._in_forward: set[int] = set()  # units whose forward began and whose last module has not returned
         self._install_hooks()
         self._restore_embedding = self._row_gradient_embedding(grad_accum)
 
@@ -223,21 +224,39 @@ class OutOfCoreEngine:
                 if slot.param.requires_grad:
                     self._handles.append(slot.param.register_post_accumulate_grad_hook(
                         lambda p, i=unit.index: self._grad_ready(i)))
+        self._handles.append(self.model.register_forward_hook(lambda m, a, out: self._model_forward_end(out)))
 
     def _forward_begin(self, index: int) -> None:
         self._phase = "forward"
+        self._in_forward.add(index)
         for i in self._needs(index):
             self._bind(i)
         self._prefetch(range(index + 1, min(len(self.units), index + 1 + self.prefetch_depth)))
 
-    def _forward_end(self, index: int, output: Any) -> Any:
+    def _forward_end(self, index: int, output: Any, results: list[Any] | None = None) -> Any:
+        """Let unit ``index`` go; its backward begins with the first gradient to reach ``results`` (default: output)."""
+        self._in_forward.discard(index)
         if torch.is_grad_enabled():
-            out = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
-            if isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(lambda g, i=index: self._backward_begin(i))
+            if results is None:
+                results = [output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)]
+            begun: list[bool] = []  # (a gradient may reach several results: one backward begins)
+            def begin(_: torch.Tensor) -> None:
+                if not begun:
+                    begun.append(True)
+                    self._backward_begin(index)
+            for t in results:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(begin)
         for i in self._needs(index):
             self._unbind(i)
         return output
+
+    def _model_forward_end(self, output: Any) -> None:
+        """The model returned with a unit still open: a fused head read its weights without calling
+        its last module (TRL's log-probabilities read ``lm_head.weight``). It ends with the model."""
+        results = output.values() if isinstance(output, dict) else output if isinstance(output, tuple) else [output]
+        for index in sorted(self._in_forward):
+            self._forward_end(index, output, list(results))
 
     def _backward_begin(self, index: int) -> None:
         """Gradient w.r.t. unit ``index``'s output exists: its backward starts now."""
