@@ -25,6 +25,7 @@ way: the reference's log-probabilities are computed by the streamed model before
 so no second model is held. TRL's ``GRPOTrainer`` (transformers' generation, ``beta=0`` or a peft
 model: no second model either) samples its completions with ``model.generate`` through the
 engine's hooks.
+
 TRL's trainers compute log-probabilities with a fused head that reads ``lm_head.weight`` without
 calling ``lm_head``: the engine ends the head unit when the model's forward returns
 (``OutOfCoreEngine._model_forward_end``), so the head leaves memory as after any forward.
