@@ -75,3 +75,20 @@ def exported_weights(folder) -> dict:
     from safetensors.torch import load_file
 
     return {k: t for f in sorted(Path(folder).glob("*.safetensors")) for k, t in load_file(str(f)).items()}
+
+
+def assert_runs_equal(mem, ooc, sink, method: str) -> None:
+    """An out-of-core run equals its in-memory twin: step losses, final eval loss and exported
+    weights (bit for bit; LoRA's within 1e-6, its adapters merged into the base in another
+    order), and its last step read from NVMe (``sink``: the out-of-core run's RecordingSink)."""
+    import torch
+
+    assert mem.losses == ooc.losses and mem.final_eval_loss == ooc.final_eval_loss
+    a, b = exported_weights(mem.output_dir / "final"), exported_weights(ooc.output_dir / "final")
+    assert a.keys() == b.keys()
+    for k, t in a.items():
+        if method == "full":
+            assert torch.equal(t, b[k]), k
+        else:
+            torch.testing.assert_close(b[k], t, rtol=0, atol=1e-6, msg=k)
+    assert [e for e in sink.events if type(e).__name__ == "StepEvent"][-1].tiers["NVME"].read_bytes > 0

@@ -14,7 +14,7 @@ import outcore
 from outcore.events import PreferenceEvalEvent
 from outcore.recipes.preference import REFERENCE_FILE
 from outcore.training.config import load_config
-from tests._helpers import RecordingSink, exported_weights
+from tests._helpers import RecordingSink, assert_runs_equal, exported_weights
 
 
 @pytest.fixture(scope="module")
@@ -50,15 +50,7 @@ def test_out_of_core_equals_in_memory(tiny_run_inputs, examples, tmp_path, metho
     mem = outcore.finetune(_cfg(tiny_run_inputs, examples, tmp_path / "mem", **kw), sink=RecordingSink())
     sink = RecordingSink()
     ooc = outcore.finetune(_cfg(tiny_run_inputs, examples, tmp_path / "ooc", offload="nvme", **kw), sink=sink)
-    assert mem.losses == ooc.losses and mem.final_eval_loss == ooc.final_eval_loss
-    a, b = _weights(mem), _weights(ooc)
-    assert a.keys() == b.keys()
-    for k, t in a.items():
-        if method == "full":
-            assert torch.equal(t, b[k]), k
-        else:  # adapters merged into the base in another order
-            torch.testing.assert_close(b[k], t, rtol=0, atol=1e-6, msg=k)
-    assert [e for e in sink.events if type(e).__name__ == "StepEvent"][-1].tiers["NVME"].read_bytes > 0
+    assert_runs_equal(mem, ooc, sink, method)
 
 
 def test_reference_is_stored_once_and_resume_is_exact(tiny_run_inputs, examples, tmp_path):
