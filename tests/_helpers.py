@@ -92,3 +92,21 @@ def assert_runs_equal(mem, ooc, sink, method: str) -> None:
         else:
             torch.testing.assert_close(b[k], t, rtol=0, atol=1e-6, msg=k)
     assert [e for e in sink.events if type(e).__name__ == "StepEvent"][-1].tiers["NVME"].read_bytes > 0
+
+
+def policy_and_reference(vocab: int):
+    """A tiny Llama reference and a policy that differs from it by seeded noise (equal models
+    would make every preference loss its constant, e.g. DPO's log 2)."""
+    import copy
+
+    import torch
+
+    from tests.conftest import make_tiny_llama
+
+    ref = make_tiny_llama(vocab=vocab, seed=1)
+    policy = copy.deepcopy(ref)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(2)
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return policy, ref

@@ -3,14 +3,13 @@ loss through ``KTOTrainer.compute_loss`` itself, with a reference model and a KL
 above 0, and the token rows (completions and mismatched KL rows) our data gives."""
 from __future__ import annotations
 
-import copy
 import json
 
 import pytest
 import torch
 
 from outcore.training.loss import CausalLMScorer, kto_loss, sequence_logps
-from tests.conftest import make_tiny_llama
+from tests._helpers import policy_and_reference
 
 trl = pytest.importorskip("trl")
 ROWS = [{"prompt": "The cat", "completion": " sat on the mat.", "label": True},
@@ -24,16 +23,6 @@ def tok():
     from outcore.models import load_tokenizer
 
     return load_tokenizer("default")
-
-
-def _models(tok):
-    ref = make_tiny_llama(vocab=len(tok), seed=1)
-    policy = copy.deepcopy(ref)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(2)
-        for p in policy.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return policy, ref
 
 
 def _trainer(tok, tmp_path, policy, ref, rows):
@@ -53,7 +42,7 @@ def _logps(model, ids, mask, completion_mask):
 
 
 def test_kto_equals_trl_kto_trainer(tok, tmp_path):
-    policy, ref = _models(tok)
+    policy, ref = policy_and_reference(len(tok))
     trainer = _trainer(tok, tmp_path, policy, ref, ROWS)
     batch = next(iter(trainer.get_train_dataloader()))
     theirs = trainer.compute_loss(trainer.model, batch)
@@ -91,7 +80,7 @@ def test_our_rows_are_trls_rows(tok, tmp_path, paired):
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     train, _ = build_unpaired_datasets(path, tok, seq_len=64, batch_size=4, val_fraction=0.0)
-    policy, ref = _models(tok)
+    policy, ref = policy_and_reference(len(tok))
     batch = next(iter(_trainer(tok, tmp_path, policy, ref, rows).get_train_dataloader()))
     ours = train.get_batch(torch.arange(4))
     assert torch.equal(ours["desirable"], batch["label"])

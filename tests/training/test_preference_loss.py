@@ -3,7 +3,6 @@ DPO through ``DPOTrainer.compute_loss`` itself, ORPO and SimPO through TRL's own
 for the sequence log-probabilities and the losses."""
 from __future__ import annotations
 
-import copy
 from types import SimpleNamespace
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from outcore.training.loss import CausalLMScorer, dpo_loss, orpo_loss, sequence_logps, simpo_loss
-from tests.conftest import make_tiny_llama
+from tests._helpers import policy_and_reference
 
 trl = pytest.importorskip("trl")
 ROWS = [{"prompt": "The cat", "chosen": " sat on the mat.", "rejected": " flew away quickly over the hills"},
@@ -26,17 +25,6 @@ def tok():
     return load_tokenizer("default")
 
 
-def _models(tok):
-    """A policy and a reference that differ (else every DPO loss is log 2)."""
-    ref = make_tiny_llama(vocab=len(tok), seed=1)
-    policy = copy.deepcopy(ref)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(2)
-        for p in policy.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    return policy, ref
-
-
 def _ours(model, batch):
     """``[2B, T]`` per-token NLL and labels of a TRL batch (``completion_mask`` → labels)."""
     labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
@@ -48,7 +36,7 @@ def test_dpo_equals_trl_dpo_trainer(tok, tmp_path):
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    policy, ref = _models(tok)
+    policy, ref = policy_and_reference(len(tok))
     args = DPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=3, report_to=[], beta=0.1,
                      max_length=64, use_cpu=True, bf16=False)
     trainer = DPOTrainer(model=policy, ref_model=ref, args=args, train_dataset=Dataset.from_list(ROWS),
@@ -85,7 +73,7 @@ def _batch(tok):
 def test_orpo_equals_trl(tok):
     from trl.experimental.orpo import ORPOTrainer
 
-    policy, _ = _models(tok)
+    policy, _ = policy_and_reference(len(tok))
     batch = _batch(tok)
     logits, labels, logps = _trl_logps(ORPOTrainer, policy, batch, average=True)
     half = labels.shape[0] // 2
@@ -104,7 +92,7 @@ def test_orpo_equals_trl(tok):
 def test_simpo_equals_trl_cpo_simpo(tok):
     from trl.experimental.cpo import CPOTrainer
 
-    policy, _ = _models(tok)
+    policy, _ = policy_and_reference(len(tok))
     batch = _batch(tok)
     _, _, logps = _trl_logps(CPOTrainer, policy, batch, average=True)
     this = SimpleNamespace(beta=2.0, simpo_gamma=0.5, alpha=0.0, loss_type="simpo", label_smoothing=0.0,
