@@ -53,3 +53,25 @@ def run_events(tmp_path):
         return evs
 
     return events
+
+
+@pytest.fixture
+def dashboard_text():
+    """``dashboard_text(events, out) -> str``: the live dashboard as text after ``events`` (its
+    run writing to ``out``), rendered 160 columns wide."""
+    import io
+
+    from rich.console import Console
+
+    from outcore.tui import make_sink
+
+    def render(events, out) -> str:
+        sink = make_sink("rich", out, stream=io.StringIO())
+        for ev in events:
+            sink.emit(ev)
+        console = Console(file=io.StringIO(), width=160, color_system=None)
+        console.print(sink.view.render())
+        sink.close()
+        return console.file.getvalue()
+
+    return render

@@ -41,15 +41,7 @@ def test_rollouts_and_held_out_reward_in_metrics_and_plain_log(tmp_path, make_st
     assert "eval @" not in text  # (the eval loss is minus the held-out reward: no line of its own)
 
 
-def test_dashboard_shows_rollouts_and_held_out_reward(tmp_path, make_step):
-    from rich.console import Console
-
-    sink = make_sink("rich", tmp_path / "run", stream=io.StringIO())
-    for ev in _events(str(tmp_path / "run"), make_step)[:-1]:
-        sink.emit(ev)
-    console = Console(file=io.StringIO(), width=160, color_system=None)
-    console.print(sink.view.render())
-    sink.close()
-    text = console.file.getvalue()
+def test_dashboard_shows_rollouts_and_held_out_reward(tmp_path, make_step, dashboard_text):
+    text = dashboard_text(_events(str(tmp_path / "run"), make_step)[:-1], tmp_path / "run")
     assert "rollout  reward 0.5000 ± 0.5000  kl 0.0012  39 tok  gen 62% / train 38%" in text
     assert "reward   held-out 0.1250 -> 0.5625  @2" in text

@@ -37,21 +37,12 @@ def test_preference_scores_in_metrics_and_plain_log(tmp_path, make_step):
     assert "eval loss (dpo)  base 0.6931 -> final 0.5000" in text and "eval perplexity" not in text
 
 
-def test_dashboard_shows_the_pairs(tmp_path, make_step):
-    from rich.console import Console
-
-    sink = make_sink("rich", tmp_path / "run", stream=io.StringIO())
-    for ev in _events(str(tmp_path / "run"), make_step)[:-1]:
-        sink.emit(ev)
-    console = Console(file=io.StringIO(), width=160, color_system=None)
-    console.print(sink.view.render())
-    sink.close()
-    assert "accuracy 0.0% -> 75.0%  margin +0.0000 -> +0.4210  @2" in console.file.getvalue()
+def test_dashboard_shows_the_pairs(tmp_path, make_step, dashboard_text):
+    shown = dashboard_text(_events(str(tmp_path / "run"), make_step)[:-1], tmp_path / "run")
+    assert "accuracy 0.0% -> 75.0%  margin +0.0000 -> +0.4210  @2" in shown
 
 
-def test_kto_scores_show_examples_and_kl(tmp_path, make_step):
-    from rich.console import Console
-
+def test_kto_scores_show_examples_and_kl(tmp_path, make_step, dashboard_text):
     out = tmp_path / "run"
     events = [RunStarted("kto-run", "tiny", 1000, 1000, 2, str(out), config={"objective": "kto"}),
               EvalEvent(0, 0.5, 2.0), PreferenceEvalEvent(0, 12, 0.0, 0.0, kl=0.0), make_step(1, 2),
@@ -67,11 +58,5 @@ def test_kto_scores_show_examples_and_kl(tmp_path, make_step):
     assert "preference @ step 2: accuracy 75.0% of 12 examples, margin +0.3000, KL 0.0123" in text
     assert "examples accuracy  base 0.0% -> final 75.0%" in text
 
-    sink = make_sink("rich", tmp_path / "run2", stream=io.StringIO())
-    for ev in events[:-1]:
-        sink.emit(ev)
-    console = Console(file=io.StringIO(), width=160, color_system=None)
-    console.print(sink.view.render())
-    sink.close()
-    shown = console.file.getvalue()
+    shown = dashboard_text(events[:-1], tmp_path / "run2")
     assert "rewards  accuracy 0.0% -> 75.0%  margin +0.0000 -> +0.3000  KL 0.0123  @2" in shown

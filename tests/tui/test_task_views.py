@@ -45,15 +45,6 @@ def test_task_accuracy_in_metrics_log_summary_and_plot(tmp_path, make_step):
     assert (out / "loss_curve.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_dashboard_shows_the_task(tmp_path, make_step):
-    from rich.console import Console
-
-    stream = io.StringIO()
-    sink = make_sink("rich", tmp_path / "run", stream=stream)
-    for ev in _task_run_events(str(tmp_path / "run"), make_step)[:-1]:
-        sink.emit(ev)
-    console = Console(file=io.StringIO(), width=160, color_system=None)
-    console.print(sink.view.render())
-    shown = console.file.getvalue()
-    sink.close()
+def test_dashboard_shows_the_task(tmp_path, make_step, dashboard_text):
+    shown = dashboard_text(_task_run_events(str(tmp_path / "run"), make_step)[:-1], tmp_path / "run")
     assert "mc  acc 25.0% -> 50.0%  acc_norm 30.0% -> 45.0%  @4" in shown
