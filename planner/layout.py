@@ -188,7 +188,7 @@ def activation_bytes(w: Workload, policy: str, batch: int, window: int) -> tuple
     if not w.has_backward:  # ZO: two forward passes in flight, nothing saved for a backward
         c = DTYPE_BYTES[w.dtype]
         return batch * 2 * (s * c * (2 * spec.hidden + 2 * spec.intermediate) + s * 4 * spec.vocab), 0, 0
-    head = (chunked_head_bytes(spec, w.dtype, batch * s) if spec.chunked_loss
+    head = (chunked_head_bytes(spec, w.dtype, batch * s, w.method.trains_weights) if spec.chunked_loss
             else batch * head_activation_bytes(spec, w.dtype, s))
     saved = batch * block_activation_bytes(spec, w.dtype, s, tiled=w.tiled(batch))  # one block's
     tile = mlp_tile_bytes(spec, w.dtype, w.seq_tile) if w.tiled(batch) else 0  # one tile's, one block at a time

@@ -146,6 +146,16 @@ def test_qlora_streamed_counts_the_dequantized_block(tiny):
                                                seq_len=32).tier_bytes["DEVICE"]
 
 
+def test_a_frozen_head_holds_no_weight_gradient(tiny):
+    """The chunked loss allocates the head's fp32 weight gradient only where the head trains
+    (kernels/linear_cross_entropy.py): under LoRA that is 4 GiB less at a 128K x 8192 head."""
+    spec = model_spec(tiny)
+    assert spec.chunked_loss
+    full, lora = (make_plan(tiny, method=m, offload="nvme", budgets=BIG, seq_len=32, activations="recompute")
+                  .tier_bytes["DEVICE"]["activations"] for m in ("full", "lora"))
+    assert full - lora == 4 * spec.vocab * spec.hidden
+
+
 def test_activation_estimate_matches_what_autograd_saves(tiny):
     from outcore.planner.sizes import block_activation_bytes, head_activation_bytes
 
