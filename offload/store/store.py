@@ -40,6 +40,7 @@ import torch
 
 from ...events import TierStats
 from ._futures import completed, then
+from ..aligned import return_freed_tensors
 from ..device import Device
 from .directio import DEFAULT_CHUNK_BYTES, DEFAULT_QUEUE_DEPTH
 from .extents import AnonymousExtents
@@ -79,6 +80,7 @@ class TieredStore(AnonymousExtents):
                  queue_depth: int = DEFAULT_QUEUE_DEPTH, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  slab_bytes: int | None = None, direct: bool = True, nvme_reserve: int = 0):
         self.device = device if isinstance(device, Device) else Device(device)
+        return_freed_tensors()  # a step's freed activations must not stay resident (aligned.py)
         try:
             self.space = TierSpace(self.device, device_bytes, host_bytes, nvme_bytes, swap_dir,
                                    queue_depth=queue_depth, chunk_bytes=chunk_bytes,
