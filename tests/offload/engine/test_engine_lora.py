@@ -147,3 +147,28 @@ def test_nf4_decodes_a_few_rows_at_a_time_to_the_same_bits(tiny_llama_factory, m
     for slot in block.slots:
         want = nf4.nf4_round_trip(slot.param.data, torch.float32) if slot.param.dim() == 2 else slot.param.data
         assert torch.equal(block.view(flat, slot), want), slot.name
+
+
+def test_a_released_block_lends_its_dequantized_buffer_unless_still_viewed(tiny_llama_factory, tmp_path):
+    """A quantized block is dequantized into the buffer the last released one used (no fresh
+    pages to fault in), but never while a tensor still views it (a checkpointed block's saved
+    tensors can outlive its release)."""
+    _, ooc = _lora_pair(tiny_llama_factory, layers=2)
+    om = offload_model(ooc, torch.optim.AdamW(_adapters(ooc).values(), lr=LR), offload="nvme",
+                       swap_dir=tmp_path / "swap", prefetch=1, resident_trainable=True, quantize_frozen=True)
+    mem, w = om.mem, Part("w")
+    first = mem.acquire(1, w)
+    want, ptr = first.clone(), first.data_ptr()
+    del first
+    mem.release(1, w, dirty=False)
+    second = mem.acquire(2, w)
+    assert second.data_ptr() == ptr  # block 1's buffer, reused
+    held = second[:8]  # what a saved tensor would keep
+    del second
+    mem.release(2, w, dirty=False)
+    again = mem.acquire(1, w)
+    assert again.data_ptr() != ptr and held.data_ptr() == ptr
+    assert torch.equal(again, want)
+    del again
+    mem.release(1, w, dirty=False)
+    om.close()
