@@ -79,7 +79,7 @@ class FullFinetune:
             OutcoreError: bad config, model, data or checkpoint.
         """
         from ..data import BatchLoader, check_seq_len
-        from ..models import load_model, load_model_lazily
+        from ..models import check_packed_documents, load_model, load_model_lazily
 
         cfg, run = self.cfg, self.run
         torch.manual_seed(cfg.seed)
@@ -97,6 +97,8 @@ class FullFinetune:
             self.model, self.tokenizer = load_model(cfg.model, dtype=torch_dtype(cfg.dtype),
                                                     quantize_4bit=cfg.quantizes_base)
         check_seq_len(self.model, cfg.seq_len)
+        if cfg.padding_free:  # a packed row's documents kept apart, or one line
+            check_packed_documents(self.model)
         if cfg.uses_adapters:
             self.model = with_lora(self.model, cfg)
         if fill is None:  # in memory: the whole model on the compute device (out of core the engine places it)
@@ -128,7 +130,7 @@ class FullFinetune:
 
         cfg = self.cfg
         return build_datasets(cfg.data, self.tokenizer, cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction,
-                              max_bytes=cfg.data_max_bytes)
+                              max_bytes=cfg.data_max_bytes, padding_free=cfg.padding_free)
 
     def _prepare(self) -> None:
         """What the data needs of the model before training or resuming: nothing for the
