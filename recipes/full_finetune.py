@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .._faults import fault_point
-from ..activations.policy import OFFLOAD, ActivationPolicy
+from ..activations.policy import OFFLOAD, ActivationPolicy, activation_home
 from ..dtypes import torch_dtype
 from ..errors import ConfigError
 from ..events import EventSink, TaskEvalEvent
@@ -122,6 +122,7 @@ class FullFinetune:
         return Built(n_params, n_trainable, tokens_per_step,
                      store=None if self.engine is None else self.engine.store, swap_dir=swap_dir_of(cfg, run.out),
                      plan_table=None if self.plan is None else self.plan.table(),
+                     activations=activation_home(self._activation_policy()),
                      checkpoint_step=step, base_eval_loss=base_eval_loss)
 
     def _datasets(self) -> tuple[Any, Any]:
@@ -150,13 +151,17 @@ class FullFinetune:
                                         fill, run.ranks, run.device)  # (the head's loss is a unit of the head)
         return dist.data_parallel(self.engine, run.ranks, str(run.out))  # LoRA under torchrun
 
+    def _activation_policy(self) -> str:
+        """The run-level activation policy: the plan's (it resolves ``auto``), else the config's."""
+        return self.plan.activations if self.plan is not None else self.cfg.activations
+
     def _activations(self) -> None:
         """What each block keeps for its backward: the plan resolves `auto` when there is one."""
         from ..activations import apply_activation_policy
         from ..activations.tiling import tile_of
         from ..models import unwrap_peft
 
-        policy = self.plan.activations if self.plan is not None else self.cfg.activations
+        policy = self._activation_policy()
         tile = tile_of(unwrap_peft(self.model), self.cfg.seq_tile)
         rows = self.cfg.seq_len * self.cfg.batch_size * objective(self.cfg.objective).rows_per_example
         tile = tile if 0 < tile < rows else 0  # (a micro-batch of one tile runs untiled anyway)

@@ -297,8 +297,13 @@ def test_padding_free_offloaded_equals_in_memory(tiny_run_inputs, tmp_path, acti
         (docs / f"{i:02d}.txt").write_text(text[i * 400:(i + 1) * 400])
     kw = dict(data=str(docs), seq_len=64, max_steps=3, eval_every=0, export=False)
     mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", padding_free=True, **kw), sink=RecordingSink())
+    sink = RecordingSink()
     ooc = finetune(_cfg(tiny_run_inputs, tmp_path / "ooc", padding_free=True, offload="nvme",
-                        activations=activations, **kw), sink=RecordingSink())
+                        activations=activations, **kw), sink=sink)
     assert mem.losses == ooc.losses and mem.final_eval_loss == ooc.final_eval_loss
+    started = next(e for e in sink.events if type(e).__name__ == "RunStarted")  # what the views show
+    assert started.tokens_per_step == 2 * 64
+    assert started.activations == {"keep": "activations kept on DEVICE (keep)",
+                                   "recompute_host": "block checkpoints on HOST (recompute_host)"}[activations]
     plain = finetune(_cfg(tiny_run_inputs, tmp_path / "plain", **kw), sink=RecordingSink())
     assert plain.losses != mem.losses
