@@ -48,6 +48,10 @@ class RunStarted:
     optim: str = "adamw"
     plan_table: str | None = None  # the MemoryPlan table, when there is one
     config: dict[str, Any] = field(default_factory=dict)
+    tokens_per_step: int = 0  # the tokens one optimizer step trains on, over every rank (0: unknown)
+    #: where the saved activations live (activations.policy.activation_home: "block checkpoints
+    #: NVME (recompute_nvme)"); "": nothing is saved for a backward (zeroth order) or unknown
+    activations: str = ""
 
 
 @dataclass

@@ -83,6 +83,21 @@ CHECKPOINT_OFFLOADS = (ActivationPolicy.RECOMPUTE_HOST.value, ActivationPolicy.R
 #: one policy for every block, ``offload``, recompute with offloaded checkpoints, or ``auto``.
 ACTIVATION_POLICIES = (AUTO, ActivationPolicy.KEEP.value, ActivationPolicy.RECOMPUTE.value, OFFLOAD,
                        *CHECKPOINT_OFFLOADS)
+#: where a step under each run-level policy keeps what its blocks need for their backward (the
+#: plan's longest context, the dashboard, the log's header and the run's summary say it)
+ACTIVATION_HOMES = {ActivationPolicy.KEEP.value: "activations kept on DEVICE",
+                    ActivationPolicy.RECOMPUTE.value: "block checkpoints on DEVICE",
+                    CHECKPOINT_OFFLOADS[0]: "block checkpoints on HOST",
+                    CHECKPOINT_OFFLOADS[1]: "block checkpoints on NVME",
+                    OFFLOAD: "activations offloaded to NVME"}
+
+
+def activation_home(policy: str) -> str:
+    """Where the activations of a run under run-level ``policy`` live, in a few words (the
+    dashboard, the log's header and the summary): ``"block checkpoints on NVME (recompute_nvme)"``."""
+    if policy == AUTO:
+        return "auto: chosen at the first training step"
+    return f"{ACTIVATION_HOMES[policy]} ({policy})"
 
 #: How offloaded activations are stored (``--activations-compress``,
 #: ``FinetuneConfig.activations_compress``, the planner): ``none`` moves the bytes as

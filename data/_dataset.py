@@ -16,13 +16,14 @@ import torch
 from ..errors import ConfigError, DataError
 from ._chat import encode_rows, pad_examples
 from ._sources import iter_jsonl, resolve_data_spec
-from ._text import load_text_tokens, pack_sequences
+from ._text import document_positions, load_text_tokens, pack_sequences
 
 log = logging.getLogger(__name__)
 
 
 class SequenceDataset(torch.utils.data.Dataset):
-    """Rows of ``seq_len`` tokens: ``input_ids``, ``labels`` (-100 = no loss), ``attention_mask``.
+    """Rows of ``seq_len`` tokens: ``input_ids``, ``labels`` (-100 = no loss), and
+    ``attention_mask`` or, for rows packed with document boundaries, ``position_ids``.
 
     Args:
         input_ids: ``[N, seq_len]`` integer ids (int32 storage is fine: batches are int64).
@@ -30,20 +31,26 @@ class SequenceDataset(torch.utils.data.Dataset):
         attention_mask: ``[N, seq_len]`` 1/0, or None when every position is real.
         index: which rows this dataset exposes (``[len]`` int64), None for all of them.
         kind: ``"text"``, ``"instruction"``, ``"chat"`` or ``"mixed"`` (for logs).
+        position_ids: ``[N, seq_len]``, restarting at each document of a packed row
+            (:func:`~._text.document_positions`), or None.
     """
 
     def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, index: torch.Tensor | None = None,
-                 kind: str = "text") -> None:
+                 kind: str = "text", position_ids: torch.Tensor | None = None) -> None:
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [N, seq_len], got shape {tuple(input_ids.shape)}")
-        for name, t in (("labels", labels), ("attention_mask", attention_mask)):
+        if position_ids is not None and attention_mask is not None:
+            raise ValueError("position_ids mark a packed row's documents, which has no padding: "
+                             "give no attention_mask with them")
+        for name, t in (("labels", labels), ("attention_mask", attention_mask), ("position_ids", position_ids)):
             if t is not None and t.shape != input_ids.shape:
                 raise ValueError(f"{name} has shape {tuple(t.shape)}, expected "
                                  f"{tuple(input_ids.shape)}")
         self._ids = input_ids
         self._labels = labels
         self._mask = attention_mask
+        self._positions = position_ids
         self.index = (torch.arange(input_ids.shape[0]) if index is None
                       else torch.as_tensor(index, dtype=torch.long))
         self.kind = kind
@@ -65,7 +72,7 @@ class SequenceDataset(torch.utils.data.Dataset):
 
     def subset(self, index: torch.Tensor) -> "SequenceDataset":
         """A dataset of rows ``self.index[index]``, sharing this one's storage."""
-        return SequenceDataset(self._ids, self._labels, self._mask, self.index[index], self.kind)
+        return SequenceDataset(self._ids, self._labels, self._mask, self.index[index], self.kind, self._positions)
 
     def get_batch(self, indices: Sequence[int] | torch.Tensor) -> dict[str, torch.Tensor]:
         """Rows ``indices`` (positions in this dataset) as ``[B, seq_len]`` int64 tensors.
@@ -74,7 +81,10 @@ class SequenceDataset(torch.utils.data.Dataset):
             indices: positions ``0 <= i < len(self)``.
 
         Returns:
-            ``{"input_ids", "labels", "attention_mask"}``, each ``[B, seq_len]`` int64.
+            ``{"input_ids", "labels", "attention_mask"}``, each ``[B, seq_len]`` int64; packed
+            with document boundaries, ``position_ids`` instead of the mask (TRL's padding-free
+            batch: a mask would hide the documents from transformers) and no label at a
+            document's first token, which the one before cannot predict.
         """
         pos = torch.as_tensor(indices, dtype=torch.long)
         if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= len(self)):
@@ -82,6 +92,10 @@ class SequenceDataset(torch.utils.data.Dataset):
         rows = self.index[pos]
         ids = self._ids[rows].long()
         labels = ids.clone() if self._labels is None else self._labels[rows].long()
+        if self._positions is not None:
+            positions = self._positions[rows].long()
+            labels[positions == 0] = -100
+            return {"input_ids": ids, "labels": labels, "position_ids": positions}
         mask = torch.ones_like(ids) if self._mask is None else self._mask[rows].long()
         return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
@@ -137,10 +151,18 @@ def _pad_id(tokenizer) -> int:
     return 0
 
 
+def _document_end(tokenizer) -> int:
+    """The token that ends a document in packed text (:func:`~._text.tokenize_documents`)."""
+    if tokenizer.eos_token_id is None:
+        raise ConfigError("padding_free=true finds documents by their EOS token, and this tokenizer has none; "
+                          "set padding_free=false")
+    return int(tokenizer.eos_token_id)
+
+
 def build_datasets(spec: str | Path, tokenizer, seq_len: int, *, seed: int = 0,
                    val_fraction: float = 0.02, max_bytes: int = 0,
                    cache_dir: str | Path | None = None, use_cache: bool = True,
-                   ) -> tuple[SequenceDataset, SequenceDataset]:
+                   padding_free: bool = False) -> tuple[SequenceDataset, SequenceDataset]:
     """Load, tokenize and split training data.
 
     Args:
@@ -155,6 +177,8 @@ def build_datasets(spec: str | Path, tokenizer, seq_len: int, *, seed: int = 0,
         cache_dir: cache root for tokenized text (default ``$OUTCORE_CACHE`` or
             ``~/.cache/outcore``).
         use_cache: False never reads or writes the token cache.
+        padding_free: packed text keeps its document boundaries (TRL's name): each row's
+            position ids restart after every EOS, and a document's first token has no label.
 
     Returns:
         ``(train, val)`` :class:`SequenceDataset` s over disjoint rows.
@@ -162,7 +186,8 @@ def build_datasets(spec: str | Path, tokenizer, seq_len: int, *, seed: int = 0,
     Raises:
         DataError: missing/unreadable/malformed data (JSONL errors name ``file:line``),
             or too little data for one training row plus the validation split.
-        ConfigError: ``seq_len``, ``val_fraction`` or ``max_bytes`` out of range.
+        ConfigError: ``seq_len``, ``val_fraction`` or ``max_bytes`` out of range, or
+            ``padding_free`` for JSONL rows or a tokenizer without an EOS token.
     """
     _check_args(seq_len, val_fraction, max_bytes)
     source = resolve_data_spec(spec)
@@ -172,7 +197,12 @@ def build_datasets(spec: str | Path, tokenizer, seq_len: int, *, seed: int = 0,
             from ..models import default_cache_dir
             root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
         ids = load_text_tokens(source.files, tokenizer, max_bytes=max_bytes, cache_dir=root)
-        full = SequenceDataset(pack_sequences(ids, seq_len, label=source.label), kind="text")
+        rows = pack_sequences(ids, seq_len, label=source.label)
+        positions = document_positions(rows, _document_end(tokenizer)) if padding_free else None
+        full = SequenceDataset(rows, kind="text", position_ids=positions)
+    elif padding_free:
+        raise ConfigError(f"padding_free=true keeps the document boundaries of packed text; '{source.label}' "
+                          f"is JSONL, one example a row, not packed: set padding_free=false")
     else:
         examples, kind = encode_rows(tokenizer, iter_jsonl(source.files, max_bytes))
         if not examples:

@@ -14,16 +14,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable
 
-from ..activations.policy import CHECKPOINT_OFFLOADS, OFFLOAD, ActivationPolicy
+from ..activations.policy import ACTIVATION_HOMES
 from .layout import Layout, Workload, account, step_time
 
 MAX_SEQ_LEN = 1 << 24  # search bound: 16M tokens
 ROUND = 256  # a length >= this is rounded down to a multiple of it (steady GEMM shapes)
-
-#: where a step under each activation policy keeps what its blocks need for their backward
-CHECKPOINTS = {ActivationPolicy.KEEP.value: "none: every block's activations kept on DEVICE",
-               ActivationPolicy.RECOMPUTE.value: "DEVICE", CHECKPOINT_OFFLOADS[0]: "HOST",
-               CHECKPOINT_OFFLOADS[1]: "NVME", OFFLOAD: "none: every block's activations offloaded to NVME"}
 
 
 @dataclass(frozen=True)
@@ -35,7 +30,7 @@ class LongestContext:
     offload: str  # the layout's name
     activations: str  # the run-level activation policy
     step_s: float  # estimated step time at that length
-    checkpoints: str  # where the block checkpoints live (CHECKPOINTS)
+    checkpoints: str  # where the block checkpoints live (activations.policy.ACTIVATION_HOMES)
     trained_len: int  # the model's max_position_embeddings (0: unknown)
     rope_scaling: str = ""  # the RoPE scaling its config sets ("yarn x4.0"; "": none)
 
@@ -54,7 +49,7 @@ class LongestContext:
         beyond = (f"; beyond the {self.trained_len} tokens the model was trained at: {rope}"
                   if self.trained_len and self.seq_len > self.trained_len else "")
         return (f"{self.seq_len} tokens x batch {self.batch_size} ({self.setting}, offload {self.offload}: "
-                f"block checkpoints {self.checkpoints}), step ~{_duration(self.step_s)}{beyond}")
+                f"{self.checkpoints}), step ~{_duration(self.step_s)}{beyond}")
 
 
 def _duration(seconds: float) -> str:
@@ -98,5 +93,5 @@ def longest_context(w: Workload, layouts: Callable[[Workload], list[Layout]], ba
     n = lo - lo % ROUND if ROUND <= lo < up_to else lo
     lay, wn = min(fitting(n), key=lambda c: step_time(c[1], c[0], batch).step_s)
     return LongestContext(seq_len=n, batch_size=batch, offload=lay.name(w.grads_kept), activations=lay.activations,
-                          step_s=step_time(wn, lay, batch).step_s, checkpoints=CHECKPOINTS[lay.activations],
+                          step_s=step_time(wn, lay, batch).step_s, checkpoints=ACTIVATION_HOMES[lay.activations],
                           trained_len=w.spec.trained_len, rope_scaling=w.spec.rope_scaling)

@@ -237,6 +237,7 @@ def evaluate_model(cfg: Any, *, perplexity: bool = True) -> EvalReport:
 
     from ..data import build_datasets
     from ..data.tasks import load_task
+    from ..models import check_packed_documents
     from ..training.process import set_threads
 
     t0 = time.perf_counter()
@@ -247,8 +248,10 @@ def evaluate_model(cfg: Any, *, perplexity: bool = True) -> EvalReport:
     try:
         scorer = CausalLMScorer(model) if engine is None else engine.scorer
         if perplexity:
+            if cfg.padding_free:
+                check_packed_documents(model)
             _, val = build_datasets(cfg.data, tokenizer, cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction,
-                                    max_bytes=cfg.data_max_bytes)
+                                    max_bytes=cfg.data_max_bytes, padding_free=cfg.padding_free)
             report.data, report.eval_loss = cfg.data, mean_eval_loss(scorer.loss, val, cfg.batch_size,
                                                                       cfg.eval_batches)
             report.perplexity = events.perplexity(report.eval_loss)  # (``perplexity`` here is the flag)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from .._faults import fault_point
-from ..activations.policy import OFFLOAD, ActivationPolicy
+from ..activations.policy import OFFLOAD, ActivationPolicy, activation_home
 from ..dtypes import torch_dtype
 from ..errors import ConfigError
 from ..events import EventSink, TaskEvalEvent
@@ -79,7 +79,7 @@ class FullFinetune:
             OutcoreError: bad config, model, data or checkpoint.
         """
         from ..data import BatchLoader, check_seq_len
-        from ..models import load_model, load_model_lazily
+        from ..models import check_packed_documents, load_model, load_model_lazily
 
         cfg, run = self.cfg, self.run
         torch.manual_seed(cfg.seed)
@@ -97,6 +97,8 @@ class FullFinetune:
             self.model, self.tokenizer = load_model(cfg.model, dtype=torch_dtype(cfg.dtype),
                                                     quantize_4bit=cfg.quantizes_base)
         check_seq_len(self.model, cfg.seq_len)
+        if cfg.padding_free:  # a packed row's documents kept apart, or one line
+            check_packed_documents(self.model)
         if cfg.uses_adapters:
             self.model = with_lora(self.model, cfg)
         if fill is None:  # in memory: the whole model on the compute device (out of core the engine places it)
@@ -120,6 +122,7 @@ class FullFinetune:
         return Built(n_params, n_trainable, tokens_per_step,
                      store=None if self.engine is None else self.engine.store, swap_dir=swap_dir_of(cfg, run.out),
                      plan_table=None if self.plan is None else self.plan.table(),
+                     activations=activation_home(self._activation_policy()),
                      checkpoint_step=step, base_eval_loss=base_eval_loss)
 
     def _datasets(self) -> tuple[Any, Any]:
@@ -128,7 +131,7 @@ class FullFinetune:
 
         cfg = self.cfg
         return build_datasets(cfg.data, self.tokenizer, cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction,
-                              max_bytes=cfg.data_max_bytes)
+                              max_bytes=cfg.data_max_bytes, padding_free=cfg.padding_free)
 
     def _prepare(self) -> None:
         """What the data needs of the model before training or resuming: nothing for the
@@ -148,13 +151,17 @@ class FullFinetune:
                                         fill, run.ranks, run.device)  # (the head's loss is a unit of the head)
         return dist.data_parallel(self.engine, run.ranks, str(run.out))  # LoRA under torchrun
 
+    def _activation_policy(self) -> str:
+        """The run-level activation policy: the plan's (it resolves ``auto``), else the config's."""
+        return self.plan.activations if self.plan is not None else self.cfg.activations
+
     def _activations(self) -> None:
         """What each block keeps for its backward: the plan resolves `auto` when there is one."""
         from ..activations import apply_activation_policy
         from ..activations.tiling import tile_of
         from ..models import unwrap_peft
 
-        policy = self.plan.activations if self.plan is not None else self.cfg.activations
+        policy = self._activation_policy()
         tile = tile_of(unwrap_peft(self.model), self.cfg.seq_tile)
         rows = self.cfg.seq_len * self.cfg.batch_size * objective(self.cfg.objective).rows_per_example
         tile = tile if 0 < tile < rows else 0  # (a micro-batch of one tile runs untiled anyway)

@@ -102,6 +102,7 @@ class ZORecipe:
             OutcoreError: bad model, data or log.
         """
         from ..data import BatchLoader, check_seq_len
+        from ..models import check_packed_documents
         from ..offload.zo import ZOBlockTrainer
         from ..offload.zo import StoreWeights
         from ..optim.zo_replay import ZOLog, ZOLogWriter, replay_into_
@@ -113,6 +114,8 @@ class ZORecipe:
         n_params = sum(p.numel() for p in self.model.parameters())
         n_trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
         check_seq_len(self.model, cfg.seq_len)
+        if cfg.padding_free:  # a packed row's documents kept apart, or one line
+            check_packed_documents(self.model)
         self.train_set, self.val_set = self._datasets()
         self.loader = BatchLoader(self.train_set, cfg.batch_size, seed=cfg.seed)
 
@@ -165,7 +168,7 @@ class ZORecipe:
 
         cfg = self.cfg
         return build_datasets(cfg.data, self.tokenizer, cfg.seq_len, seed=cfg.seed, val_fraction=cfg.val_fraction,
-                              max_bytes=cfg.data_max_bytes)
+                              max_bytes=cfg.data_max_bytes, padding_free=cfg.padding_free)
 
     def _prepare(self) -> None:
         """What an objective adds once the trainer holds the weights (before a resumed log's

@@ -391,6 +391,10 @@ def headline(name: str, data: dict[str, Any]) -> str:
         return ", ".join(f"{k} {v.get('status')}" for k, v in data["kernels"].items())
     if name.startswith("peers") and data.get("peers"):
         return ", ".join(f"{k} {v.get('status')}" for k, v in data["peers"].items())
+    if name.startswith("long") and data.get("longest"):  # the plan's longest context, and what ran
+        peak = data.get("gpu_peak_reserved_bytes")
+        return (f"plan's longest {data['longest']['seq_len']} tokens ({data['activations']}); ran {data['seq_len']}"
+                + (f", GPU peak {peak / 2**30:.1f} of {data['device_cap_bytes'] / 2**30:.0f} GiB" if peak else ""))
     if name == "race" and "losses_bit_identical" in data:
         return f"losses bit-identical: {data['losses_bit_identical']}"
     if name == "ds_ops" and data.get("ops"):

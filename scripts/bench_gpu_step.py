@@ -13,6 +13,11 @@ hex (``gpu_proof.sh``'s race check compares them bit for bit).
     python scripts/bench_gpu_step.py --device cuda --shape 1.7b --json
     python scripts/bench_gpu_step.py --device cuda --shape 8b --blocks 4 --offload nvme --json
     python scripts/bench_gpu_step.py --device sim --shape tiny --steps 2 --json   # the dry run's
+    python scripts/bench_gpu_step.py --device cuda --shape 8b --blocks 4 --seq max --batch 1 --steps 1 --json
+
+``--seq max`` trains at the longest context the plan finds for the shape under the cap, with the
+activation policy that gets there (``outcore plan``'s longest context, ``--seq-len max``), and
+reports the plan's estimate beside the GPU peak: the long-context stage of ``gpu_proof.sh``.
 """
 from __future__ import annotations
 
@@ -49,10 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     ap.add_argument("--precision", default="exact", help="exact | bf16-lean")
     ap.add_argument("--offload", default="cpu", choices=("cpu", "nvme"), help="where weights and state live")
-    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--seq", default="1024", help="tokens per sequence, or max: the longest the plan finds")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
-    ap.add_argument("--activations", default="recompute", help="keep | recompute | offload")
+    ap.add_argument("--activations", default="recompute",
+                    help="keep | recompute | offload | recompute_host | recompute_nvme (--seq max: the plan's)")
+    ap.add_argument("--seq-tile", default="0", help="tokens per MLP tile (auto | 0 | N), as outcore's seq_tile")
     ap.add_argument("--device-mem", default="24GiB", help="the GPU's cap (a consumer card) and DEVICE budget")
     ap.add_argument("--swap-dir", default=None, help="parent of the swap directory (default: tmp)")
     ap.add_argument("--deterministic", action="store_true",
@@ -62,8 +69,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="the tiny shape, short sequences, two steps, nothing measured (gpu_proof.sh --dry-run)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    if args.dry_run:
-        args.shape, args.seq, args.steps, args.no_measure = "tiny", min(args.seq, 64), min(args.steps, 2), True
+    args.longest = args.seq == "max"
+    if not args.longest:
+        args.seq = int(args.seq)
+    if args.dry_run:  # (--seq max: planned for the tiny shape, then run at 64 tokens at most)
+        args.shape, args.steps, args.no_measure = "tiny", min(args.steps, 2), True
+        if not args.longest:
+            args.seq = min(args.seq, 64)
 
     with json_stdout(args.json):  # library chatter to stderr: stdout is the one JSON document
         return _run(args)
@@ -81,13 +93,26 @@ def _run(args: argparse.Namespace) -> int:
         try:
             out.update(_train(run, args))
             out["weights_digest"] = _digest(run["engine"])
+        except torch.OutOfMemoryError as err:  # over the cap: the plan's estimate was short
+            out.update(status="failed", reason=f"out of memory at {args.seq} tokens under the "
+                                               f"{args.device_mem} cap: {str(err).splitlines()[0]}")
         finally:
             run["engine"].close()
     finally:
         shutil.rmtree(swap, ignore_errors=True)
+    if out.get("status") == "failed":
+        if args.json:
+            emit_json(json.dumps(out, indent=1))
+        else:
+            print(out["reason"], file=sys.stderr)
+        return 1
     out["host_peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out["floor"] = _floor(out, run, args)
-    out["status"] = "passed" if all(math.isfinite(x) for x in out["losses"]) else "failed"
+    # a long-context run holds if it also stayed under the cap the plan planned for
+    out["within_cap"] = (out["gpu_peak_reserved_bytes"] <= out["device_cap_bytes"]
+                         if "gpu_peak_reserved_bytes" in out else None)
+    out["status"] = "passed" if all(math.isfinite(x) for x in out["losses"]) and out["within_cap"] is not False \
+        else "failed"
     if args.json:
         emit_json(json.dumps(out, indent=1))
         return 0
@@ -120,11 +145,14 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
         torch.cuda.reset_peak_memory_stats(device)
     shape = TINY if args.shape == "tiny" else SHAPES[SHAPE_NAMES[args.shape]]
     hf = LlamaConfig(**{**shape, "num_hidden_layers": args.blocks or shape["num_hidden_layers"]}, use_cache=False)
-    cfg = load_config(overrides=[f"{k}={v}" for k, v in dict(
-        method="full", optim=args.optim, dtype=args.dtype, precision=args.precision, seq_len=args.seq,
-        batch_size=args.batch, activations=args.activations, offload=args.offload, device=device.type,
-        max_grad_norm=0.0, grad_accum=1, lr=1e-5, weight_decay=0.0, device_mem=args.device_mem,
-        swap_dir=os.path.join(swap, "swap"), output=os.path.join(swap, "out")).items()])
+
+    def config(seq: int, activations: str):
+        return load_config(overrides=[f"{k}={v}" for k, v in dict(
+            method="full", optim=args.optim, dtype=args.dtype, precision=args.precision, seq_len=seq,
+            batch_size=args.batch, activations=activations, offload=args.offload, device=device.type,
+            max_grad_norm=0.0, grad_accum=1, lr=1e-5, weight_decay=0.0, device_mem=args.device_mem,
+            seq_tile=args.seq_tile, swap_dir=os.path.join(swap, "swap"), output=os.path.join(swap, "out")).items()])
+
     with torch.device("meta"):
         model = LlamaForCausalLM(hf).to(getattr(torch, args.dtype))
     materialize_buffers(model, hf)
@@ -132,19 +160,32 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
     probe = probe_hardware(swap, measure=not args.no_measure)
     budgets = dataclasses.replace(budgets_from_probe(probe, device_mem=args.device_mem), host_bytes=1 << 40,
                                   ram_bytes=1 << 40)
+    longest = None
+    if args.longest:  # every policy weighed, as `outcore plan --seq-len max` weighs them
+        longest = _longest(config(1024, "auto"), model, budgets)
+        args.seq = min(longest.seq_len, 64) if args.dry_run else longest.seq_len
+        args.activations = longest.activations
+    cfg = config(args.seq, args.activations)
     plan = plan_for_config(cfg, model, budgets=budgets)
     head = CausalLMHeadLoss(model.lm_head)
     opt = optimizer_for_config(cfg, [p for p in model.parameters() if p.requires_grad], streaming=True)
     t0 = time.perf_counter()
     engine = offload_from_plan(cfg, model, opt, plan, Path(cfg.output), head_loss=head, fill=_init, device=device)
     setup_s = time.perf_counter() - t0
-    if args.activations != "keep":
-        apply_activation_policy(model, args.activations)
+    # checkpoints or activations on NVMe go to the engine's swap disk where it has one (as a run's do)
+    to_disk = args.activations in ("offload", "recompute_nvme") and engine.store.has_tier("nvme")
+    host = plan.tier_bytes["HOST"].get("activations", 0)  # block checkpoints on HOST: the plan's bytes
+    apply_activation_policy(model, args.activations, store=engine.store if to_disk else None,
+                            seq_tile=args.seq_tile,
+                            host_budget=max(host, 1 << 30))
     t = plan.time
     out = {"device": str(device), "device_name": _device_name(device), "shape": args.shape,
            "layers": hf.num_hidden_layers, "params": n_params, "optim": args.optim, "dtype": args.dtype,
            "precision": args.precision, "offload": args.offload, "seq_len": args.seq, "batch_size": args.batch,
-           "activations": args.activations, "device_mem": args.device_mem, "prefetch": plan.prefetch_depth,
+           "activations": args.activations, "seq_tile": args.seq_tile, "device_mem": args.device_mem,
+           "device_cap_bytes": cap, "prefetch": plan.prefetch_depth,
+           # --seq max: the plan's longest context (run at 64 tokens at most in a dry run)
+           "longest": None if longest is None else longest.to_dict(),
            "setup_s": setup_s, "deterministic": args.deterministic,
            "plan": {"step_s": t.step_s, "compute_s": t.compute_s, "update_s": t.update_s, "io_bytes": t.io_bytes,
                     "io_s": t.io_s, "tier_bytes": plan.tier_bytes, "notes": plan.notes},
@@ -152,6 +193,20 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
                               "h2d_gbps": budgets.h2d_gbps, "d2h_gbps": budgets.d2h_gbps,
                               "measured": budgets.measured}}
     return {"engine": engine, "model": model, "head": head, "vocab": hf.vocab_size, "device": device}, out
+
+
+def _longest(cfg, model, budgets):
+    """The plan's longest context for ``cfg``'s model and budgets (``cli/plan.py:take_longest``)."""
+    from outcore.errors import BudgetError
+    from outcore.planner import plan_for_config
+
+    try:
+        longest = plan_for_config(cfg, model, budgets=budgets).longest
+    except BudgetError:  # 1024 tokens do not fit: the search still runs from one token
+        longest = plan_for_config(dataclasses.replace(cfg, seq_len=1), model, budgets=budgets).longest
+    if longest is None:
+        raise SystemExit(f"--seq max: not even one token of batch {cfg.batch_size} fits {cfg.device_mem}")
+    return longest
 
 
 def _device_name(device) -> str:

@@ -18,17 +18,25 @@ leave the RSS):
 
 Per mode, the least-squares slope of peak RSS per 1K tokens over the lengths that ran, beside
 ``hidden x bytes x blocks x 1K`` (what keeping every block checkpoint in RAM costs per 1K
-tokens); and the first length over ``--cap``.
+tokens); the first length over ``--cap``; and per length where both ran, each outcore mode's
+last step time over ``hf_gc``'s (the 1.15x bound of issue 29).
+
+Bounded: a run whose RSS passes ``--kill-over`` (default: the cap) is stopped and counted over
+the cap, a mode that stopped is not run at longer lengths, one run takes at most ``--timeout``
+and all of them ``--budget-s`` (what is left unrun says so); ``--out FILE`` is rewritten after
+every run, so an interrupted measurement keeps what finished.
 
 Usage::
 
-    python scripts/bench_long_context.py --json                       # 1K, 2K, 4K, 8K, 16K
+    python scripts/bench_long_context.py --json                       # 1K to 32K, every mode
+    python scripts/bench_long_context.py --json --budget-s 7200 --out runs/long_context.json
     python scripts/bench_long_context.py --json --lengths 256,512     # a busy machine: short ones
     python scripts/bench_long_context.py --json --modes outcore_recompute_nvme --lengths 16384,32768
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import resource
@@ -39,7 +47,7 @@ import time
 from pathlib import Path
 
 MODES = ("hf_gc", "outcore_recompute", "outcore_recompute_nvme")
-DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384)
+DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 GiB = 1 << 30
 
 
@@ -105,6 +113,7 @@ def _slope(points: list[tuple[int, int]]) -> float | None:
     return 1024 * sum((s - mx) * (p - my) for s, p in points) / sxx
 
 
+@functools.lru_cache(maxsize=None)  # (the summary is rewritten after every run)
 def _checkpoint_bytes_per_1k() -> int:
     """hidden x bytes x blocks x 1K of the default model (fp32): every block checkpoint in RAM."""
     from outcore.cli.plan import model_config
@@ -113,13 +122,68 @@ def _checkpoint_bytes_per_1k() -> int:
     return int(cfg.hidden_size) * 4 * int(cfg.num_hidden_layers) * 1024
 
 
+def _run_child(cmd: list[str], env: dict, timeout: float, kill_over: int) -> dict:
+    """One child run: its RESULT line, or why there is none (killed over ``kill_over`` bytes of
+    RSS, polled every 0.2 s; timed out; failed)."""
+    import psutil
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=env)
+        t0, over = time.perf_counter(), 0
+        while p.poll() is None:
+            try:
+                rss = psutil.Process(p.pid).memory_info().rss
+            except psutil.Error:  # it just ended
+                rss = 0
+            if rss > kill_over or time.perf_counter() - t0 > timeout:
+                over = rss if rss > kill_over else 0
+                p.kill()
+                p.wait()
+                if over:
+                    return {"status": f"over the cap: stopped at {over / GiB:.2f} GiB RSS", "peak_rss_bytes": over}
+                return {"status": f"timed out after {timeout:.0f} s"}
+            time.sleep(0.2)
+        out.seek(0)
+        err.seek(0)
+        lines = [ln for ln in out.read().splitlines() if ln.startswith("RESULT ")]
+        if lines:
+            return json.loads(lines[-1][7:])
+        return {"status": f"failed (exit {p.returncode})", "error": (err.read().strip().splitlines() or [""])[-1]}
+
+
+def _summary(runs: dict[str, list[dict]], lengths: list[int], cap: int, args, env: dict) -> dict:
+    ok = {m: [(r["seq_len"], r["peak_rss_bytes"]) for r in rs if r.get("status") == "ok"] for m, rs in runs.items()}
+    done = {m: {r["seq_len"]: r for r in rs if r.get("status") == "ok"} for m, rs in runs.items()}
+    ratios: dict[str, dict[int, float]] = {}
+    for m in (m for m in done if m != "hf_gc" and "hf_gc" in done):
+        ratios[m] = {s: r["step_s"][-1] / done["hf_gc"][s]["step_s"][-1] for s, r in done[m].items()
+                     if s in done["hf_gc"]}
+    return {
+        "model": "default (SmolLM2-135M-Instruct, fp32)", "batch_size": 1, "steps": args.steps,
+        "lengths": lengths, "cap_bytes": cap, "kill_over_bytes": args.kill_over_bytes, "budget_s": args.budget_s,
+        "runs": runs,
+        "slope_bytes_per_1k_tokens": {m: _slope(p) for m, p in ok.items()},
+        "checkpoints_in_ram_bytes_per_1k_tokens": _checkpoint_bytes_per_1k(),
+        # over the cap: stopped over it, failed (the kernel's OOM killer), or finished above it
+        "first_over_cap": {m: next((r["seq_len"] for r in rs if r["status"].startswith(("over the cap", "failed"))
+                                    or r["status"] == "ok" and r["peak_rss_bytes"] > cap), None)
+                           for m, rs in runs.items()},
+        "step_time_over_hf_gc": ratios,  # the last step's time, at each length where both ran
+        "machine": {"cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg()},
+        "malloc_mmap_threshold": env["MALLOC_MMAP_THRESHOLD_"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default=",".join(map(str, DEFAULT_LENGTHS)), help="sequence lengths, comma-separated")
     ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of: {', '.join(MODES)}")
     ap.add_argument("--steps", type=int, default=1, help="optimizer steps per run (the first is timed too)")
     ap.add_argument("--cap", default="4GiB", help="the RSS cap each length is checked against")
+    ap.add_argument("--kill-over", default=None, help="stop a run whose RSS passes this (default: --cap)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds one run may take")
+    ap.add_argument("--budget-s", type=float, default=4 * 3600.0, help="seconds all the runs may take")
+    ap.add_argument("--out", default=None, help="also write the JSON here, rewritten after every run")
     ap.add_argument("--swap-dir", default=None, help="where the outcore runs' swap files go (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--child", nargs=2, metavar=("MODE", "SEQ"), help=argparse.SUPPRESS)
@@ -131,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     from outcore.bytesize import parse_bytes
 
     cap = parse_bytes(args.cap, "--cap")
+    args.kill_over_bytes = parse_bytes(args.kill_over, "--kill-over") if args.kill_over else cap
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
@@ -140,46 +205,37 @@ def main(argv: list[str] | None = None) -> int:
     # every tensor over 128 KiB its own mapping, unmapped when freed: the peak is what was live,
     # not what glibc's heap kept after a free (its dynamic threshold heaps tensors up to 32 MiB)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
+    deadline = time.perf_counter() + args.budget_s
     for seq in lengths:
         for mode in modes:
             if runs[mode] and runs[mode][-1].get("status") != "ok":
                 continue  # it stopped at a shorter length: a longer one would too
+            left = deadline - time.perf_counter()
+            if left < 1:
+                runs[mode].append({"mode": mode, "seq_len": seq, "status": "not run: --budget-s spent"})
+                continue
             cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, str(seq), "--steps", str(args.steps)]
             cmd += ["--swap-dir", args.swap_dir] if args.swap_dir else []
             t0 = time.perf_counter()
-            try:
-                p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
-                lines = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
-                res = json.loads(lines[-1][7:]) if lines else {
-                    "mode": mode, "seq_len": seq, "status": f"failed (exit {p.returncode})",
-                    "error": (p.stderr.strip().splitlines() or [""])[-1]}
-            except subprocess.TimeoutExpired:
-                res = {"mode": mode, "seq_len": seq, "status": f"timed out after {args.timeout:.0f} s"}
+            res = {"mode": mode, "seq_len": seq, **_run_child(cmd, env, min(args.timeout, left), args.kill_over_bytes)}
             res["wall_s"] = time.perf_counter() - t0
             runs[mode].append(res)
+            if args.out:
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps(_summary(runs, lengths, cap, args, env), indent=2) + "\n")
             if not args.json:
                 peak = res.get("peak_rss_bytes")
                 print(f"{mode:<24} seq {seq:>6}: {res['status']}"
-                      + (f", peak RSS {peak / GiB:.2f} GiB, step {res['step_s'][-1]:.1f} s" if peak else ""),
+                      + (f", peak RSS {peak / GiB:.2f} GiB, step {res['step_s'][-1]:.1f} s" if "step_s" in res else ""),
                       file=sys.stderr)
-    ok = {m: [(r["seq_len"], r["peak_rss_bytes"]) for r in rs if r.get("status") == "ok"] for m, rs in runs.items()}
-    result = {
-        "model": "default (SmolLM2-135M-Instruct, fp32)", "batch_size": 1, "steps": args.steps,
-        "lengths": lengths, "cap_bytes": cap, "runs": runs,
-        "slope_bytes_per_1k_tokens": {m: _slope(p) for m, p in ok.items()},
-        "checkpoints_in_ram_bytes_per_1k_tokens": _checkpoint_bytes_per_1k(),
-        "first_over_cap": {m: next((r["seq_len"] for r in rs if r.get("status") != "ok"
-                                    or r["peak_rss_bytes"] > cap), None) for m, rs in runs.items()},
-        "machine": {"cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg()},
-        "malloc_mmap_threshold": env["MALLOC_MMAP_THRESHOLD_"],
-    }
+    result = _summary(runs, lengths, cap, args, env)
     if args.json:
         from outcore.cli.jsonout import emit_json
 
         emit_json(json.dumps(result, indent=2))
     else:
         print(json.dumps({k: result[k] for k in ("slope_bytes_per_1k_tokens", "checkpoints_in_ram_bytes_per_1k_tokens",
-                                                 "first_over_cap")}, indent=2))
+                                                 "first_over_cap", "step_time_over_hf_gc")}, indent=2))
     return 0
 
 

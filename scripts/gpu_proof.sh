@@ -53,18 +53,21 @@ START=$(date +%s)
 if [ $DRY = 1 ]; then
   # (on a loaded 2-core CI machine: the tests stage mostly imports and collects)
   TOTAL=${PROOF_BUDGET_S:-420}
-  B_SETUP=30 B_ENV=30 B_DSOPS=120 B_TESTS=120 B_KERNELS=70 B_STEP=40 B_PEERS=60 B_PEERS8=30 B_RACE=45
+  B_SETUP=30 B_ENV=30 B_DSOPS=120 B_TESTS=120 B_KERNELS=70 B_STEP=40 B_LONG=40 B_PEERS=60 B_PEERS8=30 B_RACE=45
   DRYFLAG=(--dry-run) PEERS8=(--peers plain)  # the second peers stage only checks the stage runs
 else
   TOTAL=${PROOF_BUDGET_S:-480}
   # Sized from the runs on an H200 (2026-11-26): setup and env ~15 s, the tests 60, the kernels 35,
   # a 1.7B step ~60 (20 of them initializing the weights), two short race runs ~25 each.
   # DeepSpeed's ops build in the background during the tests and kernels (they need the CPU little).
-  B_SETUP=30 B_ENV=15 B_DSOPS=240 B_TESTS=75 B_KERNELS=40 B_STEP=70 B_PEERS=90 B_PEERS8=30 B_RACE=60
+  # The long-context stage (8B, 2 blocks, at the longest context the plan finds under the 24 GiB cap,
+  # ~91K tokens: weight init, the plan, a warm-up and a timed step of ~4 s each) takes its 60 s from
+  # the peers'.
+  B_SETUP=30 B_ENV=15 B_DSOPS=240 B_TESTS=75 B_KERNELS=40 B_STEP=70 B_LONG=60 B_PEERS=60 B_PEERS8=30 B_RACE=60
   DRYFLAG=() PEERS8=()
 fi
 # Any budget can be set from the environment (a longer lease: PROOF_BUDGET_S=900 PROOF_B_PEERS=300 ...)
-for b in SETUP ENV DSOPS TESTS KERNELS STEP PEERS PEERS8 RACE; do
+for b in SETUP ENV DSOPS TESTS KERNELS STEP LONG PEERS PEERS8 RACE; do
   v=PROOF_B_$b; [ -n "${!v:-}" ] && printf -v "B_$b" '%s' "${!v}"
 done
 PEERS=(${PROOF_PEERS:+--peers "$PROOF_PEERS"})  # the peers and their order (bench_peers.py --peers)
@@ -103,11 +106,11 @@ clear_locks() {  # a build killed at a stage's timeout leaves a lock the next lo
   (cd scripts && python3 -c 'import sys; from bench_peers import clear_build_locks as c; c(tuple(sys.argv[1:]))' "$@")
 }
 
-run_step_bench() {  # the lead's scripts/bench_gpu_step.py, where it exists
+run_step_bench() {  # the lead's scripts/bench_gpu_step.py, where it exists (BUDGET, SEQ, BATCH: the stage's)
   local name=$1 file=$2; shift 2
   if [ -f scripts/bench_gpu_step.py ]; then
-    run_stage "$name" "$file" "$B_STEP" python3 scripts/bench_gpu_step.py --device "$DEV" "$@" \
-      --seq "$SEQ" --batch "$BATCH" "${DRYFLAG[@]}" --json
+    run_stage "$name" "$file" "${BUDGET:-$B_STEP}" python3 scripts/bench_gpu_step.py --device "$DEV" "$@" \
+      --seq "${STAGE_SEQ:-$SEQ}" --batch "${STAGE_BATCH:-$BATCH}" "${DRYFLAG[@]}" --json
   else
     echo '{"status": "missing", "reason": "scripts/bench_gpu_step.py is not in this tree"}' > "$WORK/$file"
     finish "$name" "$file" 0 0
@@ -199,6 +202,11 @@ rm -f "$WORK/ds_ops.rc"
 
 run_step_bench step_1.7b step_1.7b.json --shape 1.7b
 run_step_bench step_8b step_8b.json --shape 8b --blocks 4
+# long context: the 8B shape (2 of its 32 blocks: the length hardly depends on the depth, the
+# checkpoints of the others are off the GPU) at the longest context the plan finds under the 24 GiB
+# cap, with the activation policy that gets there and the tiled MLP; one warm-up, one timed step
+BUDGET=$B_LONG STAGE_SEQ=max STAGE_BATCH=1 run_step_bench long_8b long_8b.json --shape 8b --blocks 2 \
+  --device-mem 24GiB --seq-tile auto --steps 1 --no-measure
 
 PEER_ARGS=(--device "$DEV" --seq "$SEQ" --batch "$BATCH" --steps 3 --warmup 1 --nvme-dir "$NVME" "${DRYFLAG[@]}" --json)
 run_stage peers_1.7b peers_1.7b.json "$B_PEERS" python3 scripts/bench_peers.py --shape 1.7b "${PEER_ARGS[@]}" \

@@ -45,6 +45,7 @@ class FinetuneConfig:
     data_max_bytes: int = 0  # read at most this many bytes of text data (0 = all)
     val_fraction: float = 0.02  # share of sequences held out for validation
     seq_len: int = 256  # tokens per training sequence
+    padding_free: bool = False  # packed text keeps its documents apart (TRL's name): positions restart at each
     # --- how -----------------------------------------------------------------
     method: str = FULL  # one of METHODS
     # one of OBJECTIVES: sft (next-token loss on data), or a preference objective on JSONL pairs
@@ -133,14 +134,10 @@ class FinetuneConfig:
         """Check every field; raise ConfigError naming the value and the rule."""
         _choice("method", self.method, tuple(_METHOD_REGISTRY))  # (a method registered since import too)
         objective(self.objective)  # (an objective registered since import too)
-        _choice("optim", self.optim, OPTIMIZERS)
-        _choice("dtype", self.dtype, DTYPES)
-        _choice("precision", self.precision, PRECISIONS)
-        _choice("offload", self.offload, OFFLOAD_MODES)
-        _choice("device", self.device, DEVICE_CHOICES)
-        _choice("activations", self.activations, ACTIVATION_POLICIES)
-        _choice("activations_compress", self.activations_compress, ACTIVATION_COMPRESSION)
-        _choice("ui", self.ui, UI_MODES)
+        for name, allowed in (("optim", OPTIMIZERS), ("dtype", DTYPES), ("precision", PRECISIONS),
+                              ("offload", OFFLOAD_MODES), ("device", DEVICE_CHOICES), ("ui", UI_MODES),
+                              ("activations", ACTIVATION_POLICIES), ("activations_compress", ACTIVATION_COMPRESSION)):
+            _choice(name, getattr(self, name), allowed)
         self.seq_tile = parse_seq_tile(self.seq_tile)
         for name in ("seq_len", "batch_size", "grad_accum", "max_steps", "log_every", "lora_r",
                      "keep_checkpoints"):
@@ -170,6 +167,9 @@ class FinetuneConfig:
             runs = " and ".join(repr(name) for name, o in _OBJECTIVE_REGISTRY.items() if o.zo_recipe)
             raise ConfigError(f"objective={self.objective!r} trains with gradients; method 'zo' runs objective "
                               f"{runs} only: use --method full, lora or qlora")
+        if self.padding_free and self.objective != SFT:
+            raise ConfigError(f"padding_free=true packs text for objective 'sft', not objective={self.objective!r} "
+                              f"(its rows are examples, one a row): set padding_free=false")
         if self.objective == "kto" and self.batch_size < 2:
             raise ConfigError(f"objective 'kto' estimates its KL term from a batch's other completions: "
                               f"batch_size={self.batch_size} has none; use batch_size >= 2")

@@ -62,6 +62,7 @@ class Built:
     store: TieredStore | None = None  # the store the weights stream through (None: nothing streams)
     swap_dir: Path | None = None  # the store's swap directory (None: OUTPUT/swap), for the wear figures
     plan_table: str | None = None  # the memory plan, as ``outcore plan`` prints it
+    activations: str = ""  # where the saved activations live (activations.policy.activation_home)
     #: the step of the checkpoint the run continues from, or that it already is (ZO: its log,
     #: of step 0 for a new run); None: no checkpoint yet (a new first-order run)
     checkpoint_step: int | None = None
@@ -251,7 +252,8 @@ class Run:
         self.sink.emit(RunStarted(run_name=self.out.name, model=cfg.model, n_params=built.n_params,
                                   n_trainable=built.n_trainable, total_steps=cfg.max_steps, output_dir=str(self.out),
                                   method=cfg.method, optim=cfg.optim, config=cfg.to_dict(),
-                                  plan_table=built.plan_table))
+                                  plan_table=built.plan_table, tokens_per_step=built.tokens_per_step,
+                                  activations=built.activations))
 
     def _stall_s(self) -> float:
         """Seconds compute has waited for a transfer since the store was made (none without one)."""

@@ -11,6 +11,16 @@ import torch.nn.functional as F
 from ..offload.device import to_device
 
 
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The model's inputs of ``batch``: ids and attention mask, or, for rows packed with
+    document boundaries, ids and position ids with no mask and no KV cache, from which
+    transformers masks attention per document (``create_causal_mask``; a cache or a mask
+    would hide the documents from it)."""
+    if "position_ids" in batch:
+        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "use_cache": False}
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
 def _device_of(model: torch.nn.Module) -> torch.device:
     """Where ``model``'s parameters are (the CPU for a meta-device model, not yet placed)."""
     p = next(model.parameters(), None)
@@ -43,7 +53,7 @@ class CausalLMScorer:
         """Mean next-token loss over the batch's labelled tokens (-100 = no loss)."""
         batch = to_device(batch, self.device)
         if self.head_loss is None:
-            return self.model(**batch).loss
+            return self.model(**model_inputs(batch), labels=batch["labels"]).loss
         return self.head_loss(self._hidden(batch), batch["labels"])
 
     def token_nll(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -52,12 +62,12 @@ class CausalLMScorer:
         labels = batch["labels"]
         if self.head_loss is not None:
             return self.head_loss(self._hidden(batch), labels, reduction="none")
-        logits = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        logits = self.model(**model_inputs(batch)).logits
         nll = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels[:, 1:], reduction="none")
         return F.pad(nll, (0, 1))
 
     def _hidden(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.decoder(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+        return self.decoder(**model_inputs(batch)).last_hidden_state
 
 
 @torch.no_grad()
@@ -170,7 +180,7 @@ def completion_logps(scorer: CausalLMScorer, batch: dict[str, torch.Tensor], com
         if scorer.head_loss is not None:
             nll = scorer.head_loss(scorer._hidden(batch) / temperature, labels, reduction="none")
         else:
-            logits = scorer.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+            logits = scorer.model(**model_inputs(batch)).logits
             nll = F.pad(F.cross_entropy(logits[:, :-1].float().transpose(1, 2) / temperature, labels[:, 1:],
                                         reduction="none"), (0, 1))
     # position t predicts token t + 1: the completion's C tokens are predicted at T-C-1 … T-2

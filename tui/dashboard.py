@@ -240,6 +240,8 @@ class Dashboard:
             grid.add_row("rollout", _rollouts_text(snap.rollouts))
         if snap.reward[0] is not None or snap.reward[1] is not None:
             grid.add_row("reward", _reward_text(*snap.reward))
+        if snap.started is not None and (snap.started.tokens_per_step or snap.started.activations):
+            grid.add_row("context", _context_text(snap.started))
         if ev is not None:
             speed = Text.assemble((fmt_count(ev.tokens_per_s), "bold"), " tokens/s   ",
                                   (fmt_seconds(ev.step_s), "bold"), "/step   ",
@@ -247,7 +249,6 @@ class Dashboard:
             if ev.grad_norm is not None:  # zeroth-order runs have no gradient
                 speed.append_text(Text.assemble("   ", ("grad norm ", "dim"), fmt_float(ev.grad_norm, 3)))
             grid.add_row("speed", speed)
-
             grid.add_row("memory", self._memory_row(ev))
             wear = wear_text(ev.ssd_written_bytes, ev.ssd_written_per_step_bytes, ev.ssd_life_used_pct,
                              ev.ssd_life_per_1000_steps_pct)
@@ -334,6 +335,16 @@ def _preference_text(before: PreferenceEvalEvent | None, latest: PreferenceEvalE
     if latest is not None:
         text.append(f"@{latest.step}", style="dim")
     return text
+
+
+def _context_text(ev: RunStarted) -> Any:
+    """``16,384 tokens/step   block checkpoints on NVME (recompute_nvme)``."""
+    from rich.text import Text
+
+    text = Text()
+    if ev.tokens_per_step:
+        text.append_text(Text.assemble((f"{ev.tokens_per_step:,}", "bold"), " tokens/step   "))
+    return text.append(ev.activations)
 
 
 def _rollouts_text(ev: GRPOStepEvent) -> Any:

@@ -19,10 +19,14 @@ from .summary import RunSummary, summary_lines, wear_text
 
 
 def started_line(ev: RunStarted) -> str:
-    """``outcore: run NAME | model M (135.0M params, 135.0M trainable) | full/adamw | 40 steps -> DIR``."""
+    """``outcore: run NAME | model M (135.0M params, 135.0M trainable) | full/adamw | 40 steps |
+    512 tokens/step | activations: block checkpoints on NVME (recompute_nvme) -> DIR`` (the last two
+    when known)."""
     params = f"{ev.n_params / 1e6:,.1f}M params, {ev.n_trainable / 1e6:,.1f}M trainable"
+    context = f" | {ev.tokens_per_step:,} tokens/step" if ev.tokens_per_step else ""
+    context += f" | activations: {ev.activations}" if ev.activations else ""
     return (f"outcore: run {ev.run_name} | model {ev.model} ({params}) | {ev.method}/{ev.optim} | "
-            f"{ev.total_steps} steps -> {ev.output_dir}")
+            f"{ev.total_steps} steps{context} -> {ev.output_dir}")
 
 
 def step_line(ev: StepEvent, state: RunState | None = None) -> str:

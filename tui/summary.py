@@ -32,6 +32,8 @@ class RunSummary:
     base_eval_loss: float | None = None
     final_eval_loss: float | None = None
     mean_tokens_per_s: float | None = None
+    tokens_per_step: int | None = None  # the tokens one optimizer step trains on, over every rank
+    activations: str | None = None  # where the saved activations lived (RunStarted.activations)
     objective: str | None = None  # what the run optimized (a preference loss has no perplexity)
     base_pref_accuracy: float | None = None  # a preference objective's held-out pairs, before training
     final_pref_accuracy: float | None = None  # ... and after the last step
@@ -111,6 +113,10 @@ def summary_rows(summary: RunSummary) -> list[tuple[str, str]]:
         rows.append(("peak device memory", fmt_bytes(summary.peak_device_bytes)))
     if summary.mean_tokens_per_s is not None:
         rows.append(("throughput", f"{fmt_count(summary.mean_tokens_per_s)} tokens/s"))
+    if summary.tokens_per_step:
+        rows.append(("tokens/step", f"{summary.tokens_per_step:,}"))
+    if summary.activations:
+        rows.append(("activations", summary.activations))
     wear = wear_text(summary.ssd_written_bytes, None, summary.ssd_life_used_pct,
                      summary.ssd_life_per_1000_steps_pct)
     if wear and summary.ssd_life_used_pct is None:

@@ -118,7 +118,9 @@ class CausalLMBlocks:
 
         Args:
             batch: ``input_ids`` [B, T] (required), ``labels`` [B, T] (default: the
-                input ids; -100 = ignored), ``attention_mask`` [B, T] (optional).
+                input ids; -100 = ignored), ``attention_mask`` [B, T] (optional), or
+                ``position_ids`` [B, T] restarting at each document of a packed row
+                (no mask: transformers' masks then keep the documents apart).
 
         Returns:
             The context dict passed to :meth:`run`.
@@ -127,7 +129,8 @@ class CausalLMBlocks:
         labels = batch.get("labels")
         return {"input_ids": ids, "labels": ids if labels is None else labels, "batch": batch,
                 "attention_mask": batch.get("attention_mask"),
-                "position_ids": torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)}
+                "position_ids": batch["position_ids"] if "position_ids" in batch
+                else torch.arange(ids.shape[1], device=ids.device).unsqueeze(0)}
 
     def _layer_extras(self, layer: int, h: torch.Tensor, ctx: dict[str, Any]) -> dict[str, Any]:
         """The keyword arguments decoder layer ``layer`` takes, as the model's own forward builds

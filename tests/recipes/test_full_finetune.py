@@ -284,3 +284,26 @@ def test_resume_falls_back_to_the_newest_valid_checkpoint_and_says_so(tiny_run_i
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("outcore")]
     assert err == [f"outcore: warning: checkpoint file {str(f)!r} is corrupt or truncated (checksum mismatch); "
                    "delete its directory to resume from the previous checkpoint; resuming from step_000002 instead"]
+
+
+@pytest.mark.parametrize("activations", ["keep", "recompute_host"])
+def test_padding_free_offloaded_equals_in_memory(tiny_run_inputs, tmp_path, activations):
+    """Text packed with its document boundaries (padding_free) trains out of core exactly as in
+    memory, block checkpoints offloaded included; the boundaries change what it trains on."""
+    text = (tiny_run_inputs / "data.txt").read_text()
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for i in range(40):  # ~100-token documents: most 64-token rows hold a boundary
+        (docs / f"{i:02d}.txt").write_text(text[i * 400:(i + 1) * 400])
+    kw = dict(data=str(docs), seq_len=64, max_steps=3, eval_every=0, export=False)
+    mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", padding_free=True, **kw), sink=RecordingSink())
+    sink = RecordingSink()
+    ooc = finetune(_cfg(tiny_run_inputs, tmp_path / "ooc", padding_free=True, offload="nvme",
+                        activations=activations, **kw), sink=sink)
+    assert mem.losses == ooc.losses and mem.final_eval_loss == ooc.final_eval_loss
+    started = next(e for e in sink.events if type(e).__name__ == "RunStarted")  # what the views show
+    assert started.tokens_per_step == 2 * 64
+    assert started.activations == {"keep": "activations kept on DEVICE (keep)",
+                                   "recompute_host": "block checkpoints on HOST (recompute_host)"}[activations]
+    plain = finetune(_cfg(tiny_run_inputs, tmp_path / "plain", **kw), sink=RecordingSink())
+    assert plain.losses != mem.losses
