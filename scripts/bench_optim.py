@@ -133,6 +133,19 @@ def state_bytes(opt) -> int:
     return total
 
 
+def cpu_best_isa() -> str:
+    """The highest outcore ISA level this CPU's flags (``/proc/cpuinfo``) allow, whatever
+    ``ATEN_CPU_CAPABILITY`` says (Linux; elsewhere torch's capability)."""
+    from outcore.kernels.adamw8bit import _cpu_flags, supported_isa_levels
+
+    flags = _cpu_flags()
+    if not flags:
+        return supported_isa_levels()[-1]
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "AVX512_VBMI" if "avx512vbmi" in flags else "AVX512"
+    return "AVX2" if {"avx2", "fma"} <= flags else "DEFAULT"
+
+
 def machine() -> dict:
     """The CPU model, the ISA levels in use (outcore's kernel, torch's dispatch) and the load."""
     from outcore.kernels.adamw8bit import cpu_extension, cpu_isa, supported_isa_levels
@@ -143,10 +156,11 @@ def machine() -> dict:
             model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
     except OSError:
         pass
-    supported = list(supported_isa_levels())
-    # isa_forced: a level below the CPU's best (OUTCORE_CPU_ISA / --isa): say so with the figure
+    # isa_forced: a level below what the CPU's flags allow (OUTCORE_CPU_ISA / --isa; torch's own
+    # capability is forced along with it, so it cannot tell): say so with the figure
     return {"cpu_model": model, "cores": os.cpu_count(), "isa": cpu_isa(),
-            "isa_supported": supported, "isa_forced": cpu_isa() != supported[-1],
+            "isa_supported": list(supported_isa_levels()), "isa_cpu_best": cpu_best_isa(),
+            "isa_forced": cpu_isa() != cpu_best_isa(),
             "kernel": "cpp" if cpu_extension() is not None else "reference",
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(), "loadavg": list(os.getloadavg()),
