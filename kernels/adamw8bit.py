@@ -29,7 +29,8 @@ inputs:
 
   - Every level computes the reference's operations in its order, one rounding each (no
     FMA in the update). Dequantization is an exact table lookup (AVX-512: byte or fp32
-    permutes in registers; AVX2: scalar loads; scalar: the map). Quantization: the scalar
+    permutes in registers; AVX2: scalar loads and stores one block ahead, off the vector
+    pipes; scalar: the map). Quantization: the scalar
     path uses the 7 KiB bucket table of ``kernels/quantize.py``; the vector paths a
     piecewise-linear quantizer (``kernels/adamw8bit_segments.py``: tables verified
     exhaustively) that hands the rare values next to a code boundary (~1e-4) to the bucket
@@ -48,8 +49,11 @@ Zen 4, 2026-11-26; a stand-alone build of the kernel, ``OUTCORE_KERNEL_ONLY``; n
 this kernel 0.83 ns (AVX512_VBMI), 1.17 (AVX512 without VBMI), 1.10 (AVX2), 6.3 (DEFAULT);
 from DRAM (16M elements) 0.87 (AVX512_VBMI) and 1.25 (AVX2) against torch's fused fp32 AdamW's
 0.78-0.86 (either ISA). The divider (sqrt and divide, ~0.28 ns) is common to both updates; the
-rest is the 8-bit work: quantization ~40%, dequantization (AVX2: scalar loads) ~25%.
-``scripts/bench_optim.py`` measures whole optimizer steps per ISA level (``--isa``).
+rest is the 8-bit work: quantization ~40%, dequantization (AVX2: scalar loads) ~25%. With the
+AVX2 lookups moved off the vector pipes (2026-11-27, ``scripts/bench_adamw8bit_cpu.py``, AVX2
+forced on that AVX-512 machine, load 2-8): AVX2 1.00-1.02 ns against 1.11 before, in cache;
+what is left is vector-op bound (the two requantizations ~0.55 ns, the divider hidden under
+them). ``scripts/bench_optim.py`` measures whole optimizer steps per ISA level (``--isa``).
 """
 from __future__ import annotations
 

@@ -149,6 +149,6 @@ def _scaled_raw_grad(grad: Tensor, low: Tensor, update: Tensor, s: dict[str, Ten
             s["scaled_grad_norm"].copy_(norm)
         else:
             limiter = torch.clamp_min(norm / (s["scaled_grad_norm"] + 1e-8), 1.01) / 1.01
-            scaled = scaled / limiter
+            scaled.div_(limiter)  # in place: the same op, no fresh full-size tensor to fault in
             s["scaled_grad_norm"].copy_(norm / limiter)
-    return scaled * math.sqrt(group["scale"])
+    return scaled.mul_(math.sqrt(group["scale"]))

@@ -91,7 +91,8 @@ class FRUGAL(OutcoreOptimizer):
         for p, grad, s in zip(params, grads, states):
             step = int(s["step"].item())  # CPU scalar; on CUDA a sync, once per tensor
             s["step"].add_(1)
-            p.mul_(1.0 - lr * wd)
+            if wd:  # x * 1.0 is x: without weight decay, no pass over the weights
+                p.mul_(1.0 - lr * wd)
             if "seed" not in s:
                 _adamw(p, grad, s["exp_avg"], s["exp_avg_sq"], s["step"], group)
                 continue

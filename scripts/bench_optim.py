@@ -13,11 +13,13 @@ that load on a shared machine hits all of them alike. Reported per optimizer:
 
 Every figure comes with the machine's CPU model and the ISA level it ran at (``_meta``):
 the outcore kernel's (``kernels/adamw8bit.py: cpu_isa``) and torch's own
-(``torch.backends.cpu.get_cpu_capability``). ``--isa AVX2,AVX512`` runs each level in its
-own process with ``OUTCORE_CPU_ISA`` and ``ATEN_CPU_CAPABILITY`` set to it (torch's fused
-AdamW and the low-rank optimizers' matmuls then use that level's kernels too: what an
-AVX2-only CPU runs), ``--repeat N`` alternates the levels N times; the summary gives each
-optimizer's median and range of ``vs_fused`` over the runs.
+(``torch.backends.cpu.get_cpu_capability``), and ``isa_forced`` where that level is below
+the CPU's best (AVX2 measured on an AVX-512 machine is not an AVX2-only machine's figure).
+``--isa AVX2,AVX512`` runs each level in its own process with ``OUTCORE_CPU_ISA`` and
+``ATEN_CPU_CAPABILITY`` set to it (torch's fused AdamW and the low-rank optimizers' matmuls
+then use that level's kernels too: what an AVX2-only CPU runs), ``--repeat N`` alternates the
+levels N times; the summary gives each optimizer's median and range of ``vs_fused`` over the
+runs.
 
 Optimizers: torch's fused AdamW, bitsandbytes' AdamW8bit (where installed), outcore's
 AdamW8bit, its ``bf16-lean`` form (``lean_adamw8bit``: bf16 weights, AdamW8bit, stochastic
@@ -131,6 +133,19 @@ def state_bytes(opt) -> int:
     return total
 
 
+def cpu_best_isa() -> str:
+    """The highest outcore ISA level this CPU's flags (``/proc/cpuinfo``) allow, whatever
+    ``ATEN_CPU_CAPABILITY`` says (Linux; elsewhere torch's capability)."""
+    from outcore.kernels.adamw8bit import _cpu_flags, supported_isa_levels
+
+    flags = _cpu_flags()
+    if not flags:
+        return supported_isa_levels()[-1]
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        return "AVX512_VBMI" if "avx512vbmi" in flags else "AVX512"
+    return "AVX2" if {"avx2", "fma"} <= flags else "DEFAULT"
+
+
 def machine() -> dict:
     """The CPU model, the ISA levels in use (outcore's kernel, torch's dispatch) and the load."""
     from outcore.kernels.adamw8bit import cpu_extension, cpu_isa, supported_isa_levels
@@ -141,8 +156,11 @@ def machine() -> dict:
             model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
     except OSError:
         pass
+    # isa_forced: a level below what the CPU's flags allow (OUTCORE_CPU_ISA / --isa; torch's own
+    # capability is forced along with it, so it cannot tell): say so with the figure
     return {"cpu_model": model, "cores": os.cpu_count(), "isa": cpu_isa(),
-            "isa_supported": list(supported_isa_levels()),
+            "isa_supported": list(supported_isa_levels()), "isa_cpu_best": cpu_best_isa(),
+            "isa_forced": cpu_isa() != cpu_best_isa(),
             "kernel": "cpp" if cpu_extension() is not None else "reference",
             "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "threads": torch.get_num_threads(), "loadavg": list(os.getloadavg()),
@@ -209,8 +227,9 @@ def run_levels(levels: list[str], repeat: int, child_args: list[str]) -> dict:
 
 def _print_run(result: dict) -> None:
     meta = result["_meta"]
+    forced = " (forced)" if meta["isa_forced"] else ""
     print(f"{meta['n_params'] / 1e6:.1f}M parameters, {meta['threads']} threads, {meta['steps']} timed steps; "
-          f"{meta['cpu_model']}, outcore ISA {meta['isa']}, torch {meta['torch_cpu_capability']}, "
+          f"{meta['cpu_model']}, outcore ISA {meta['isa']}{forced}, torch {meta['torch_cpu_capability']}, "
           f"load {meta['loadavg'][0]:.1f}")
     base_cpu = result.get(FUSED, {}).get("cpu_s_median")
     print(f"{'optimizer':<20}{'G params/s':>11}{'vs fused':>9}{'state B/param':>15}"
@@ -228,7 +247,8 @@ def _print_run(result: dict) -> None:
 def _print_levels(result: dict) -> None:
     for lv, res in result.items():
         meta = res["_meta"]
-        print(f"== ISA {lv} (torch {meta['torch_cpu_capability']}), {meta['cpu_model']}, "
+        forced = ", forced" if meta["isa_forced"] else ""
+        print(f"== ISA {lv} (torch {meta['torch_cpu_capability']}{forced}), {meta['cpu_model']}, "
               f"{len(res['runs'])} runs; vs fused AdamW: median (min..max)")
         for name, s in res["summary"].items():
             ratio = (f"{s['vs_fused_median']:.2f}x ({s['vs_fused_min']:.2f}..{s['vs_fused_max']:.2f})"

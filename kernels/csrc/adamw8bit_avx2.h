@@ -3,25 +3,45 @@
 // Included by adamw8bit_cpu.cpp inside its anonymous namespace, after the definitions it uses
 // (kBlock, Coeffs, Maps, quantize_one); one translation unit only.
 //
-// Per block: dequantize both moments, update (the reference's operations in its order: no FMA),
-// the fresh moments into two L1 buffers and their absmax, then requantize both.
-// Costs, measured on the dev box (AMD EPYC Zen 4 with the AVX-512 units unused, one thread):
+// Per block: the moments from their map values, updated (the reference's operations in its
+// order: no FMA), into two L1 buffers with their absmax; then the param and both
+// requantizations. Costs, measured on the dev box (AMD EPYC Zen 4 with the AVX-512 units
+// unused, one thread, 64K elements in cache), where the update is bound by its vector ops:
 // * dequantization has no cheap AVX2 form: a 256-entry fp32 table is 32 registers of 8 for
-//   vpermps, and 16-entry vpshufb lookups need 64 shuffles per 32 codes for 4 byte planes.
-//   Eight scalar loads assembled into a register (dequant8) beat vpgatherdd here.
+//   vpermps, 16-entry vpshufb lookups need 64 shuffles per 32 codes for 4 byte planes, and
+//   vpgatherdd is slower than scalar loads (1.37 against 1.11 ns per element). Eight scalar
+//   loads assembled into a register cost 14 shuffles per 8 elements of both moments, on the
+//   two pipes the quantizer's permutes need. So the map values are looked up one block ahead
+//   by scalar loads and stores (MapLookahead): load/store and integer units only, issued
+//   inside the requantization loops of the block before (1.02 against 1.11 ns per element;
+//   all lookups in one of the two loops, or in the moment loop: 1.07-1.20).
 // * quantization: three binades per slot, 8 pieces, so each of the four table lookups is one
 //   vpermps/vpermd over a register (SegQuant); the code is read from the bits of f, biased
 //   into [256, 512); values in the guard band are rare (~1e-4) and redone exactly.
 #pragma once
 
-// map[codes[i]] for 8 codes: eight scalar loads, assembled in two 128-bit halves.
-inline __m256 dequant8(const float* map, const uint8_t* codes) {
-  uint64_t c;
-  std::memcpy(&c, codes, sizeof(c));
-  const __m128 lo = _mm_setr_ps(map[c & 255], map[(c >> 8) & 255], map[(c >> 16) & 255], map[(c >> 24) & 255]);
-  const __m128 hi = _mm_setr_ps(map[(c >> 32) & 255], map[(c >> 40) & 255], map[(c >> 48) & 255], map[c >> 56]);
-  return _mm256_set_m128(hi, lo);
+// out[k] = map[codes[k]] for 16 codes, by scalar loads and stores. The empty asm keeps the
+// compiler from vectorizing the loop into vpgatherdd (slower here, see above).
+inline void lookup16(const uint32_t* __restrict map, const uint8_t* __restrict codes, uint32_t* __restrict out) {
+  for (int h = 0; h < 16; h += 8) {
+    uint64_t c;
+    std::memcpy(&c, codes + h, sizeof(c));
+    for (int k = 0; k < 8; ++k, c >>= 8) {
+      uint32_t x = map[c & 255];
+      __asm__("" : "+r"(x));
+      out[h + k] = x;
+    }
+  }
 }
+
+// The map values of one block's codes (both moments), as fp32 bits, filled 32 at a time.
+struct MapLookahead {
+  alignas(64) uint32_t m[kBlock];
+  alignas(64) uint32_t v[kBlock];
+  static const uint32_t* bits(const float* map) { return reinterpret_cast<const uint32_t*>(map); }
+  const float* mval(int64_t k) const { return reinterpret_cast<const float*>(m + k); }
+  const float* vval(int64_t k) const { return reinterpret_cast<const float*>(v + k); }
+};
 
 // The segment quantizer for 8 values (kernels/adamw8bit_segments.py: segment_code, op for op).
 template <bool kSigned>
@@ -147,12 +167,13 @@ inline void requantize_vec(const float* __restrict buf, float absmax, uint8_t* _
 }
 
 // The update of one block, as the reference computes it (one rounding per operation, in its
-// order), in two passes: the moments (dequantized, updated, to the buffers, their absmax),
-// then the param from the buffered moments. The second pass waits on the divider (sqrt and
-// divide: ~0.28 ns of its ~0.35 per element here); it runs in the loop that requantizes the
-// first moment, whose work goes to the other pipes (measured 1.10 vs 1.18 ns per element
-// for one pass and separate requantization; interleaving more needs more registers than
-// AVX2 has: dequantization, update and both requantizations in one loop took 1.31).
+// order), in two passes: the moments (from their map values, updated, to the buffers, their
+// absmax), then the param from the buffered moments. The second pass waits on the divider
+// (sqrt and divide: ~0.28 ns of its ~0.35 per element here); it runs in the loop that
+// requantizes the first moment, whose work goes to the other pipes (measured 1.10 vs 1.18 ns
+// per element for one pass and separate requantization). Fusing loops further needs more
+// registers than AVX2 has: the next block's moments in the loops of this block's
+// requantizations took 1.20-1.26 ns against 1.02.
 struct MomentUpdate {
   __m256 am, av, b1, omb1, b2, omb2;
   __m256 amax_m = _mm256_setzero_ps(), amax_v = _mm256_setzero_ps();
@@ -160,11 +181,12 @@ struct MomentUpdate {
       : am(_mm256_set1_ps(absmax_m)), av(_mm256_set1_ps(absmax_v)), b1(_mm256_set1_ps(c.beta1)),
         omb1(_mm256_set1_ps(c.one_minus_beta1)), b2(_mm256_set1_ps(c.beta2)),
         omb2(_mm256_set1_ps(c.one_minus_beta2)) {}
-  inline void step8(const float* __restrict gb, const uint8_t* mcb, const uint8_t* vcb, const Maps& t,
-                    float* __restrict mbuf, float* __restrict vbuf) {
+  // mq, vq: the map values of the codes
+  inline void step8(const float* __restrict gb, const float* mq, const float* vq, float* __restrict mbuf,
+                    float* __restrict vbuf) {
     const __m256 g = _mm256_loadu_ps(gb);
-    __m256 m = _mm256_mul_ps(dequant8(t.qm, mcb), am);
-    __m256 v = _mm256_mul_ps(dequant8(t.qv, vcb), av);
+    __m256 m = _mm256_mul_ps(_mm256_load_ps(mq), am);
+    __m256 v = _mm256_mul_ps(_mm256_load_ps(vq), av);
     m = _mm256_add_ps(_mm256_mul_ps(m, b1), _mm256_mul_ps(g, omb1));
     v = _mm256_add_ps(_mm256_mul_ps(v, b2), _mm256_mul_ps(_mm256_mul_ps(g, g), omb2));
     _mm256_store_ps(mbuf, m);
@@ -193,25 +215,43 @@ struct ParamUpdate {
 };
 
 // Full blocks [b0, b1) of one tensor (the moments' absmax must be known before requantizing).
+// The map values of block b + 1 are looked up while block b is requantized (MapLookahead).
 inline void update_blocks_vec(float* p, const float* g, uint8_t* mc, float* ma, uint8_t* vc, float* va,
                               const VecTables& T, int64_t b0, int64_t b1, const Coeffs& c) {
   alignas(64) float mbuf[kBlock];
   alignas(64) float vbuf[kBlock];
+  MapLookahead q;
   const Maps& t = *T.maps;
+  const uint32_t* qmap_m = MapLookahead::bits(t.qm);  // locals: the loops reload no pointer
+  const uint32_t* qmap_v = MapLookahead::bits(t.qv);
   const ParamUpdate pu(c);
+  for (int64_t k = 0; k < kBlock; k += 16) {
+    lookup16(qmap_m, mc + b0 * kBlock + k, q.m + k);
+    lookup16(qmap_v, vc + b0 * kBlock + k, q.v + k);
+  }
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t s = b * kBlock;
     MomentUpdate u(c, ma[b], va[b]);
     for (int64_t k = 0; k < kBlock; k += 8)
-      u.step8(g + s + k, mc + s + k, vc + s + k, t, mbuf + k, vbuf + k);
+      u.step8(g + s + k, q.mval(k), q.vval(k), mbuf + k, vbuf + k);
     ma[b] = MomentUpdate::hmax(u.amax_m);
     va[b] = MomentUpdate::hmax(u.amax_v);
+    // the next block's codes; after the last block, this block's again (unused: a branch-free loop)
+    const int64_t next = b + 1 < b1 ? s + kBlock : s;
     BlockQuant<true> qm(T.quant_m, ma[b]);
     for (int64_t i = 0; i < kBlock; i += 32) {
       for (int64_t k = i; k < i + 32; k += 8) pu.step8(p + s + k, mbuf + k, vbuf + k);
       qm.step32(mbuf + i, mc + s + i);
+      lookup16(qmap_m, mc + next + i, q.m + i);
+      lookup16(qmap_m, mc + next + i + 16, q.m + i + 16);
     }
     qm.finish(mbuf, mc + s, t.bucket_m, t.thr_m);
-    requantize_vec(vbuf, va[b], vc + s, T.quant_v, t.bucket_v, t.thr_v);
+    BlockQuant<false> qv(T.quant_v, va[b]);
+    for (int64_t i = 0; i < kBlock; i += 32) {
+      qv.step32(vbuf + i, vc + s + i);
+      lookup16(qmap_v, vc + next + i, q.v + i);
+      lookup16(qmap_v, vc + next + i + 16, q.v + i + 16);
+    }
+    qv.finish(vbuf, vc + s, t.bucket_v, t.thr_v);
   }
 }
