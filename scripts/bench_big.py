@@ -17,7 +17,7 @@ estimate.
                      # QLoRA: the frozen base streams as NF4, adapters resident
     python scripts/bench_big.py --shape llama3-70b --method qlora --dtype bfloat16 --layers 4 \
         --same-batch --lr 1e-3 --json     # Llama-3-70B's shape, 4 of its 80 blocks
-    python scripts/bench_big.py --shape llama3-70b --generate 4 --layers 4 --json
+    python scripts/bench_big.py --shape llama3-70b --method qlora --generate 4 --layers 4 --json
                      # generation: 4 tokens, the NF4 base streamed for each (Generator.generate)
     python scripts/bench_big.py --shape llama3-70b --method qlora --dtype bfloat16 --plan-only --json
                      # the plan alone (all 80 blocks: nothing is built or written)
