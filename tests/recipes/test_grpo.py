@@ -200,14 +200,9 @@ def test_shipped_demo_is_the_script_output():
     from outcore.models import load_tokenizer
     from tests._helpers import ROOT, load_module
 
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))  # (the script imports the preference demo's task, as when run)
-    try:
-        demo = load_module(ROOT / "scripts" / "make_grpo_demo.py")
-    finally:
-        sys.path.remove(str(ROOT / "scripts"))
+    demo = load_module(ROOT / "scripts" / "make_grpo_demo.py")
     shipped = ROOT / "data" / "demo" / "arithmetic_prompts.jsonl"
-    assert shipped.read_text() == "".join(json.dumps(r) + "\n" for r in demo.prompts(480, 1))
-    train, val = build_prompt_datasets(shipped, load_tokenizer("default"), 96, 16, val_fraction=0.1)
-    assert len(train) + len(val) == 480 and all(p.columns["answer"] for p in train.prompts)
+    assert shipped.read_text() == "".join(json.dumps(r) + "\n" for r in demo.prompts(1))
+    train, val = build_prompt_datasets(shipped, load_tokenizer("default"), 64, 8, val_fraction=0.2)
+    assert len(train) + len(val) == 155 and all(p.columns["answer"] for p in train.prompts)
+    assert len({tuple(p.ids) for p in train.prompts + val.prompts}) == 155  # each question once
