@@ -19,7 +19,7 @@ DEMO = Path(__file__).resolve().parent.parent / "data" / "demo"
 
 
 def questions(n: int, seed: int) -> list[tuple[str, int, int]]:
-    """``n`` arithmetic questions: ``(question, right answer, a near miss)`` (the GRPO demo's too)."""
+    """``n`` arithmetic questions: ``(question, right answer, a near miss)``."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):

@@ -170,6 +170,22 @@ def tiny_run_inputs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_qlora_model(tiny_run_inputs):
+    """``tiny_run_inputs``' model widened to what bitsandbytes' CPU 4-bit matmul takes (every
+    row at least one 64-weight block: hidden 64, MLP 128), as a Hugging Face directory."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny_run_inputs / "qlora_model"
+    cfg = AutoConfig.from_pretrained(tiny_run_inputs / "model")
+    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 64, 128, 16
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_run_inputs / "model").save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_chat_model(tmp_path_factory):
     """A tiny Llama with the real SmolLM2 tokenizer (and its chat template) as a Hugging Face
     directory, initialized wide enough (std 0.3) that greedy decoding does not repeat one token,

@@ -168,17 +168,11 @@ def test_offloaded_lora_equals_in_memory_lora_and_resumes(tiny_run_inputs, tmp_p
     assert ooc.losses[-2:] == resumed.losses[-2:]
 
 
-def test_qlora_in_memory_and_offloaded(tiny_run_inputs, tmp_path):
+def test_qlora_in_memory_and_offloaded(tiny_run_inputs, tiny_qlora_model, tmp_path):
     """QLoRA: in memory the base is bitsandbytes NF4 layers; out of core the same NF4 codes
     stream from NVMe and are dequantized on fetch. Same numbers up to the matmul kernels."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    # bitsandbytes' CPU 4-bit matmul needs rows of at least one 64-weight block
-    cfg = AutoConfig.from_pretrained(tiny_run_inputs / "model")
-    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 64, 128, 16
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "model")
-    AutoTokenizer.from_pretrained(tiny_run_inputs / "model").save_pretrained(tmp_path / "model")
-    kw = dict(method="qlora", lr=1e-2, max_steps=3, eval_every=0, model=str(tmp_path / "model"))
+    from transformers import AutoModelForCausalLM
+    kw = dict(method="qlora", lr=1e-2, max_steps=3, eval_every=0, model=str(tiny_qlora_model))
     mem = finetune(_cfg(tiny_run_inputs, tmp_path / "mem", **kw), sink=RecordingSink())
     ooc = finetune(_cfg(tiny_run_inputs, tmp_path / "ooc", offload="nvme", **kw), sink=RecordingSink())
     # bitsandbytes' CPU 4-bit matmul rounds the block absmax to bf16; the out-of-core path
