@@ -23,7 +23,7 @@ import torch
 from ..errors import DataError
 from ._chat import IGNORE_INDEX, _check_messages, has_chat_template, pad_examples
 from ._dataset import SequenceDataset, _check_args, _pad_id, split_rows
-from ._sources import iter_jsonl, resolve_data_spec
+from ._sources import jsonl_rows
 
 log = logging.getLogger(__name__)
 
@@ -154,13 +154,8 @@ def build_preference_datasets(spec: str | Path, tokenizer, seq_len: int, *, seed
             leaves room for its completions in ``seq_len``.
     """
     _check_args(seq_len, val_fraction, max_bytes)
-    source = resolve_data_spec(spec)
-    if source.kind != "jsonl":
-        raise DataError(f"data={str(spec)!r}: preference objectives read JSONL rows with 'prompt', 'chosen' and "
-                        f"'rejected'; give a .jsonl file or a folder of them")
-    pairs = [encode_pair(tokenizer, where, row) for where, row in iter_jsonl(source.files, max_bytes)]
-    if not pairs:
-        raise DataError(f"data={str(spec)!r} has no rows; add JSONL rows with 'prompt', 'chosen' and 'rejected'")
+    rows = jsonl_rows(spec, max_bytes, reads="preference objectives read", fields="'prompt', 'chosen' and 'rejected'")
+    pairs = [encode_pair(tokenizer, where, row) for where, row in rows]
     # a pair trains when both rows keep a label past position 0 (never a target) within seq_len
     kept = [(p, c, r) for p, c, r in pairs if len(p) < seq_len and (p or min(len(c), len(r)) > 1)]
     if not kept:

@@ -22,7 +22,7 @@ import torch
 from ..errors import DataError
 from ._chat import _check_messages, has_chat_template
 from ._dataset import _check_args, split_rows
-from ._sources import iter_jsonl, resolve_data_spec
+from ._sources import jsonl_rows
 
 log = logging.getLogger(__name__)
 
@@ -100,14 +100,10 @@ def build_prompt_datasets(spec: str | Path, tokenizer, seq_len: int, max_complet
         DataError: no JSONL, no row, or a bad row (naming its file and line).
     """
     _check_args(seq_len, val_fraction, max_bytes)
-    source = resolve_data_spec(spec)
-    if source.kind != "jsonl":
-        raise DataError(f"data={str(spec)!r}: objective 'grpo' reads JSONL rows with a 'prompt' (and the columns "
-                        f"the reward functions read); give a .jsonl file or a folder of them")
+    rows = jsonl_rows(spec, max_bytes, reads="objective 'grpo' reads", fields="a 'prompt'",
+                      given="a 'prompt' (and the columns the reward functions read)")
     max_prompt = seq_len - max_completion_length
-    prompts = [encode_prompt(tokenizer, where, row, max_prompt) for where, row in iter_jsonl(source.files, max_bytes)]
-    if not prompts:
-        raise DataError(f"data={str(spec)!r} has no rows; add JSONL rows with a 'prompt'")
+    prompts = [encode_prompt(tokenizer, where, row, max_prompt) for where, row in rows]
     cut = sum(len(p.ids) == max_prompt for p in prompts)
     if cut:
         log.warning("%d prompt(s) reach seq_len - max_completion_length = %d tokens and may have been cut on the "

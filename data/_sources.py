@@ -145,6 +145,29 @@ def read_text_files(files: tuple[Path, ...] | list[Path], max_bytes: int = 0) ->
     return docs
 
 
+def jsonl_rows(spec: str | Path, max_bytes: int, *, reads: str, fields: str, given: str | None = None
+               ) -> list[tuple[str, dict[str, Any]]]:
+    """The ``("file:line", row)`` pairs of the JSONL file or folder ``spec`` names, for an objective
+    that needs them.
+
+    Args:
+        reads: who reads the rows, as the messages say it (``"objective kto reads"``).
+        fields: the columns a row needs, as the messages name them.
+        given: what to ask for when ``spec`` is not JSONL (default: ``fields``).
+
+    Raises:
+        DataError: ``spec`` is not JSONL, holds no row, or a row is bad (:func:`iter_jsonl`).
+    """
+    source = resolve_data_spec(spec)
+    if source.kind != "jsonl":
+        raise DataError(f"data={str(spec)!r}: {reads} JSONL rows with {given or fields}; "
+                        f"give a .jsonl file or a folder of them")
+    rows = list(iter_jsonl(source.files, max_bytes))
+    if not rows:
+        raise DataError(f"data={str(spec)!r} has no rows; add JSONL rows with {fields}")
+    return rows
+
+
 def iter_jsonl(files: tuple[Path, ...] | list[Path], max_bytes: int = 0
                ) -> Iterator[tuple[str, dict[str, Any]]]:
     """Yield ``("file:line", row)`` for every non-blank line of JSONL files.

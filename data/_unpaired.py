@@ -28,7 +28,7 @@ from ..errors import DataError
 from ._chat import IGNORE_INDEX, _check_messages, has_chat_template
 from ._dataset import SequenceDataset, _check_args, _pad_id, split_rows
 from ._preference import PreferenceDataset, _check_pair, _common_prefix, _tokenize
-from ._sources import iter_jsonl, resolve_data_spec
+from ._sources import jsonl_rows
 
 log = logging.getLogger(__name__)
 UNPAIR_CHUNK = 1000  # TRL unpairs with a batched map: its default batch of 1000 rows
@@ -166,13 +166,9 @@ def build_unpaired_datasets(spec: str | Path, tokenizer, seq_len: int, batch_siz
             leaves room for its completion in ``seq_len``.
     """
     _check_args(seq_len, val_fraction, max_bytes)
-    source = resolve_data_spec(spec)
-    if source.kind != "jsonl":
-        raise DataError(f"data={str(spec)!r}: objective kto reads JSONL rows with 'prompt', 'completion' and "
-                        f"'label' (or paired 'chosen' / 'rejected'); give a .jsonl file or a folder of them")
-    rows = list(iter_jsonl(source.files, max_bytes))
-    if not rows:
-        raise DataError(f"data={str(spec)!r} has no rows; add JSONL rows with 'prompt', 'completion' and 'label'")
+    fields = "'prompt', 'completion' and 'label'"
+    rows = jsonl_rows(spec, max_bytes, reads="objective kto reads", fields=fields,
+                      given=f"{fields} (or paired 'chosen' / 'rejected')")
     encoded = [(*encode_unpaired(tokenizer, where, p, c), label) for where, p, c, label in _examples(tokenizer, rows)]
     if isinstance(rows[0][1], dict) and "chosen" in rows[0][1]:
         log.warning("%s: pairs unpaired as TRL does, each 1000 pairs' chosen completions before their rejected "
