@@ -258,14 +258,14 @@ def cpu_extension(isa: str | None = None):
     isa = cpu_isa() if isa is None else isa
     if isa not in ISA_LEVELS:
         raise ValueError(f"isa={isa!r} is not one of {ISA_LEVELS}")
-    with _EXT_LOCK:  # one build per process and level; cpp_extension locks across processes
+    with _EXT_LOCK:  # one build per process and level; load_extension locks across processes
         if isa not in _EXT:
             _EXT[isa] = _build_extension(isa)
         return _EXT[isa]
 
 
 def _build_extension(isa: str):
-    from torch.utils import cpp_extension
+    from ._jit import load_extension
 
     csrc = Path(__file__).with_name("csrc")
     src = csrc / "adamw8bit_cpu.cpp"
@@ -278,8 +278,8 @@ def _build_extension(isa: str):
     flags = ["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", *_ISA_FLAGS[isa],
              f"-DOUTCORE_CSRC_DIGEST={digest.hexdigest()[:16]}"]
     try:
-        return cpp_extension.load(name=f"outcore_adamw8bit_cpu_{isa.lower()}", sources=[str(src)],
-                                  extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        return load_extension(f"outcore_adamw8bit_cpu_{isa.lower()}", sources=[str(src)],
+                              extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as exc:  # noqa: BLE001 - no compiler, no headers, a failed load...: the reference still works
         warnings.warn(f"outcore: could not build the CPU 8-bit AdamW extension ({exc!r}); "
                       "using the slower pure-PyTorch reference", RuntimeWarning, stacklevel=3)

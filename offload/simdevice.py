@@ -102,12 +102,12 @@ def load() -> None:
             return
         if (missing := _missing()) is not None:
             raise RuntimeError(f"outcore sim device: cannot build the extension: no {missing}")
-        from torch.utils import cpp_extension
+        from ..kernels._jit import load_extension
 
         src = Path(__file__).with_name("csrc") / "simdevice.cpp"
         try:
-            cpp_extension.load(name="outcore_simdevice", sources=[str(src)], extra_cflags=["-O2"],
-                               is_python_module=False, verbose=False)
+            load_extension("outcore_simdevice", sources=[str(src)], extra_cflags=["-O2"],
+                           is_python_module=False, verbose=False)
         except Exception as exc:  # a compiler's output is long: name its first error
             lines = str(exc).splitlines() or [type(exc).__name__]
             first = next((ln for ln in lines if "error" in ln and not ln.startswith("c++ ")), lines[0])
