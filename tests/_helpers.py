@@ -94,6 +94,51 @@ def assert_runs_equal(mem, ooc, sink, method: str) -> None:
     assert [e for e in sink.events if type(e).__name__ == "StepEvent"][-1].tiers["NVME"].read_bytes > 0
 
 
+def preference_config(inputs: Path, data: Path, out: Path, objective: str, **kw):
+    """The preference recipes' tests' run: the tiny model of ``tiny_run_inputs`` (``inputs``) on
+    a JSONL of 48 rows (``data``), 3 steps of 4 rows in memory; ``kw`` overrides any key."""
+    from outcore.training.config import load_config
+
+    base = dict(model=str(inputs / "model"), data=str(data), objective=objective, seq_len=24, batch_size=4,
+                max_steps=3, eval_every=0, eval_batches=2, lr=1e-3, warmup_steps=1, output=str(out), ui="none",
+                val_fraction=0.25, offload="none")
+    return load_config(overrides={**base, **kw})
+
+
+def assert_resume_reads_the_stored_reference(config, tmp_path: Path) -> Path:
+    """A run out of core cut at step 3 and resumed equals the uninterrupted one (last losses,
+    exported weights), its stored reference read back, not recomputed from trained weights.
+
+    Args:
+        config: ``config(out, **kw)``, the run's config writing to ``out``.
+
+    Returns:
+        the cut run's output folder.
+    """
+    import torch
+
+    import outcore
+    from outcore.recipes.preference import REFERENCE_FILE
+    from outcore.training.config import load_config
+
+    kw = dict(offload="nvme", max_steps=4, save_every=2)
+    whole = outcore.finetune(config(tmp_path / "whole", **kw), sink=RecordingSink())
+    cut = tmp_path / "cut"
+    try:
+        outcore.finetune(config(cut, **kw), sink=RecordingSink(interrupt_at=3))
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the run was not interrupted at step 3")
+    stored = (cut / REFERENCE_FILE).read_bytes()
+    resumed = outcore.finetune(load_config(overrides={"resume": str(cut), "ui": "none"}), sink=RecordingSink())
+    assert resumed.losses[-2:] == whole.losses[-2:]
+    assert (cut / REFERENCE_FILE).read_bytes() == stored
+    a, b = exported_weights(whole.output_dir / "final"), exported_weights(resumed.output_dir / "final")
+    assert all(torch.equal(t, b[k]) for k, t in a.items())
+    return cut
+
+
 def policy_and_reference(vocab: int):
     """A tiny Llama reference and a policy that differs from it by seeded noise (equal models
     would make every preference loss its constant, e.g. DPO's log 2)."""

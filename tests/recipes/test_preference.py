@@ -15,7 +15,8 @@ from outcore.errors import DataError
 from outcore.events import PreferenceEvalEvent
 from outcore.recipes.preference import REFERENCE_FILE
 from outcore.training.config import load_config
-from tests._helpers import RecordingSink, assert_runs_equal, exported_weights
+from tests._helpers import (RecordingSink, assert_resume_reads_the_stored_reference, assert_runs_equal,
+                           preference_config)
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +35,7 @@ def pairs(tmp_path_factory) -> Path:
 
 
 def _cfg(inputs: Path, pairs: Path, out: Path, **kw):
-    base = dict(model=str(inputs / "model"), data=str(pairs), objective="dpo", seq_len=24, batch_size=4,
-                max_steps=3, eval_every=0, eval_batches=2, lr=1e-3, warmup_steps=1, output=str(out), ui="none",
-                val_fraction=0.25, offload="none")
-    return load_config(overrides={**base, **kw})
-
-
-def _weights(result):
-    return exported_weights(result.output_dir / "final")
+    return preference_config(inputs, pairs, out, **{"objective": "dpo", **kw})
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
@@ -55,17 +49,7 @@ def test_out_of_core_equals_in_memory(tiny_run_inputs, pairs, tmp_path, objectiv
 
 
 def test_dpo_reference_is_stored_once_and_resume_is_exact(tiny_run_inputs, pairs, tmp_path):
-    kw = dict(offload="nvme", max_steps=4, save_every=2)
-    whole = outcore.finetune(_cfg(tiny_run_inputs, pairs, tmp_path / "whole", **kw), sink=RecordingSink())
-    cut = tmp_path / "cut"
-    with pytest.raises(KeyboardInterrupt):
-        outcore.finetune(_cfg(tiny_run_inputs, pairs, cut, **kw), sink=RecordingSink(interrupt_at=3))
-    stored = (cut / REFERENCE_FILE).read_bytes()
-    resumed = outcore.finetune(load_config(overrides={"resume": str(cut), "ui": "none"}), sink=RecordingSink())
-    assert resumed.losses[-2:] == whole.losses[-2:]
-    assert (cut / REFERENCE_FILE).read_bytes() == stored  # read back, not recomputed from trained weights
-    a, b = _weights(whole), _weights(resumed)
-    assert all(torch.equal(t, b[k]) for k, t in a.items())
+    assert_resume_reads_the_stored_reference(lambda out, **kw: _cfg(tiny_run_inputs, pairs, out, **kw), tmp_path)
 
 
 @pytest.mark.parametrize("damage", ["value", "truncated"])
