@@ -19,7 +19,7 @@ inputs:
 
 * :func:`adamw8bit_update_ref` — pure PyTorch; defines the numerics.
 * a C++ extension (``kernels/csrc/adamw8bit_cpu.cpp``), built on first use with
-  ``torch.utils.cpp_extension.load`` and cached in ``TORCH_EXTENSIONS_DIR``: ``-O3
+  ``torch.utils.cpp_extension.load`` (through ``kernels/_jit.py``) and cached in ``TORCH_EXTENSIONS_DIR``: ``-O3
   -ffp-contract=off`` plus the flags of the CPU's ISA level (:func:`cpu_isa`: AVX512_VBMI,
   AVX512, AVX2 or DEFAULT; each level has its own cache entry, so a cache copied to an
   older CPU is never loaded there; ``OUTCORE_CPU_ISA`` picks a lower level). Blocks are

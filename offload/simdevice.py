@@ -9,7 +9,7 @@ events, reached through the generic APIs (``torch.accelerator``, ``torch.Stream`
     simdevice.load()          # early (at import): before the process's first backward pass
     dev = simdevice.enable()  # torch.device("sim"), now the current accelerator
 
-It is built on first use with ``torch.utils.cpp_extension.load`` (ninja; ~25 s on 2 cores,
+It is built on first use with ``torch.utils.cpp_extension.load`` (through ``kernels/_jit.py``; ninja; ~25 s on 2 cores,
 then cached in ``TORCH_EXTENSIONS_DIR``).
 
 Every op runs the CPU kernel on CPU tensors aliasing the device memory, so results are

@@ -39,10 +39,9 @@ def stale_lock(tmp_path, monkeypatch):
 
 
 def test_a_stale_lock_is_removed_and_the_build_goes_on(tmp_path, stale_lock):
-    build = stale_lock
     res = _load_in_subprocess(tmp_path, "load_extension", timeout=120)
     assert res.returncode == 0 and "loaded" in res.stdout, res.stderr[-2000:]
-    assert not (build / "lock").exists()
+    assert not (stale_lock / "lock").exists()
 
 
 def test_torch_alone_waits_on_a_stale_lock(tmp_path, stale_lock):
