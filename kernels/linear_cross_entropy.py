@@ -156,7 +156,9 @@ def lce_chunks(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor
         if few:
             d_logits[start:stop] = g
         elif need_dw:
-            d_weight.addmm_(g.t(), h) if g.dtype == torch.float32 else d_weight.add_(torch.mm(g.t(), h).float())
+            # 16-bit: the chunk's product added as it is (widened element by element, exactly:
+            # no fp32 [V, H] copy beside the accumulator)
+            d_weight.addmm_(g.t(), h) if g.dtype == torch.float32 else d_weight.add_(torch.mm(g.t(), h))
         if need_db:
             d_bias.add_(logits.sum(dim=0))
         # drop this chunk now: rebinding `logits` would free it after the next one exists

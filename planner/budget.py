@@ -13,9 +13,12 @@ from typing import Any
 
 from ..bytesize import parse_bytes
 
-#: Resident size of the Python process itself (interpreter, torch, transformers, the
-#: model's Python objects), outside every tier budget. Peak RSS ~ tiers + this.
-RUNTIME_OVERHEAD_BYTES = 768 << 20
+#: Resident size of the Python process itself, outside every tier budget: peak RSS ~ tiers +
+#: this. Libraries' code ~200 MiB (torch 75, triton 66), the heap ~250 (Python objects, the
+#: tokenizer, the data); measured peaks of the default model minus their planned tiers came to
+#: 290-400 MiB (long context, 4K-32K tokens, in `outcore finetune` and bench_long_context.py),
+#: ~310-540 MiB (the default command, 4-40 steps), 0.87 GiB (the 70B QLoRA step).
+RUNTIME_OVERHEAD_BYTES = 512 << 20
 #: Share of free RAM / device memory the default budgets take (the rest is for the OS and others).
 DEFAULT_SHARE = 0.85
 #: Speeds assumed when the probe did not measure (``probe_hardware(measure=False)``).

@@ -183,29 +183,34 @@ def activation_bytes(w: Workload, policy: str, batch: int, window: int) -> tuple
     DEVICE (``recompute``) or, but for the ``window + 1`` blocks read ahead and the last
     kept, on HOST / NVME (``recompute_host`` / ``recompute_nvme``). The head is the chunked
     loss's where the model's loss is it (``ModelSpec.chunked_loss``).
+
+    The chunked loss's gradients are taken in the forward, so its weight gradient and logits
+    chunk are gone before the first block's backward: a phase apart from a block's recompute,
+    held with the larger (sampled through a step of the default model at 8K tokens: the head
+    +254 MiB, then each block's recompute +~220 MiB, over the checkpoints).
     """
     s, spec = w.seq_len, w.spec
     if not w.has_backward:  # ZO: two forward passes in flight, nothing saved for a backward
         c = DTYPE_BYTES[w.dtype]
         return batch * 2 * (s * c * (2 * spec.hidden + 2 * spec.intermediate) + s * 4 * spec.vocab), 0, 0
-    head = (chunked_head_bytes(spec, w.dtype, batch * s, w.method.trains_weights) if spec.chunked_loss
-            else batch * head_activation_bytes(spec, w.dtype, s))
+    head, loss = (chunked_head_bytes(spec, w.dtype, batch * s, w.method.trains_weights) if spec.chunked_loss
+                  else (batch * head_activation_bytes(spec, w.dtype, s), 0))  # (kept, while the loss runs)
     saved = batch * block_activation_bytes(spec, w.dtype, s, tiled=w.tiled(batch))  # one block's
     tile = mlp_tile_bytes(spec, w.dtype, w.seq_tile) if w.tiled(batch) else 0  # one tile's, one block at a time
     L = spec.layers
     ckpt = batch * checkpoint_bytes(spec, w.dtype, s)
     if policy == KEEP:
-        return L * saved + tile + head, 0, 0
+        return L * saved + head + max(loss, tile), 0, 0
     if policy == RECOMPUTE:
-        return L * ckpt + saved + tile + head, 0, 0
+        return L * ckpt + head + max(loss, saved + tile), 0, 0
     if policy in CHECKPOINT_OFFLOADS:
         near = min(L, max(window, 1) + 1)  # read ahead, and the last block's (kept)
         away = (L - near) * ckpt
-        dev = near * ckpt + saved + tile + head
+        dev = near * ckpt + head + max(loss, saved + tile)
         return (dev, away, 0) if policy == RECOMPUTE_HOST else (dev, 0, away)
     if policy == OFFLOAD:  # the offloaded bytes shrink by the codec's ratio
         offloaded = int(L * saved * compressed_ratio(w.activations_compress, DTYPE_BYTES[w.dtype]))
-        return min(L, max(window, 1) + 1) * saved + tile + head, offloaded, 0
+        return min(L, max(window, 1) + 1) * saved + head + max(loss, tile), offloaded, 0
     raise ValueError(f"unknown activation policy {policy!r}")
 
 

@@ -409,18 +409,23 @@ def mlp_tile_bytes(spec: ModelSpec, dtype: str, tile: int) -> int:
     return 8 * tile * spec.intermediate * DTYPE_BYTES[dtype]
 
 
-def chunked_head_bytes(spec: ModelSpec, dtype: str, tokens: int, head_trained: bool = True) -> int:
-    """Bytes the chunked head loss holds for ``tokens`` rows (``kernels/linear_cross_entropy.py``):
-    per token the final norm's saved tensors and the hidden state's gradient (computed in the
-    forward), the loss and target; once, one chunk of fp32 logits (~32 MiB) and, where the head
-    trains, the fp32 ``[vocab, hidden]`` weight gradient (4 GiB at a 128K x 8192 head; a frozen
-    head, as under LoRA, allocates none)."""
+def chunked_head_bytes(spec: ModelSpec, dtype: str, tokens: int, head_trained: bool = True) -> tuple[int, int]:
+    """(kept, transient) bytes of the chunked head loss for ``tokens`` rows
+    (``kernels/linear_cross_entropy.py``), which takes its gradients in the forward.
+
+    Kept through the backward, per token: the final norm's saved tensors and the hidden
+    state's gradient, the loss and target. Only while the loss runs: one chunk of fp32 logits
+    (~32 MiB; in 16 bits its 16-bit copy too) and, where the head trains, the fp32
+    ``[vocab, hidden]`` weight gradient and its copy in the weight's dtype that the op returns
+    (4 GiB + 2 GiB at a 128K x 8192 head in bf16; a frozen head, as under LoRA, allocates none).
+    """
     from ..kernels.linear_cross_entropy import default_chunk_size
 
     c, h = DTYPE_BYTES[dtype], spec.hidden
-    per_token = 4 * 2 * h + c * h + (c * h if c != 4 else 0) + c * h + 4 + 8
-    weight_grad = 4 * spec.vocab * h if head_trained else 0
-    return tokens * per_token + weight_grad + 4 * spec.vocab * default_chunk_size(tokens, spec.vocab)
+    kept = tokens * (4 * 2 * h + c * h + (c * h if c != 4 else 0) + c * h + 4 + 8)
+    weight_grad = (4 + (c if c != 4 else 0)) * spec.vocab * h if head_trained else 0
+    chunk = (4 + (c if c != 4 else 0)) * spec.vocab * default_chunk_size(tokens, spec.vocab)
+    return kept, weight_grad + chunk
 
 
 def head_activation_bytes(spec: ModelSpec, dtype: str, seq_len: int) -> int:

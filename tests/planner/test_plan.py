@@ -149,11 +149,19 @@ def test_qlora_streamed_counts_the_dequantized_block(tiny):
 def test_a_frozen_head_holds_no_weight_gradient(tiny):
     """The chunked loss allocates the head's fp32 weight gradient only where the head trains
     (kernels/linear_cross_entropy.py): under LoRA that is 4 GiB less at a 128K x 8192 head."""
+    from outcore.planner.sizes import block_activation_bytes, chunked_head_bytes
+
     spec = model_spec(tiny)
     assert spec.chunked_loss
-    full, lora = (make_plan(tiny, method=m, offload="nvme", budgets=BIG, seq_len=32, activations="recompute")
+    (kept, loss_full), (kept_lora, loss_lora) = (chunked_head_bytes(spec, "float32", 4, trains)
+                                                 for trains in (True, False))
+    assert kept == kept_lora and loss_full - loss_lora == 4 * spec.vocab * spec.hidden
+    # the loss runs in the forward, a phase apart from a block's recompute: the plan holds the larger
+    # (4 tokens: the full head's loss holds more than a block, the frozen head's less)
+    block = block_activation_bytes(spec, "float32", 4)
+    full, lora = (make_plan(tiny, method=m, offload="nvme", budgets=BIG, seq_len=4, activations="recompute")
                   .tier_bytes["DEVICE"]["activations"] for m in ("full", "lora"))
-    assert full - lora == 4 * spec.vocab * spec.hidden
+    assert full - lora == max(loss_full, block) - max(loss_lora, block) > 0
 
 
 def test_activation_estimate_matches_what_autograd_saves(tiny):
