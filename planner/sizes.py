@@ -422,9 +422,10 @@ def chunked_head_bytes(spec: ModelSpec, dtype: str, tokens: int, head_trained: b
     from ..kernels.linear_cross_entropy import default_chunk_size
 
     c, h = DTYPE_BYTES[dtype], spec.hidden
-    kept = tokens * (4 * 2 * h + c * h + (c * h if c != 4 else 0) + c * h + 4 + 8)
-    weight_grad = (4 + (c if c != 4 else 0)) * spec.vocab * h if head_trained else 0
-    chunk = (4 + (c if c != 4 else 0)) * spec.vocab * default_chunk_size(tokens, spec.vocab)
+    cast = c if c != 4 else 0  # bytes per element of a 16-bit copy beside an fp32 tensor
+    kept = tokens * (4 * 2 * h + c * h + cast * h + c * h + 4 + 8)
+    weight_grad = (4 + cast) * spec.vocab * h if head_trained else 0
+    chunk = (4 + cast) * spec.vocab * default_chunk_size(tokens, spec.vocab)
     return kept, weight_grad + chunk
 
 
