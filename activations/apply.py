@@ -34,6 +34,7 @@ from .compress import codec_for
 from .offload import _MIN_BYTES, ActivationOffloader
 from .pack import BlockPack
 from .policy import AUTO, ActivationPolicy, BlockProfile, choose_policy, expand_policy
+from .tiled_block import TiledBlock, block_runner, tileable
 from .tiling import is_tileable, tile_mlp, tile_of
 
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")  # transformers' names for it
@@ -114,7 +115,13 @@ class ActivationHandle:
             if self._auto is not None and self.profiles is None:
                 return self._measured(index, forward, args, kwargs)
             policy = self.policies[index]
-            if policy is ActivationPolicy.RECOMPUTE:
+            if policy.recomputes:
+                kwargs = _without_cache(kwargs)
+                hidden = args[0] if args else kwargs.get("hidden_states")
+            if (policy.recomputes and len(args) <= 1 and isinstance(hidden, torch.Tensor)
+                    and tileable(layer, kwargs, hidden.shape[1], self.tile)):
+                out = self._tiled_block(index, policy, layer, forward, hidden, kwargs)
+            elif policy is ActivationPolicy.RECOMPUTE:
                 out = checkpoint(forward, *args, use_reentrant=False, **kwargs)
             elif policy.recomputes:  # the checkpoint offloaded
                 with self.offloader.block(index, policy, layer):
@@ -134,6 +141,18 @@ class ActivationHandle:
                 t.register_hook(lambda g, i=index: self._reached(i))
             return out
         return wrapped
+
+    def _tiled_block(self, index: int, policy: ActivationPolicy, layer: nn.Module, forward, hidden: torch.Tensor,
+                     kwargs: dict) -> torch.Tensor:
+        """A recomputed block over ``self.tile`` positions at a time (``tiled_block.py``): its
+        checkpoint, the input saved by :class:`TiledBlock`, goes through the offloader as the
+        reentrant checkpoint's does."""
+        run = block_runner(layer, forward, {k: v for k, v in kwargs.items() if k != "hidden_states"})
+        params = [p for p in layer.parameters() if p.requires_grad]
+        if policy is ActivationPolicy.RECOMPUTE:
+            return TiledBlock.apply(run, self.tile, hidden, *params)
+        with self.offloader.block(index, policy, layer):
+            return TiledBlock.apply(run, self.tile, hidden, *params)
 
     def _reached(self, index: int) -> None:
         if self.offloader is not None:
@@ -269,13 +288,18 @@ def _offloaded_checkpoint(forward, args: tuple, kwargs: dict) -> Any:
     runs without a graph) and moves it to its tier; the non-reentrant one keeps its inputs
     in a closure no hook sees. Keyword arguments (the mask, RoPE's cos / sin, shared by every
     block) ride in the closure. It restores the RNG state for the recompute, as the other.
-    A KV cache is dropped, as transformers' own checkpointing drops it: the recompute
-    would append the block's keys and values to it a second time.
     """
+    return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=True)
+
+
+def _without_cache(kwargs: dict) -> dict:
+    """A recomputed block's keyword arguments without a KV cache, as transformers' own
+    checkpointing drops it: the recompute would append the block's keys and values to it a
+    second time (and a training step has no use for one: it holds every block's)."""
     kwargs = {k: (None if k in _CACHE_KWARGS else v) for k, v in kwargs.items()}
     if "use_cache" in kwargs:
         kwargs["use_cache"] = False
-    return checkpoint(functools.partial(forward, **kwargs), *args, use_reentrant=True)
+    return kwargs
 
 
 def _copy_bps(device: torch.device, nbytes: int = 16 << 20) -> float:

@@ -23,7 +23,7 @@ from ..offload.store.directio import ALIGN  # the store aligns every arena block
 from .budget import Budgets
 from .compute import ComputeRates
 from .sizes import (ModelSpec, UnitBytes, block_activation_bytes, checkpoint_bytes, chunked_head_bytes,
-                    forward_flops_per_token, head_activation_bytes, mlp_tile_bytes)
+                    forward_flops_per_token, head_activation_bytes, mlp_tile_bytes, tiled_block_bytes)
 
 LINKS = ("nvme_read", "nvme_write", "h2d", "d2h")
 KEEP, RECOMPUTE = ActivationPolicy.KEEP.value, ActivationPolicy.RECOMPUTE.value
@@ -54,6 +54,10 @@ class Workload:
 
     def tiled(self, batch: int) -> bool:  # a micro-batch of ``batch`` sequences runs its MLPs tiled
         return self.spec.tileable_mlp and 0 < self.seq_tile < batch * self.seq_len
+
+    @property
+    def block_tiled(self) -> bool:  # a recomputed block runs over tiles of positions (tiled_block.py)
+        return self.spec.tileable_block and 0 < self.seq_tile < self.seq_len
 
     @property
     def has_backward(self) -> bool:
@@ -179,7 +183,8 @@ def activation_bytes(w: Workload, policy: str, batch: int, window: int) -> tuple
     """(DEVICE, HOST, NVME) bytes of activations for ``batch`` sequences under ``policy``.
 
     A recomputed block holds its saved tensors (and a tiled MLP one tile's) while its
-    backward runs, one block at a time; its checkpoint, the block's input, waits on
+    backward runs, one block at a time — tiled whole where ``seq_tile`` is shorter than the
+    sequence (``tiled_block_bytes``: one tile's, and its keys and values over the sequence); its checkpoint, the block's input, waits on
     DEVICE (``recompute``) or, but for the ``window + 1`` blocks read ahead and the last
     kept, on HOST / NVME (``recompute_host`` / ``recompute_nvme``). The head is the chunked
     loss's where the model's loss is it (``ModelSpec.chunked_loss``).
@@ -201,12 +206,13 @@ def activation_bytes(w: Workload, policy: str, batch: int, window: int) -> tuple
     ckpt = batch * checkpoint_bytes(spec, w.dtype, s)
     if policy == KEEP:
         return L * saved + head + max(loss, tile), 0, 0
+    recompute = tiled_block_bytes(spec, w.dtype, s, w.seq_tile, batch) if w.block_tiled else saved + tile
     if policy == RECOMPUTE:
-        return L * ckpt + head + max(loss, saved + tile), 0, 0
+        return L * ckpt + head + max(loss, recompute), 0, 0
     if policy in CHECKPOINT_OFFLOADS:
         near = min(L, max(window, 1) + 1)  # read ahead, and the last block's (kept)
         away = (L - near) * ckpt
-        dev = near * ckpt + head + max(loss, saved + tile)
+        dev = near * ckpt + head + max(loss, recompute)
         return (dev, away, 0) if policy == RECOMPUTE_HOST else (dev, 0, away)
     if policy == OFFLOAD:  # the offloaded bytes shrink by the codec's ratio
         offloaded = int(L * saved * compressed_ratio(w.activations_compress, DTYPE_BYTES[w.dtype]))

@@ -76,6 +76,8 @@ class ModelSpec:
     chunked_loss: bool = False
     #: a dense gated MLP per block, which ``seq_tile`` tiles (``activations/tiling.py``)
     tileable_mlp: bool = False
+    #: a recomputed block runs ``seq_tile`` positions at a time (``activations/tiled_block.py``)
+    tileable_block: bool = False
     #: the length the model was trained at (``max_position_embeddings``; 0: unknown)
     trained_len: int = 0
     #: the RoPE scaling its config sets (``rope_parameters`` / ``rope_scaling``: "yarn x4.0"), "" for none
@@ -124,6 +126,7 @@ def model_spec_from_model(model: Any) -> ModelSpec:
         kind = "block" if u.name.startswith("block.") else u.name
         units.append(UnitSpec(u.index, u.name, kind, params, tuple(u.borrows)))
     from ..activations.apply import find_decoder_layers
+    from ..activations.tiled_block import tileable_layer
     from ..activations.tiling import is_tileable
     from ..kernels.linear_cross_entropy import head_loss_covers
 
@@ -134,6 +137,7 @@ def model_spec_from_model(model: Any) -> ModelSpec:
                      tied=any(u.borrows for u in units), expert_share=_expert_share(base.config),
                      chunked_loss=head_loss_covers(base.config),
                      tileable_mlp=bool(len(layers)) and is_tileable(getattr(layers[0], "mlp", None)),
+                     tileable_block=bool(len(layers)) and tileable_layer(layers[0]),
                      trained_len=int(getattr(text, "max_position_embeddings", 0) or 0),
                      rope_scaling=_rope_scaling(text), **dims)
 
@@ -407,6 +411,18 @@ def mlp_tile_bytes(spec: ModelSpec, dtype: str, tile: int) -> int:
     """Bytes one tile of a tiled MLP holds in its backward: the tile recomputed (gate, act(gate),
     up, their product), their three gradients and the output's: eight ``[tile, intermediate]``."""
     return 8 * tile * spec.intermediate * DTYPE_BYTES[dtype]
+
+
+def tiled_block_bytes(spec: ModelSpec, dtype: str, seq_len: int, tile: int, batch: int) -> int:
+    """Bytes a tiled block's backward holds for ``batch`` sequences (``activations/tiled_block.py``).
+
+    One tile's graph (its saved tensors, the MLP tile's) and, over the whole sequence, the keys
+    and values (``c`` bytes), their fp32 gradient sums, one tile's copy of its key / value
+    prefix and that prefix's gradient: ``(3c + 8) x 2 x kv_heads x head_dim`` per token.
+    """
+    c, kv = DTYPE_BYTES[dtype], 2 * spec.kv_heads * spec.head_dim
+    return (batch * (block_activation_bytes(spec, dtype, tile, tiled=True) + seq_len * (3 * c + 8) * kv)
+            + mlp_tile_bytes(spec, dtype, tile))
 
 
 def chunked_head_bytes(spec: ModelSpec, dtype: str, tokens: int, head_trained: bool = True) -> tuple[int, int]:
