@@ -17,10 +17,11 @@ copies, q / k / v, the attention output) beside ~4 MiB per block of checkpoints.
   (causal: only later queries read them) and get it as a second root of their graph.
 
 So the backward holds, beyond the checkpoint and the gradients in and out, the keys and
-values and their gradient sums (``4 x kv_heads x head_dim`` per token: a third of the hidden
-size in SmolLM2's grouped attention) and one tile's graph. The cost: the recompute runs the
-norm and the k / v projections twice (and q's once more, discarded), ~15% of SmolLM2-135M's
-block FLOPs, and copies each tile's key / value prefix once (``O(seq)`` per tile).
+values, their fp32 gradient sums and one tile's gradient w.r.t. its prefix
+(``(2c + 4) x 2 x kv_heads x head_dim`` bytes per token: in fp32 twice a checkpoint's in
+SmolLM2's grouped attention; on an accelerator, until it gets the same merge, the prefix is
+also concatenated and repeated per query head) and one tile's graph. The cost: the recompute runs the norm and the k / v
+projections twice (and q's once more, discarded), ~15% of SmolLM2-135M's block FLOPs.
 
 The block's own ``forward`` does the work (its norms, residuals, projections, RoPE, MLP — a
 tiled MLP's wrapper included), so any family whose attention goes through transformers'
@@ -29,15 +30,15 @@ for the duration of one tile's call, by :func:`_tile_attention`. Blocks are tile
 :func:`tileable` says: SDPA attention, pure causal (no mask tensor: no padding, no packed
 documents, no sliding window in effect), no dropout; elsewhere the block is checkpointed whole.
 
-**Exactness (fp32, CPU).** Per-token work is the same rows whatever the tile (as the tiled
-MLP: ``tiling.py``). Attention over tiles of a multiple of 1024 positions is bit-identical
-to one call over the sequence: PyTorch's CPU flash kernel splits queries by 256 and keys by
-512 from position 0 either way (tested). So the block's output, and the gradient w.r.t. its
-input, match the untiled block but for the order of the sums that cross tiles: each
-weight's gradient (one sum per tile, as the tiled MLP's) and each key's and value's (one
-per later tile). Those differ by fp32 rounding: a reordered sum of ``tiles`` partial sums,
-measured ~1e-7 of the largest element on a tiny Llama. Other tiles, and accelerators
-(whose flash kernels tile differently), differ from the untiled attention by rounding too.
+**Exactness (fp32).** Per-token work is the same rows whatever the tile (as the tiled MLP:
+``tiling.py``). A tile's attention after the first is two flash calls merged by their
+log-sum-exps (:class:`_PrefixAttention`; no ``[tile, seq]`` mask, which SDPA would widen to
+floats and save), which rounds differently from one call over the sequence; and the sums that
+cross tiles — each weight's gradient (one sum per tile, as the tiled MLP's) and each key's and
+value's (one per later tile) — are added in another order. So the loss and every gradient
+match the untiled block within fp32 rounding: measured within ~5e-7 of each gradient's largest
+element on a tiny Llama (``tests/activations/test_tiled_block.py`` bounds it at 2e-6).
+Offloaded == in memory, bit for bit.
 """
 from __future__ import annotations
 
@@ -87,6 +88,57 @@ class _Tile:
         self.kv["v"][:, :, self.lo:self.hi] = value
 
 
+class _PrefixAttention(torch.autograd.Function):
+    """Causal attention of one tile's queries (positions ``[lo, hi)``) over the keys before it
+    and its own, on the CPU, with no ``[tile, hi]`` mask: two flash calls merged by their
+    log-sum-exps (the split softmax of ring attention), ``softmax = w1 softmax1 + w2 softmax2``.
+
+    * the prefix ``[0, lo)``, unmasked: a kv group's query heads stacked along the sequence
+      (rows are independent without a mask), so grouped attention reads its keys unrepeated;
+    * the tile's own keys, causal and square: repeated per query head (a tile's worth).
+
+    The backward of each part is flash's own, given the *merged* output and log-sum-exp (what a
+    part's softmax is, renormalized: each part's gradient is exact). A boolean mask instead
+    would be widened by SDPA to ``[tile, hi]`` floats and saved: 128 MiB per tile of 4096 at
+    8K tokens in fp32, growing with the sequence. Merging rounds differently from one call
+    (~1e-7 of the output in fp32).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k_own, v_own, k_prev, v_prev, scale):
+        b, h, n, d = q.shape
+        g = k_own.shape[1]
+        rep = h // g
+        fa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        stacked = q.reshape(b, g, rep * n, d)
+        o1, l1 = fa(stacked, k_prev, v_prev, 0.0, False, scale=scale)
+        o2, l2 = fa(q, k_own.repeat_interleave(rep, 1), v_own.repeat_interleave(rep, 1), 0.0, True, scale=scale)
+        l1 = l1.reshape(b, h, n)
+        lse = torch.logaddexp(l1, l2)
+        out = (torch.exp(l1 - lse).unsqueeze(-1) * o1.reshape(b, h, n, d)
+               + torch.exp(l2 - lse).unsqueeze(-1) * o2)
+        ctx.scale = scale
+        ctx.save_for_backward(q, k_own, v_own, k_prev, v_prev, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k_own, v_own, k_prev, v_prev, out, lse = ctx.saved_tensors
+        b, h, n, d = q.shape
+        g = k_own.shape[1]
+        rep = h // g
+        fb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        grad = grad.contiguous()
+        dq1, dk_prev, dv_prev = fb(grad.reshape(b, g, rep * n, d), q.reshape(b, g, rep * n, d), k_prev, v_prev,
+                                   out.reshape(b, g, rep * n, d), lse.reshape(b, g, rep * n), 0.0, False,
+                                   scale=ctx.scale)
+        dq2, dk, dv = fb(grad, q, k_own.repeat_interleave(rep, 1), v_own.repeat_interleave(rep, 1), out, lse,
+                         0.0, True, scale=ctx.scale)
+        own = (b, g, rep, n, d)
+        return (dq1.reshape(b, h, n, d) + dq2, dk.reshape(own).sum(2), dv.reshape(own).sum(2),
+                dk_prev, dv_prev, None)
+
+
 def _tile_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: Any, dropout: float = 0.0, scaling: float | None = None,
                     **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -100,25 +152,21 @@ def _tile_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
         if t.lo:  # the earlier keys and values: leaves whose gradients the backward sums
             t.prev = tuple(t.kv[n][:, :, :t.lo].detach().requires_grad_(x.requires_grad)
                            for n, x in (("k", key), ("v", value)))
-            key, value = torch.cat([t.prev[0], key], 2), torch.cat([t.prev[1], value], 2)
+        prev = t.prev
     else:
         t.store(key, value)
         if t.mode == "keys":
             raise _KeysReady
-        key, value = t.kv["k"][:, :, :t.hi], t.kv["v"][:, :, :t.hi]
-    gqa = query.shape[1] != key.shape[1]
-    if t.lo == 0:  # the first tile: square and causal, as the untiled call's first rows
-        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+        prev = (t.kv["k"][:, :, :t.lo], t.kv["v"][:, :, :t.lo]) if t.lo else ()
+    if not prev:  # the first tile: square and causal, as the untiled call's first rows
+        out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
+                                             enable_gqa=query.shape[1] != key.shape[1])
     elif query.device.type == "cpu":
-        # row r of the tile sees keys <= lo + r; a boolean mask keeps the CPU flash kernel
-        # (bit-identical to the untiled rows, see the module doc)
-        mask = torch.ones(t.hi - t.lo, t.hi, dtype=torch.bool, device=query.device).tril(t.lo)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
-    else:  # accelerators: lower-right causal, which their flash / memory-efficient kernels take
+        out = _PrefixAttention.apply(query, key, value, *prev, scaling)
+    else:  # accelerators: lower-right causal, which their flash kernels take without a mask
         from torch.nn.attention.bias import causal_lower_right
-        if gqa:
-            rep = query.shape[1] // key.shape[1]
-            key, value = key.repeat_interleave(rep, 1), value.repeat_interleave(rep, 1)
+        rep = query.shape[1] // key.shape[1]
+        key, value = (torch.cat([p, x], 2).repeat_interleave(rep, 1) for p, x in zip(prev, (key, value)))
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(t.hi - t.lo, t.hi),
                                              scale=scaling)
     return out.transpose(1, 2).contiguous(), None

@@ -103,6 +103,7 @@ class MemoryPlan:
     chosen: int | None = None  # which of the candidates this plan is
     longest: LongestContext | None = None  # the longest sequence that trains at this micro-batch (longest.py)
     seq_tile: int = 0  # tokens per MLP tile (0: untiled)
+    blocks_tiled: bool = False  # a recomputed block runs seq_tile positions at a time (tiled_block.py)
 
     # -- derived ---------------------------------------------------------------------
     def tier_total(self, tier: Tier | str) -> int:
@@ -152,6 +153,7 @@ class MemoryPlan:
             "candidates": [{**c.to_dict(), "chosen": i == self.chosen} for i, c in enumerate(self.candidates)],
             "written_per_step_bytes": self.written_per_step_bytes,
             "seq_tile": self.seq_tile,
+            "blocks_tiled": self.blocks_tiled,
             "longest_context": None if self.longest is None else self.longest.to_dict(),
         }
 
@@ -359,6 +361,8 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
                                              offload), lambda wn, b: _layouts(wn, offload, every, b), batch_size)
     plan = _build(w, layouts[best], times[best], batch_size, offload, method, optim)
     plan.candidates, plan.chosen, plan.seq_tile = candidates, best, tile if w.tiled(batch_size) else 0
+    plan.blocks_tiled = w.block_tiled and (plan.activations == ActivationPolicy.RECOMPUTE.value
+                                           or plan.activations in CHECKPOINT_OFFLOADS)
     plan.longest = longest_context(w, lambda wn: _layouts(wn, offload, every, batch_size), batch_size)
     return plan
 

@@ -111,7 +111,9 @@ def render_table(plan: "MemoryPlan") -> str:
             lines.append(f"{_LINK_NAMES.get(k, k):<18}{format_bytes(v):>14}{t.io_s[k]:>9.2f}s")
     else:
         lines.append("no tier traffic: everything stays on DEVICE")
-    if plan.seq_tile:
+    if plan.blocks_tiled:
+        lines.append(f"recomputed blocks tiled: {plan.seq_tile} positions per tile (seq_tile)")
+    elif plan.seq_tile:
         lines.append(f"MLP tiled: {plan.seq_tile} tokens per tile (seq_tile)")
     if plan.longest is not None:
         lines.append(f"longest context that fits: {plan.longest.describe()}")

@@ -417,11 +417,12 @@ def tiled_block_bytes(spec: ModelSpec, dtype: str, seq_len: int, tile: int, batc
     """Bytes a tiled block's backward holds for ``batch`` sequences (``activations/tiled_block.py``).
 
     One tile's graph (its saved tensors, the MLP tile's) and, over the whole sequence, the keys
-    and values (``c`` bytes), their fp32 gradient sums, one tile's copy of its key / value
-    prefix and that prefix's gradient: ``(3c + 8) x 2 x kv_heads x head_dim`` per token.
+    and values (``c`` bytes), their fp32 gradient sums and one tile's gradient w.r.t. its
+    prefix: ``(2c + 4) x 2 x kv_heads x head_dim`` per token (the CPU's merged attention;
+    an accelerator's concatenated prefix is not counted).
     """
     c, kv = DTYPE_BYTES[dtype], 2 * spec.kv_heads * spec.head_dim
-    return (batch * (block_activation_bytes(spec, dtype, tile, tiled=True) + seq_len * (3 * c + 8) * kv)
+    return (batch * (block_activation_bytes(spec, dtype, tile, tiled=True) + seq_len * (2 * c + 4) * kv)
             + mlp_tile_bytes(spec, dtype, tile))
 
 

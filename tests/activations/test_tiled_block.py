@@ -1,11 +1,11 @@
 """Sequence-tiled recomputed blocks (activations/tiled_block.py) against the untiled
 checkpoint on a tiny Llama (fp32, SDPA).
 
-The forward and the loss are bit-identical (tiles of 1024 positions: the CPU flash kernel's
-splits); the gradients differ by the order of the sums that cross tiles (each weight's, each
-key's and value's), so by fp32 rounding: ~5e-7 of the largest element here. Offloaded to
-NVMe == in memory, bit for bit; where a block cannot be tiled (a padding mask) it is
-checkpointed whole, bit-identical to untiled. One tile's recompute saves a tile's worth.
+The loss and the gradients differ from the untiled block by fp32 rounding (a tile's attention
+merged from two calls, the sums that cross tiles added in another order): ~5e-7 of each
+gradient's largest element here. Offloaded to NVMe == in memory, bit for bit; where a block
+cannot be tiled (a padding mask) it is checkpointed whole. One tile's recompute saves a
+tile's worth.
 """
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from outcore.activations import apply_activation_policy
 from outcore.activations import tiled_block
 from outcore.planner.sizes import block_activation_bytes, model_spec
 
-TILE, SEQ = 1024, 3000  # three tiles, the last one partial
+TILE, SEQ = 128, 360  # three tiles, the last one partial
 
 
 @pytest.fixture(scope="module")
 def model():
     from tests.conftest import make_tiny_llama
-    return make_tiny_llama(max_pos=4096).train()
+    return make_tiny_llama().train()
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +58,10 @@ def _close(got, ref):
     return all((got[n] - g).abs().max() <= 2e-6 * g.abs().max() for n, g in ref.items())
 
 
-def test_tiled_equals_untiled_forward_exactly_gradients_by_rounding(model, ids, untiled, calls):
+def test_tiled_equals_untiled_but_for_rounding(model, ids, untiled, calls):
     got = _step(model, ids, "recompute", TILE)
     assert len(calls) == model.config.num_hidden_layers  # every block went through the tiles
-    assert torch.equal(got[0], untiled[0])
+    assert (got[0] - untiled[0]).abs() <= 1e-6 * untiled[0].abs()
     assert _close(got[1], untiled[1])
     assert not all(torch.equal(got[1][n], g) for n, g in untiled[1].items())  # (the sums did cross tiles)
 
@@ -72,11 +72,6 @@ def test_offloaded_tiled_equals_tiled_in_memory(model, ids, calls):
         got = _step(model, ids, policy, TILE)
         assert torch.equal(got[0], ref[0]) and all(torch.equal(got[1][n], g) for n, g in ref[1].items()), policy
     assert len(calls) == 3 * model.config.num_hidden_layers
-
-
-def test_an_odd_tile_is_exact_but_for_rounding(model, ids, untiled):
-    got = _step(model, ids, "recompute", 700)  # not the kernel's split: attention rounds differently
-    assert (got[0] - untiled[0]).abs() <= 1e-6 * untiled[0].abs() and _close(got[1], untiled[1])
 
 
 def test_a_padding_mask_checkpoints_the_block_whole(model, ids, calls):
@@ -120,3 +115,11 @@ def test_one_tile_of_the_recompute_saves_a_tile(model, ids, monkeypatch):
     one_tile = b * block_activation_bytes(model_spec(model), "float32", TILE, tiled=True)
     assert len(per_tile) == 3 * cfg.num_hidden_layers
     assert saved <= one_tile + kv < whole_block / 2
+
+
+def test_without_grouped_attention(tiny_llama_factory, ids, calls):
+    model = tiny_llama_factory(kv_heads=4).train()  # one key / value head per query head
+    ref = _step(model, ids, "recompute", 0)
+    got = _step(model, ids, "recompute", TILE)
+    assert len(calls) == model.config.num_hidden_layers
+    assert (got[0] - ref[0]).abs() <= 1e-6 * ref[0].abs() and _close(got[1], ref[1])

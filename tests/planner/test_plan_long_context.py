@@ -11,7 +11,8 @@ from outcore.activations.tiling import tile_mlp
 from outcore.errors import BudgetError
 from outcore.planner import Budgets, make_plan
 from outcore.planner.longest import ROUND
-from outcore.planner.sizes import block_activation_bytes, checkpoint_bytes, chunked_head_bytes, model_spec
+from outcore.planner.sizes import (block_activation_bytes, checkpoint_bytes, chunked_head_bytes, model_spec,
+                                  tiled_block_bytes)
 
 GiB = 1 << 30
 BIG = Budgets(device_bytes=64 * GiB, host_bytes=64 * GiB, nvme_bytes=1 << 40, ram_bytes=64 * GiB,
@@ -70,6 +71,31 @@ def test_tiling_lowers_what_a_step_holds(tiny):
     loss, tile = chunked_head_bytes(model_spec(tiny), "float32", s)[1], 8 * 512 * 128 * 4
     assert loss > tile and saved == 4 * s * 4 * 128 * 4
     assert tiled.time.compute_s > untiled.time.compute_s  # each tile recomputed in the backward
+
+
+def test_a_recomputed_block_is_planned_tiled_whole(tiny):
+    s, b, tile = 4096, 2, 512
+    spec = model_spec(tiny)
+    assert spec.tileable_block
+    plan = make_plan(tiny, offload="none", activations="recompute", budgets=BIG, seq_len=s, batch_size=b,
+                     seq_tile=tile)
+    assert plan.blocks_tiled and "recomputed blocks tiled: 512 positions per tile" in plan.table()
+    kept, loss = chunked_head_bytes(spec, "float32", b * s)
+    recompute = tiled_block_bytes(spec, "float32", s, tile, b)
+    assert plan.tier_bytes["DEVICE"]["activations"] == 4 * b * checkpoint_bytes(spec, "float32", s) + kept + max(
+        loss, recompute)
+    # one tile's graph and the keys / values: less than the whole block's saved tensors and MLP tile
+    assert recompute < b * block_activation_bytes(spec, "float32", s, tiled=True) + 8 * tile * 128 * 4
+    keep = make_plan(tiny, offload="none", activations="keep", budgets=BIG, seq_len=s, batch_size=b, seq_tile=tile)
+    assert not keep.blocks_tiled  # (only a recomputed block is a checkpoint to tile)
+
+
+def test_eager_attention_is_not_tiled_whole(tiny_llama_factory):
+    eager = tiny_llama_factory()
+    eager.config._attn_implementation = "eager"
+    assert not model_spec(eager).tileable_block
+    plan = make_plan(eager, offload="none", activations="recompute", budgets=BIG, seq_len=4096, seq_tile=512)
+    assert not plan.blocks_tiled and plan.seq_tile == 512  # the MLP alone
 
 
 def test_longest_context_fits_and_a_longer_one_does_not(tiny):
