@@ -184,10 +184,11 @@ def activation_bytes(w: Workload, policy: str, batch: int, window: int) -> tuple
 
     A recomputed block holds its saved tensors (and a tiled MLP one tile's) while its
     backward runs, one block at a time — tiled whole where ``seq_tile`` is shorter than the
-    sequence (``tiled_block_bytes``: one tile's, and its keys and values over the sequence); its checkpoint, the block's input, waits on
-    DEVICE (``recompute``) or, but for the ``window + 1`` blocks read ahead and the last
-    kept, on HOST / NVME (``recompute_host`` / ``recompute_nvme``). The head is the chunked
-    loss's where the model's loss is it (``ModelSpec.chunked_loss``).
+    sequence (``tiled_block_bytes``: one tile's, and its keys and values over the sequence);
+    its checkpoint, the block's input, waits on DEVICE (``recompute``) or, but for the
+    ``window + 1`` blocks read ahead and the last kept, on HOST / NVME (``recompute_host`` /
+    ``recompute_nvme``). The head is the chunked loss's where the model's loss is it
+    (``ModelSpec.chunked_loss``).
 
     The chunked loss's gradients are taken in the forward, so its weight gradient and logits
     chunk are gone before the first block's backward: a phase apart from a block's recompute,
