@@ -66,18 +66,27 @@ class Workload:
     def compute_s(self, unit: UnitBytes, tokens: int, activations: str) -> float:
         """Seconds of compute ``unit`` costs per step over ``tokens`` tokens (0 without a rate)."""
         rate = self.rates.of(unit.kind) if self.rates else self.budgets.flops
-        passes = self.compute_passes(unit, activations, tiled=self.tiled(max(1, tokens // self.seq_len)))
+        passes = self.compute_passes(unit, activations, batch=max(1, tokens // self.seq_len))
         flops = tokens * forward_flops_per_token(self.spec, unit, self.seq_len) * passes
         return flops / rate if rate > 0 else 0.0
 
-    def compute_passes(self, unit: UnitBytes, activations: str, tiled: bool = False) -> float:
+    def compute_passes(self, unit: UnitBytes, activations: str, batch: int = 1) -> float:
         """Forward-equivalents of compute ``unit`` costs per step: the method's passes, plus
         one more forward of a block whose activations are recomputed for its backward, plus
-        one more of a tiled MLP (3 x hidden x intermediate of the block's matmuls per token)."""
+        one more of a tiled MLP (3 x hidden x intermediate of the block's matmuls per token:
+        in a tiled block, only where its tile's rows, ``batch x seq_tile``, are more than one
+        MLP tile), plus a tiled block's keys and values recomputed for every tile but the last
+        (the q, k, v projections)."""
         block = unit.kind == "block" and self.has_backward
-        mlp = min(1.0, 3 * self.spec.hidden * self.spec.intermediate / max(unit.matmul_params, 1))
-        return self.method.compute_passes + (1.0 if activations in RECOMPUTED and block else 0.0) + \
-            (mlp if tiled and block else 0.0)
+        share = 1 / max(unit.matmul_params, 1)
+        mlp = min(1.0, 3 * self.spec.hidden * self.spec.intermediate * share)
+        recomputed = activations in RECOMPUTED and block
+        passes = self.method.compute_passes + (1.0 if recomputed else 0.0)
+        if recomputed and self.block_tiled:
+            tiles = -(-self.seq_len // self.seq_tile)
+            qkv = self.spec.hidden * (self.spec.heads + 2 * self.spec.kv_heads) * self.spec.head_dim * share
+            return passes + min(1.0, qkv) * (tiles - 1) / tiles + (mlp if batch > 1 else 0.0)
+        return passes + (mlp if self.tiled(batch) and block else 0.0)
 
 
 @dataclass(frozen=True)

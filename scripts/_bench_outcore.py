@@ -103,6 +103,7 @@ class OutcoreTrainer:
         activations: the recipe's activation policy (``keep`` is its default).
         dtype: the compute dtype (``bfloat16``: fp32 masters in the state tier, as the recipe does).
         budgets: measured ``Budgets`` to plan with (None: the recipe's own plan, speeds not measured).
+        seq_tile: tokens per tile (``auto``, 0 = untiled, or a count), as the recipe's ``seq_tile``.
 
     No clipping (``max_grad_norm=0``) and no accumulation, as in the other modes: the
     engine updates each unit during the backward (step-in-backward).
@@ -110,12 +111,12 @@ class OutcoreTrainer:
 
     def __init__(self, kind: str, config: Any, seed: int, *, offload: str, optim: str, seq_len: int,
                  batch_size: int, hyper: dict[str, Any], work_dir: str, activations: str = "keep",
-                 dtype: str = "float32", budgets: Any = None):
+                 dtype: str = "float32", budgets: Any = None, seq_tile: "int | str" = "auto"):
         self.work = Path(tempfile.mkdtemp(prefix="bench_outcore_", dir=work_dir))
         self.lr = hyper["lr"]
         try:
             self._build(kind, config, seed, offload, optim, seq_len, batch_size, hyper, activations, dtype,
-                        budgets)
+                        budgets, seq_tile)
         except BaseException:  # e.g. the plan does not fit: leave no swap files behind
             import shutil
 
@@ -123,7 +124,8 @@ class OutcoreTrainer:
             raise
 
     def _build(self, kind: str, config: Any, seed: int, offload: str, optim: str, seq_len: int,
-               batch_size: int, hyper: dict[str, Any], activations: str, dtype: str, budgets: Any) -> None:
+               batch_size: int, hyper: dict[str, Any], activations: str, dtype: str, budgets: Any,
+               seq_tile: "int | str") -> None:
         from outcore.dtypes import torch_dtype
         from outcore.kernels.linear_cross_entropy import CausalLMHeadLoss
         from outcore.models import model_parts
@@ -133,7 +135,7 @@ class OutcoreTrainer:
 
         cfg = FinetuneConfig(offload=offload, optim=optim, seq_len=seq_len, batch_size=batch_size,
                              max_grad_norm=0.0, grad_accum=1, seed=seed, dtype=dtype,
-                             activations=activations, swap_dir=str(self.work / "swap"),
+                             activations=activations, seq_tile=seq_tile, swap_dir=str(self.work / "swap"),
                              output=str(self.work / "run"), ui="none", export=False,
                              lr=hyper["lr"], betas=tuple(hyper["betas"]), eps=hyper["eps"],
                              weight_decay=hyper["weight_decay"])

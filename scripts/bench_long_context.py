@@ -13,7 +13,7 @@ leave the RSS):
   fused AdamW: the usual in-memory recipe for long context.
 - ``outcore_recompute``: out of core (``offload=nvme``: weights and AdamW state on the swap
   disk), every block recomputed, its checkpoint (input hidden state) kept in RAM, the MLP
-  tiled (``seq_tile=auto``), the chunked head loss.
+  tiled (``seq_tile=auto``, or ``--seq-tile``), the chunked head loss.
 - ``outcore_recompute_nvme``: the same with the block checkpoints on NVMe too.
 
 Per mode, the least-squares slope of peak RSS per 1K tokens over the lengths that ran, beside
@@ -61,7 +61,7 @@ def _ids(seq: int):
     return torch.randint(3, 49152, (1, seq), generator=torch.Generator().manual_seed(seq))
 
 
-def _child(mode: str, seq: int, steps: int, work_dir: str) -> dict:
+def _child(mode: str, seq: int, steps: int, work_dir: str, seq_tile: str) -> dict:
     """One mode at one length in this process: ``steps`` optimizer steps; peak RSS and step times."""
     import torch
 
@@ -87,10 +87,11 @@ def _child(mode: str, seq: int, steps: int, work_dir: str) -> dict:
         policy = "recompute_nvme" if mode.endswith("_nvme") else "recompute"
         hyper = {"lr": 1e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
         trainer = OutcoreTrainer("default", None, 0, offload="nvme", optim="adamw", seq_len=seq, batch_size=1,
-                                 hyper=hyper, work_dir=work_dir, activations=policy)
+                                 hyper=hyper, work_dir=work_dir, activations=policy, seq_tile=seq_tile)
         try:
             out["rss_loaded_bytes"] = _peak_rss()
             out["plan"] = {"activations": trainer.plan.activations, "seq_tile": trainer.plan.seq_tile,
+                           "blocks_tiled": trainer.plan.blocks_tiled,
                            "expected_peak_rss_bytes": trainer.plan.expected_peak_rss_bytes}
             for _ in range(steps):
                 t0 = time.perf_counter()
@@ -186,11 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="also write the JSON here, rewritten after every run")
     ap.add_argument("--swap-dir", default=None, help="where the outcore runs' swap files go (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--seq-tile", default="auto",
+                    help="outcore's seq_tile: tokens per tile of a recomputed block and its MLP (auto | 0 | N)")
     ap.add_argument("--child", nargs=2, metavar=("MODE", "SEQ"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         print("RESULT " + json.dumps(_child(args.child[0], int(args.child[1]), args.steps,
-                                            args.swap_dir or tempfile.gettempdir())), flush=True)
+                                            args.swap_dir or tempfile.gettempdir(), args.seq_tile)), flush=True)
         return 0
     from outcore.bytesize import parse_bytes
 
@@ -214,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             if left < 1:
                 runs[mode].append({"mode": mode, "seq_len": seq, "status": "not run: --budget-s spent"})
                 continue
-            cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, str(seq), "--steps", str(args.steps)]
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, str(seq), "--steps", str(args.steps),
+                   "--seq-tile", args.seq_tile]
             cmd += ["--swap-dir", args.swap_dir] if args.swap_dir else []
             t0 = time.perf_counter()
             res = {"mode": mode, "seq_len": seq, **_run_child(cmd, env, min(args.timeout, left), args.kill_over_bytes)}
