@@ -52,6 +52,7 @@ from torch import nn
 from ..errors import ModelError
 
 ATTENTION_NAME = "outcore_tiled_sdpa"  # registered in transformers' AttentionInterface
+MERGED_ON = ("cpu",)  # device types whose tiles attend to their prefix by _PrefixAttention (CPU flash ops)
 _now = threading.local()  # .tile: the _Tile being computed on this thread (the backward may run on another)
 
 
@@ -115,8 +116,8 @@ class _PrefixAttention(torch.autograd.Function):
         o2, l2 = fa(q, k_own.repeat_interleave(rep, 1), v_own.repeat_interleave(rep, 1), 0.0, True, scale=scale)
         l1 = l1.reshape(b, h, n)
         lse = torch.logaddexp(l1, l2)
-        out = (torch.exp(l1 - lse).unsqueeze(-1) * o1.reshape(b, h, n, d)
-               + torch.exp(l2 - lse).unsqueeze(-1) * o2)
+        out = (torch.exp(l1 - lse).unsqueeze(-1) * o1.reshape(b, h, n, d)  # (the weights in fp32:
+               + torch.exp(l2 - lse).unsqueeze(-1) * o2).to(q.dtype)        # one rounding in 16 bits)
         ctx.scale = scale
         ctx.save_for_backward(q, k_own, v_own, k_prev, v_prev, out, lse)
         return out
@@ -161,7 +162,7 @@ def _tile_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
     if not prev:  # the first tile: square and causal, as the untiled call's first rows
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
                                              enable_gqa=query.shape[1] != key.shape[1])
-    elif query.device.type == "cpu":
+    elif query.device.type in MERGED_ON:
         out = _PrefixAttention.apply(query, key, value, *prev, scaling)
     else:  # accelerators: lower-right causal, which their flash kernels take without a mask
         from torch.nn.attention.bias import causal_lower_right

@@ -123,3 +123,22 @@ def test_without_grouped_attention(tiny_llama_factory, ids, calls):
     got = _step(model, ids, "recompute", TILE)
     assert len(calls) == model.config.num_hidden_layers
     assert (got[0] - ref[0]).abs() <= 1e-6 * ref[0].abs() and _close(got[1], ref[1])
+
+
+def test_the_accelerator_path_lower_right_causal(model, ids, untiled, monkeypatch, calls):
+    """The branch accelerators take (the prefix concatenated, lower-right causal SDPA), run here
+    through the CPU's SDPA: the same attention, so the same result within rounding."""
+    monkeypatch.setattr(tiled_block, "MERGED_ON", ())
+    got = _step(model, ids, "recompute", TILE)
+    assert calls and (got[0] - untiled[0]).abs() <= 1e-6 * untiled[0].abs() and _close(got[1], untiled[1])
+
+
+def test_bfloat16(tiny_llama_factory, ids, calls):
+    model = tiny_llama_factory().to(torch.bfloat16).train()
+    ref = _step(model, ids, "recompute", 0)
+    got = _step(model, ids, "recompute", TILE)
+    assert len(calls) == model.config.num_hidden_layers
+    assert all(g.dtype == torch.bfloat16 for g in got[1].values())
+    # 16-bit rounding of the merge and of the per-tile sums (added in fp32): within a few bf16 ulps
+    assert (got[0] - ref[0]).abs() <= 1e-2 * ref[0].abs()
+    assert all((got[1][n] - g).abs().max() <= 0.05 * g.abs().max() for n, g in ref[1].items())
