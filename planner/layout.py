@@ -199,10 +199,12 @@ def activation_bytes(w: Workload, policy: str, batch: int, window: int) -> tuple
     ``recompute_nvme``). The head is the chunked loss's where the model's loss is it
     (``ModelSpec.chunked_loss``).
 
-    The chunked loss's gradients are taken in the forward, so its weight gradient and logits
-    chunk are gone before the first block's backward: a phase apart from a block's recompute,
-    held with the larger (sampled through a step of the default model at 8K tokens: the head
-    +254 MiB, then each block's recompute +~220 MiB, over the checkpoints).
+    A step holds the blocks' share and the larger of two phases: the loss (the head's kept rows
+    and, for the chunked loss, whose gradients are taken in the forward, its weight gradient and
+    logits chunk), then the blocks' backward (the gradient w.r.t. the last hidden state, the
+    head's other rows freed by the final norm's backward, and one block's recompute or MLP
+    tile). Sampled through a step of the default model at 8K tokens: the head +254 MiB, then
+    each block's recompute +~220 MiB, over the checkpoints.
     """
     s, spec = w.seq_len, w.spec
     if not w.has_backward:  # ZO: two forward passes in flight, nothing saved for a backward
@@ -214,19 +216,23 @@ def activation_bytes(w: Workload, policy: str, batch: int, window: int) -> tuple
     tile = mlp_tile_bytes(spec, w.dtype, w.seq_tile) if w.tiled(batch) else 0  # one tile's, one block at a time
     L = spec.layers
     ckpt = batch * checkpoint_bytes(spec, w.dtype, s)
+    grad = batch * s * spec.hidden * DTYPE_BYTES[w.dtype]  # d loss / d the last block's output
+
+    def phases(blocks: int) -> int:  # the loss's phase, or the blocks' backward, whichever holds more
+        return max(head + loss, grad + blocks)
     if policy == KEEP:
-        return L * saved + head + max(loss, tile), 0, 0
+        return L * saved + phases(tile), 0, 0
     recompute = tiled_block_bytes(spec, w.dtype, s, w.seq_tile, batch) if w.block_tiled else saved + tile
     if policy == RECOMPUTE:
-        return L * ckpt + head + max(loss, recompute), 0, 0
+        return L * ckpt + phases(recompute), 0, 0
     if policy in CHECKPOINT_OFFLOADS:
         near = min(L, max(window, 1) + 1)  # read ahead, and the last block's (kept)
         away = (L - near) * ckpt
-        dev = near * ckpt + head + max(loss, recompute)
+        dev = near * ckpt + phases(recompute + ckpt)  # (the block in flight's checkpoint, read back)
         return (dev, away, 0) if policy == RECOMPUTE_HOST else (dev, 0, away)
     if policy == OFFLOAD:  # the offloaded bytes shrink by the codec's ratio
         offloaded = int(L * saved * compressed_ratio(w.activations_compress, DTYPE_BYTES[w.dtype]))
-        return min(L, max(window, 1) + 1) * saved + head + max(loss, tile), offloaded, 0
+        return min(L, max(window, 1) + 1) * saved + phases(tile), offloaded, 0
     raise ValueError(f"unknown activation policy {policy!r}")
 
 
