@@ -20,8 +20,9 @@ So the backward holds, beyond the checkpoint and the gradients in and out, the k
 values, their fp32 gradient sums and one tile's gradient w.r.t. its prefix
 (``(2c + 4) x 2 x kv_heads x head_dim`` bytes per token: in fp32 twice a checkpoint's in
 SmolLM2's grouped attention; on an accelerator, until it gets the same merge, the prefix is
-also concatenated and repeated per query head) and one tile's graph. The cost: the recompute runs the norm and the k / v
-projections twice (and q's once more, discarded), ~15% of SmolLM2-135M's block FLOPs.
+also concatenated and repeated per query head) and one tile's graph. The cost: the
+recompute runs the norm and the k / v projections twice (and q's once more, discarded),
+~15% of SmolLM2-135M's block FLOPs; measured, the same step time as untiled at 8K and 16K.
 
 The block's own ``forward`` does the work (its norms, residuals, projections, RoPE, MLP — a
 tiled MLP's wrapper included), so any family whose attention goes through transformers'
@@ -212,13 +213,12 @@ def block_runner(layer: nn.Module, forward: Callable[..., Any], kwargs: dict
         for name in ("position_ids", "cache_position"):
             if isinstance(part.get(name), torch.Tensor):
                 part[name] = part[name][..., lo:hi]
-        # the config's attention for this call only (the attribute its setter writes)
-        was = config._attn_implementation_internal
-        config._attn_implementation_internal = ATTENTION_NAME
+        was = config._attn_implementation  # the config's attention, for this call only
+        config._attn_implementation = ATTENTION_NAME
         try:
             out = forward(x, **part)
         finally:
-            config._attn_implementation_internal = was
+            config._attn_implementation = was
         if not isinstance(out, torch.Tensor):
             raise ModelError(f"{type(layer).__name__} returns {type(out).__name__}, not its hidden states; "
                              f"set seq_tile=0 to run it untiled")
