@@ -51,13 +51,14 @@ class Workload:
     activations_compress: str = "none"  # how offloaded activations are stored (activations.policy)
     rates: ComputeRates | None = None  # measured per unit kind (compute.py); None: budgets.flops
     seq_tile: int = 0  # tokens per MLP tile (activations/tiling.py); 0: untiled
+    padding_free: bool = False  # packed documents: a [batch, 1, seq, seq] attention mask per step
 
     def tiled(self, batch: int) -> bool:  # a micro-batch of ``batch`` sequences runs its MLPs tiled
         return self.spec.tileable_mlp and 0 < self.seq_tile < batch * self.seq_len
 
     @property
     def block_tiled(self) -> bool:  # a recomputed block runs over tiles of positions (tiled_block.py)
-        return self.spec.tileable_block and 0 < self.seq_tile < self.seq_len
+        return self.spec.tileable_block and 0 < self.seq_tile < self.seq_len and not self.padding_free
 
     @property
     def has_backward(self) -> bool:
@@ -213,13 +214,17 @@ def activation_bytes(w: Workload, policy: str, batch: int, window: int) -> tuple
     head, loss = (chunked_head_bytes(spec, w.dtype, batch * s, w.method.trains_weights) if spec.chunked_loss
                   else (batch * head_activation_bytes(spec, w.dtype, s), 0))  # (kept, while the loss runs)
     saved = batch * block_activation_bytes(spec, w.dtype, s, tiled=w.tiled(batch))  # one block's
+    # packed documents: the model's boolean [batch, 1, s, s] mask for the step, and SDPA's copy of
+    # it in the compute dtype that every block saves (quadratic in the length)
+    mask = batch * s * s if w.padding_free else 0
+    saved += mask * DTYPE_BYTES[w.dtype]
     tile = mlp_tile_bytes(spec, w.dtype, w.seq_tile) if w.tiled(batch) else 0  # one tile's, one block at a time
     L = spec.layers
     ckpt = batch * checkpoint_bytes(spec, w.dtype, s)
     grad = batch * s * spec.hidden * DTYPE_BYTES[w.dtype]  # d loss / d the last block's output
 
     def phases(blocks: int) -> int:  # the loss's phase, or the blocks' backward, whichever holds more
-        return max(head + loss, grad + blocks)
+        return mask + max(head + loss, grad + blocks)
     if policy == KEEP:
         return L * saved + phases(tile), 0, 0
     recompute = tiled_block_bytes(spec, w.dtype, s, w.seq_tile, batch) if w.block_tiled else saved + tile

@@ -295,8 +295,8 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
               budgets: Budgets | None = None, probe: Any = None, grad_accum: int = 1,
               max_grad_norm: float = 0.0, optim_args: Mapping[str, Any] | None = None, lora_r: int = 8,
               lora_targets: tuple[str, ...] | list[str] = ("q_proj", "k_proj", "v_proj", "o_proj"),
-              activations_compress: str = "none", world: int = 1, seq_tile: "int | str" = SEQ_TILE_AUTO
-              ) -> MemoryPlan:
+              activations_compress: str = "none", world: int = 1, seq_tile: "int | str" = SEQ_TILE_AUTO,
+              padding_free: bool = False) -> MemoryPlan:
     """Decide where every tensor of a fine-tuning run lives.
 
     Args:
@@ -318,7 +318,10 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
             (the last sizes offloaded activations by its codec's ratio).
         world: data-parallel ranks (a full fine-tune's state sharded: the plan is one rank's).
         seq_tile: tokens per MLP tile, ``auto`` or 0 (``activations/tiling.py``): a tiled MLP
-            holds one tile's intermediates, not the sequence's.
+            holds one tile's intermediates, not the sequence's; a recomputed block, one tile of
+            positions (``activations/tiled_block.py``).
+        padding_free: packed documents kept apart: attention takes a ``[batch, 1, seq, seq]``
+            mask, which every block saves in the compute dtype, and no block is tiled whole.
 
     Returns:
         The :class:`MemoryPlan`.
@@ -346,7 +349,8 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
     from ..activations.tiling import resolve_tile
 
     tile = resolve_tile(seq_tile, spec.intermediate, DTYPE_BYTES[dtype])
-    w = Workload(spec, ub, traits, dtype, seq_len, grads_kept, budgets, activations_compress, rates, tile)
+    w = Workload(spec, ub, traits, dtype, seq_len, grads_kept, budgets, activations_compress, rates, tile,
+                 padding_free)
     policies = list(_AUTO_ACTIVATIONS) if activations == AUTO else [activations]
     if not traits.backward:
         policies = [ActivationPolicy.KEEP.value]  # nothing is saved for a backward
@@ -453,6 +457,7 @@ def plan_for_config(cfg: Any, model_or_hf_config: Any, probe: Any = None,
                      max_grad_norm=float(cfg.max_grad_norm or 0.0), optim_args=cfg.optim_args,
                      lora_r=cfg.lora_r, lora_targets=tuple(cfg.lora_targets),
                      activations_compress=cfg.activations_compress, seq_tile=cfg.seq_tile,
+                     padding_free=bool(getattr(cfg, "padding_free", False)),
                      world=world if cfg.offload != NONE else 1)  # (in memory, every rank a replica)
 
 

@@ -100,6 +100,34 @@ def test_eager_attention_is_not_tiled_whole(tiny_llama_factory):
     assert not plan.blocks_tiled and plan.seq_tile == 512  # the MLP alone
 
 
+def test_packed_documents_count_their_mask_and_tile_no_block(tiny):
+    """With packed documents attention takes a boolean [b, 1, s, s] mask and every block saves
+    SDPA's float copy of it (tests/planner/test_plan.py measures what a block saves)."""
+    s, b = 1024, 2
+    plans = {pf: {a: make_plan(tiny, offload="none", activations=a, budgets=BIG, seq_len=s, batch_size=b,
+                               seq_tile=512, padding_free=pf) for a in ("keep", "recompute")}
+             for pf in (False, True)}
+    assert plans[False]["recompute"].blocks_tiled and not plans[True]["recompute"].blocks_tiled
+    keep = [plans[pf]["keep"].tier_bytes["DEVICE"]["activations"] for pf in (False, True)]
+    assert keep[1] - keep[0] == 4 * b * s * s * 4 + b * s * s
+
+
+def test_a_block_saves_the_packed_documents_mask_in_the_compute_dtype(tiny):
+    s, b = 48, 2
+    mask = torch.ones(b, 1, s, s, dtype=torch.bool).tril()
+    mask[:, :, 20:, :20] = False  # two documents
+    pe = tiny.model.rotary_emb(torch.empty(1, s, 64), torch.arange(s)[None])
+    seen = []
+
+    def pack(t):
+        seen.append((t.dtype, tuple(t.shape)))
+        return t
+    tiny.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        tiny.model.layers[0](torch.randn(b, s, 64, requires_grad=True), attention_mask=mask, position_embeddings=pe)
+    assert (torch.float32, (b, 1, s, s)) in seen  # the plan's b x s x s x c per block
+
+
 def test_longest_context_fits_and_a_longer_one_does_not(tiny):
     plan = make_plan(tiny, offload="none", activations="auto", budgets=TIGHT, seq_len=256, batch_size=1)
     longest = plan.longest
