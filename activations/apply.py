@@ -117,7 +117,7 @@ class ActivationHandle:
             policy = self.policies[index]
             if policy.recomputes:
                 kwargs = _without_cache(kwargs)
-                hidden = args[0] if args else kwargs.get("hidden_states")
+            hidden = args[0] if args else kwargs.get("hidden_states")
             if (policy.recomputes and len(args) <= 1 and isinstance(hidden, torch.Tensor)
                     and tileable(layer, kwargs, hidden.shape[1], self.tile)):
                 out = self._tiled_block(index, policy, layer, forward, hidden, kwargs)

@@ -42,7 +42,7 @@ from ..optim import ZO_OPTIMIZERS, optimizer_names
 from .budget import RUNTIME_OVERHEAD_BYTES, Budgets, budgets_from_probe
 from .choice import Candidate, choose, describe
 from .compute import measure_compute_rates
-from .layout import Layout, StepTime, Workload, account, prefetch_depth, step_time
+from .layout import RECOMPUTED, Layout, StepTime, Workload, account, prefetch_depth, step_time
 from .longest import LongestContext, longest_context
 from .sizes import ModelSpec, model_spec, unit_bytes
 
@@ -365,8 +365,7 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
                                              offload), lambda wn, b: _layouts(wn, offload, every, b), batch_size)
     plan = _build(w, layouts[best], times[best], batch_size, offload, method, optim)
     plan.candidates, plan.chosen, plan.seq_tile = candidates, best, tile if w.tiled(batch_size) else 0
-    plan.blocks_tiled = w.block_tiled and (plan.activations == ActivationPolicy.RECOMPUTE.value
-                                           or plan.activations in CHECKPOINT_OFFLOADS)
+    plan.blocks_tiled = w.block_tiled and plan.activations in RECOMPUTED
     plan.longest = longest_context(w, lambda wn: _layouts(wn, offload, every, batch_size), batch_size)
     return plan
 

@@ -86,7 +86,7 @@ def test_a_padding_mask_checkpoints_the_block_whole(model, ids, calls):
 
 def test_one_tile_of_the_recompute_saves_a_tile(model, ids, monkeypatch):
     """What autograd saves while one tile is recomputed: that tile's block activations and the
-    keys / values before it (concatenated with the tile's), not the sequence's activations."""
+    sequence's key / value buffers (the prefix is a view of them), not the sequence's activations."""
     per_tile, enter = [], tiled_block._Tile.__enter__
 
     def entered(self):
