@@ -89,56 +89,82 @@ class _Tile:
         self.kv["k"][:, :, self.lo:self.hi] = key
         self.kv["v"][:, :, self.lo:self.hi] = value
 
+    def chunks(self) -> list[tuple[int, int]]:
+        """The prefix ``[0, lo)`` in tiles (``_PrefixAttention`` attends to one at a time)."""
+        step = self.kv["tile"]
+        return [(a, min(a + step, self.lo)) for a in range(0, self.lo, step)]
+
+    def grad_sum(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        """The fp32 sum of the gradients w.r.t. the sequence's keys (``"k"``) or values (``"v"``),
+        which every later tile adds to (allocated by the first tile that does)."""
+        key = "d" + name
+        if key not in self.kv:
+            self.kv[key] = torch.zeros(self.kv[name].shape, dtype=torch.float32, device=like.device)
+        return self.kv[key]
+
 
 class _PrefixAttention(torch.autograd.Function):
     """Causal attention of one tile's queries (positions ``[lo, hi)``) over the keys before it
-    and its own, on the CPU, with no ``[tile, hi]`` mask: two flash calls merged by their
-    log-sum-exps (the split softmax of ring attention), ``softmax = w1 softmax1 + w2 softmax2``.
+    and its own, on the CPU, with no ``[tile, hi]`` mask: flash calls merged by their
+    log-sum-exps (the split softmax of ring attention), ``softmax = sum_j w_j softmax_j``:
 
-    * the prefix ``[0, lo)``, unmasked: a kv group's query heads stacked along the sequence
-      (rows are independent without a mask), so grouped attention reads its keys unrepeated;
-    * the tile's own keys, causal and square: repeated per query head (a tile's worth).
+    * the tile's own keys, causal and square: repeated per query head (a tile's worth);
+    * the prefix ``[0, lo)`` in chunks of a tile, unmasked: a kv group's query heads stacked
+      along the sequence (rows are independent without a mask), so grouped attention reads
+      its keys unrepeated, straight from the sequence's buffers (strided views: no copy).
 
     The backward of each part is flash's own, given the *merged* output and log-sum-exp (what a
-    part's softmax is, renormalized: each part's gradient is exact). A boolean mask instead
-    would be widened by SDPA to ``[tile, hi]`` floats and saved: 128 MiB per tile of 4096 at
-    8K tokens in fp32, growing with the sequence. Merging rounds differently from one call
-    (~1e-7 of the output in fp32).
+    part's softmax is, renormalized: each part's gradient is exact). A prefix chunk's key and
+    value gradients are added in place into the tile's fp32 sums (``_Tile.grad_sum``), so the
+    backward holds one chunk's, not the prefix's: 1.5 KB per token of the prefix in SmolLM2's
+    fp32. A boolean mask instead would be widened by SDPA to ``[tile, hi]`` floats and saved:
+    128 MiB per tile of 4096 at 8K tokens in fp32, growing with the sequence. Merging rounds
+    differently from one call (~1e-7 of the output in fp32).
     """
 
     @staticmethod
-    def forward(ctx, q, k_own, v_own, k_prev, v_prev, scale):
+    def forward(ctx, q, k_own, v_own, t: "_Tile", scale):
         b, h, n, d = q.shape
-        g = k_own.shape[1]
-        rep = h // g
+        rep = h // k_own.shape[1]
         fa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        stacked = q.reshape(b, g, rep * n, d)
-        o1, l1 = fa(stacked, k_prev, v_prev, 0.0, False, scale=scale)
-        o2, l2 = fa(q, k_own.repeat_interleave(rep, 1), v_own.repeat_interleave(rep, 1), 0.0, True, scale=scale)
-        l1 = l1.reshape(b, h, n)
-        lse = torch.logaddexp(l1, l2)
-        out = (torch.exp(l1 - lse).unsqueeze(-1) * o1.reshape(b, h, n, d)  # (the weights in fp32:
-               + torch.exp(l2 - lse).unsqueeze(-1) * o2).to(q.dtype)        # one rounding in 16 bits)
-        ctx.scale = scale
-        ctx.save_for_backward(q, k_own, v_own, k_prev, v_prev, out, lse)
+        out, lse = fa(q, k_own.repeat_interleave(rep, 1), v_own.repeat_interleave(rep, 1), 0.0, True, scale=scale)
+        out = out.float()  # (the merge in fp32: one rounding in 16 bits)
+        stacked = q.reshape(b, -1, rep * n, d)
+        for lo, hi in t.chunks():
+            o, l = fa(stacked, t.kv["k"][:, :, lo:hi], t.kv["v"][:, :, lo:hi], 0.0, False, scale=scale)
+            l = l.reshape(b, h, n)
+            merged = torch.logaddexp(lse, l)
+            out = torch.exp(lse - merged).unsqueeze(-1) * out + torch.exp(l - merged).unsqueeze(-1) * o.reshape(b, h, n, d)
+            lse = merged
+        out = out.to(q.dtype)
+        ctx.scale, ctx.t = scale, t
+        ctx.save_for_backward(q, k_own, v_own, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k_own, v_own, k_prev, v_prev, out, lse = ctx.saved_tensors
+        q, k_own, v_own, out, lse = ctx.saved_tensors
+        t, scale = ctx.t, ctx.scale
         b, h, n, d = q.shape
         g = k_own.shape[1]
         rep = h // g
         fb = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
         grad = grad.contiguous()
-        dq1, dk_prev, dv_prev = fb(grad.reshape(b, g, rep * n, d), q.reshape(b, g, rep * n, d), k_prev, v_prev,
-                                   out.reshape(b, g, rep * n, d), lse.reshape(b, g, rep * n), 0.0, False,
-                                   scale=ctx.scale)
-        dq2, dk, dv = fb(grad, q, k_own.repeat_interleave(rep, 1), v_own.repeat_interleave(rep, 1), out, lse,
-                         0.0, True, scale=ctx.scale)
+        dq, dk, dv = fb(grad, q, k_own.repeat_interleave(rep, 1), v_own.repeat_interleave(rep, 1), out, lse,
+                        0.0, True, scale=scale)
+        stacked = [x.reshape(b, g, rep * n, d) for x in (grad, q, out)]
+        lse = lse.reshape(b, g, rep * n)
+        sums = [t.grad_sum(name, x) if need else None
+                for name, x, need in (("k", k_own, ctx.needs_input_grad[1]), ("v", v_own, ctx.needs_input_grad[2]))]
+        for lo, hi in t.chunks():
+            dq_part, *dkv = fb(stacked[0], stacked[1], t.kv["k"][:, :, lo:hi], t.kv["v"][:, :, lo:hi], stacked[2], lse,
+                               0.0, False, scale=scale)
+            dq += dq_part.reshape(b, h, n, d)
+            for acc, part in zip(sums, dkv):
+                if acc is not None:
+                    acc[:, :, lo:hi].add_(part)
         own = (b, g, rep, n, d)
-        return (dq1.reshape(b, h, n, d) + dq2, dk.reshape(own).sum(2), dv.reshape(own).sum(2),
-                dk_prev, dv_prev, None)
+        return dq, dk.reshape(own).sum(2), dv.reshape(own).sum(2), None, None
 
 
 def _tile_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -151,22 +177,20 @@ def _tile_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
                          "set seq_tile=0 to run this model untiled")
     if t.mode == "grad":
         t.own = (key, value)
-        if t.lo:  # the earlier keys and values: leaves whose gradients the backward sums
-            t.prev = tuple(t.kv[n][:, :, :t.lo].detach().requires_grad_(x.requires_grad)
-                           for n, x in (("k", key), ("v", value)))
-        prev = t.prev
     else:
         t.store(key, value)
         if t.mode == "keys":
             raise _KeysReady
-        prev = (t.kv["k"][:, :, :t.lo], t.kv["v"][:, :, :t.lo]) if t.lo else ()
-    if not prev:  # the first tile: square and causal, as the untiled call's first rows
+    if not t.lo:  # the first tile: square and causal, as the untiled call's first rows
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling,
                                              enable_gqa=query.shape[1] != key.shape[1])
-    elif query.device.type in MERGED_ON:
-        out = _PrefixAttention.apply(query, key, value, *prev, scaling)
+    elif query.device.type in MERGED_ON:  # (its backward adds the prefix's gradients to the sums)
+        out = _PrefixAttention.apply(query, key, value, t, scaling)
     else:  # accelerators: lower-right causal, which their flash kernels take without a mask
         from torch.nn.attention.bias import causal_lower_right
+        prev = tuple(t.kv[n][:, :, :t.lo] for n in ("k", "v"))
+        if t.mode == "grad":  # the earlier keys and values: leaves whose gradients the backward sums
+            prev = t.prev = tuple(p.detach().requires_grad_(x.requires_grad) for p, x in zip(prev, (key, value)))
         rep = query.shape[1] // key.shape[1]
         key, value = (torch.cat([p, x], 2).repeat_interleave(rep, 1) for p, x in zip(prev, (key, value)))
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(t.hi - t.lo, t.hi),
@@ -226,6 +250,17 @@ def block_runner(layer: nn.Module, forward: Callable[..., Any], kwargs: dict
     return run
 
 
+def _private(grad: torch.Tensor, like: torch.Tensor) -> bool:
+    """Whether the backward may write into ``grad``: a dense tensor of ``like``'s layout that only
+    autograd's call holds (no view, no alias; one reference to it and to its storage). A node
+    that hands the same gradient to two inputs (an add whose other input is still waiting) holds
+    a second reference, and then the input's gradient gets its own buffer."""
+    use_count = getattr(grad, "_use_count", None)  # (a private API: where it is missing, never in place)
+    return (use_count is not None and use_count() == 1 and grad._base is None and grad.is_contiguous()
+            and grad.shape == like.shape and grad.dtype == like.dtype and grad.device == like.device
+            and torch._C._storage_Use_Count(grad.untyped_storage()._cdata) <= 2)  # (this tensor's, and ours)
+
+
 class TiledBlock(torch.autograd.Function):
     """``run`` over ``tile`` positions at a time, saving only ``x`` (see the module doc).
 
@@ -238,7 +273,7 @@ class TiledBlock(torch.autograd.Function):
                 *params: torch.Tensor) -> torch.Tensor:
         ctx.run, ctx.tile, ctx.params = run, tile, params
         ctx.save_for_backward(x)
-        seq, kv = x.shape[1], {"seq": x.shape[1]}
+        seq, kv = x.shape[1], {"seq": x.shape[1], "tile": tile}
         out = torch.empty_like(x)
         with torch.no_grad():
             for lo in range(0, seq, tile):
@@ -252,7 +287,7 @@ class TiledBlock(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         seq, tile, run = x.shape[1], ctx.tile, ctx.run
         starts = list(range(0, seq, tile))
-        kv: dict = {"seq": seq}
+        kv: dict = {"seq": seq, "tile": tile}
         with torch.no_grad():  # the keys and values the tiles after the first attend to
             for lo in starts[:-1]:
                 try:
@@ -263,32 +298,29 @@ class TiledBlock(torch.autograd.Function):
                 raise ModelError("a tiled block computed no attention through outcore's tiles; set seq_tile=0")
         need_x = ctx.needs_input_grad[2]
         params = [p for p, need in zip(ctx.params, ctx.needs_input_grad[3:]) if need]
-        grad_x = torch.empty_like(x) if need_x else None
+        # the input's gradient, tile by tile, into grad_out's rows once they are seeded (reverse
+        # order: a tile's rows are read by no later step) where nothing else holds it: one
+        # sequence-long gradient instead of two
+        grad_x = (grad_out if _private(grad_out, x) else torch.empty_like(x)) if need_x else None
         sums: list[torch.Tensor | None] = [None] * len(params)
-        kv_grads: list[torch.Tensor | None] = [None, None]  # fp32 sums for the keys / values before the last tile
         for lo in reversed(starts):
             hi = min(seq, lo + tile)
             xt = x[:, lo:hi].detach().requires_grad_(need_x)
             with _Tile(kv, lo, hi, "grad") as t, torch.enable_grad():
                 y = run(xt, lo, hi)
             roots, seeds = [y], [grad_out[:, lo:hi]]
-            for own, acc in zip(t.own, kv_grads):  # every later tile's gradient w.r.t. this tile's keys
-                if acc is not None and own.requires_grad:
+            for own, name in zip(t.own, "kv"):  # every later tile's gradient w.r.t. this tile's keys
+                if "d" + name in kv and own.requires_grad:
                     roots.append(own)
-                    seeds.append(acc[:, :, lo:hi].to(own.dtype))
-            prev = [p for p in t.prev if p.requires_grad]
+                    seeds.append(kv["d" + name][:, :, lo:hi].to(own.dtype))
+            prev = [p for p in t.prev if p.requires_grad]  # (accelerators: the prefix as leaves)
             wanted = ([xt] if need_x else []) + prev + params
             grads = list(torch.autograd.grad(roots, wanted, seeds, allow_unused=True))
             if need_x:
                 grad_x[:, lo:hi] = grads.pop(0)
-            for j, p in enumerate(t.prev):
-                if not p.requires_grad:
-                    continue
-                g = grads.pop(0)
-                if kv_grads[j] is None:
-                    kv_grads[j] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                if g is not None:
-                    kv_grads[j][:, :, :lo].add_(g)
+            for p, name in zip(t.prev, "kv"):
+                if p.requires_grad and (g := grads.pop(0)) is not None:
+                    t.grad_sum(name, p)[:, :, :lo].add_(g)
             for i, g in enumerate(grads):  # one sum per tile, in fp32 (as TiledMLP)
                 if g is not None:
                     sums[i] = g.float() if sums[i] is None else sums[i].add_(g)

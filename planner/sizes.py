@@ -414,18 +414,17 @@ def mlp_tile_bytes(spec: ModelSpec, dtype: str, tile: int) -> int:
 
 
 def tiled_block_bytes(spec: ModelSpec, dtype: str, seq_len: int, tile: int, batch: int) -> int:
-    """Bytes a tiled block's backward holds for ``batch`` sequences (``activations/tiled_block.py``).
+    """Bytes a tiled block's backward holds for ``batch`` sequences (``activations/tiled_block.py``)
+    beyond the gradient w.r.t. its output, which the gradient w.r.t. its input overwrites.
 
-    One tile's graph (its saved tensors, the MLP tile's) and, over the whole sequence, the
-    gradient w.r.t. the block's input (``c x hidden``), the keys and values (``c`` bytes), their
-    fp32 gradient sums and one tile's gradient w.r.t. its prefix: ``(2c + 4) x 2 x kv_heads x
-    head_dim`` per token (the CPU's merged attention; an accelerator's concatenated prefix is
-    not counted). Measured (2026-11-27, dev: phases of a step of the default model at 8K tokens
-    in fp32, tiles of 4096): the blocks' backward +330 MiB over the forward's level, planned 337.
+    One tile's graph (its saved tensors, the MLP tile's) and one prefix chunk's key and value
+    gradients, and over the whole sequence the keys and values (``c`` bytes) and their fp32
+    gradient sums: ``(c + 4) x 2 x kv_heads x head_dim`` per token (the CPU's merged attention;
+    an accelerator's concatenated prefix is not counted).
     """
     c, kv = DTYPE_BYTES[dtype], 2 * spec.kv_heads * spec.head_dim
-    per_token = c * spec.hidden + (2 * c + 4) * kv
-    return (batch * (block_activation_bytes(spec, dtype, tile, tiled=True) + seq_len * per_token)
+    chunk = c * kv * tile  # one prefix chunk's key and value gradients
+    return (batch * (block_activation_bytes(spec, dtype, tile, tiled=True) + seq_len * (c + 4) * kv + chunk)
             + mlp_tile_bytes(spec, dtype, tile))
 
 

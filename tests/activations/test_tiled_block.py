@@ -142,3 +142,27 @@ def test_bfloat16(tiny_llama_factory, ids, calls):
     # 16-bit rounding of the merge and of the per-tile sums (added in fp32): within a few bf16 ulps
     assert (got[0] - ref[0]).abs() <= 1e-2 * ref[0].abs()
     assert all((got[1][n] - g).abs().max() <= 0.05 * g.abs().max() for n, g in ref[1].items())
+
+
+def test_the_input_gradient_reuses_a_private_output_gradient_only(model, ids, untiled, monkeypatch):
+    """The input's gradient is written into the output's where only autograd holds it (every
+    block of the model, measured by a spy); where an add hands the same gradient to another
+    input still waiting (``z`` below), it gets its own buffer and ``z``'s gradient is intact."""
+    seen, private = [], tiled_block._private
+    monkeypatch.setattr(tiled_block, "_private", lambda g, x: seen.append(private(g, x)) or seen[-1])
+    _step(model, ids, "recompute", TILE)
+    assert seen == [True] * model.config.num_hidden_layers
+    seen.clear()
+
+    def run(tile):
+        z0 = torch.zeros(*ids.shape, model.config.hidden_size, requires_grad=True)
+        z = z0 * 1  # (not a leaf: its node runs after the block's)
+        hook = model.model.layers[-1].register_forward_hook(lambda m, a, out: out + z)
+        try:
+            loss, grads = _step(model, ids, "recompute", tile)
+        finally:
+            hook.remove()
+        return loss, z0.grad
+    (loss, gz), (ref_loss, ref_gz) = run(TILE), run(0)
+    assert seen[0] is False and all(seen[1:])  # the last block's gradient is shared with z
+    assert (gz - ref_gz).abs().max() <= 2e-6 * ref_gz.abs().max()
