@@ -12,17 +12,19 @@ copies, q / k / v, the attention output) beside ~4 MiB per block of checkpoints.
 * **backward**: the keys and values of every tile but the last are recomputed first (the
   block's forward runs up to its attention and stops: the norm and three projections), then
   the tiles in *reverse* order, each with a graph of its own: its queries attend to the
-  earlier keys and values as leaves, so its backward yields their gradients, summed into
-  fp32 buffers; a tile's own keys and values have then received every later tile's gradient
-  (causal: only later queries read them) and get it as a second root of their graph.
+  earlier keys and values, whose gradients its backward adds, a prefix chunk at a time, into
+  fp32 sums; a tile's own keys and values have then received every later tile's gradient
+  (causal: only later queries read them) and get it as a second root of their graph. The
+  gradient w.r.t. the block's input is written, tile by tile, over the gradient w.r.t. its
+  output where only autograd holds that (``_private``; every block of transformers' decoders).
 
-So the backward holds, beyond the checkpoint and the gradients in and out, the keys and
-values, their fp32 gradient sums and one tile's gradient w.r.t. its prefix
-(``(2c + 4) x 2 x kv_heads x head_dim`` bytes per token: in fp32 twice a checkpoint's in
-SmolLM2's grouped attention; on an accelerator, until it gets the same merge, the prefix is
-also concatenated and repeated per query head) and one tile's graph. The cost: the
-recompute runs the norm and the k / v projections twice (and q's once more, discarded),
-~15% of SmolLM2-135M's block FLOPs; measured, the same step time as untiled at 8K and 16K.
+So the backward holds, beyond the checkpoint and the gradient flowing through the blocks, the
+keys and values and their fp32 gradient sums (``(c + 4) x 2 x kv_heads x head_dim`` bytes per
+token: 1.3 checkpoints' worth in SmolLM2's grouped attention in fp32; on an accelerator, until
+it gets the same merge, the prefix is also concatenated and repeated per query head, and its
+gradient is whole) and one tile's graph. The cost: the recompute runs the norm and the k / v
+projections twice (and q's once more, discarded), ~15% of SmolLM2-135M's block FLOPs;
+measured, the same step time as untiled at 8K and 16K.
 
 The block's own ``forward`` does the work (its norms, residuals, projections, RoPE, MLP — a
 tiled MLP's wrapper included), so any family whose attention goes through transformers'
@@ -131,10 +133,11 @@ class _PrefixAttention(torch.autograd.Function):
         out = out.float()  # (the merge in fp32: one rounding in 16 bits)
         stacked = q.reshape(b, -1, rep * n, d)
         for lo, hi in t.chunks():
-            o, l = fa(stacked, t.kv["k"][:, :, lo:hi], t.kv["v"][:, :, lo:hi], 0.0, False, scale=scale)
-            l = l.reshape(b, h, n)
-            merged = torch.logaddexp(lse, l)
-            out = torch.exp(lse - merged).unsqueeze(-1) * out + torch.exp(l - merged).unsqueeze(-1) * o.reshape(b, h, n, d)
+            part, part_lse = fa(stacked, t.kv["k"][:, :, lo:hi], t.kv["v"][:, :, lo:hi], 0.0, False, scale=scale)
+            part_lse = part_lse.reshape(b, h, n)
+            merged = torch.logaddexp(lse, part_lse)
+            out = (torch.exp(lse - merged).unsqueeze(-1) * out
+                   + torch.exp(part_lse - merged).unsqueeze(-1) * part.reshape(b, h, n, d))
             lse = merged
         out = out.to(q.dtype)
         ctx.scale, ctx.t = scale, t

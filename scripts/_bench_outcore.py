@@ -90,6 +90,20 @@ def lazy_model(kind: str, config: Any, seed: int, dtype: torch.dtype = torch.flo
     return model.train(), fill
 
 
+def run_config(*, offload: str, optim: str, seq_len: int, batch_size: int, hyper: dict[str, Any], work: Path,
+               activations: str = "keep", dtype: str = "float32", seq_tile: "int | str" = "auto", seed: int = 0):
+    """The ``FinetuneConfig`` an :class:`OutcoreTrainer` runs (and plans) with: no clipping, no
+    accumulation, its swap files and output under ``work``."""
+    from outcore.training.config import FinetuneConfig
+
+    return FinetuneConfig(offload=offload, optim=optim, seq_len=seq_len, batch_size=batch_size,
+                          max_grad_norm=0.0, grad_accum=1, seed=seed, dtype=dtype,
+                          activations=activations, seq_tile=seq_tile, swap_dir=str(work / "swap"),
+                          output=str(work / "run"), ui="none", export=False,
+                          lr=hyper["lr"], betas=tuple(hyper["betas"]), eps=hyper["eps"],
+                          weight_decay=hyper["weight_decay"])
+
+
 class OutcoreTrainer:
     """outcore's out-of-core full fine-tune of one model, built through the recipe's builders.
 
@@ -129,16 +143,11 @@ class OutcoreTrainer:
         from outcore.dtypes import torch_dtype
         from outcore.kernels.linear_cross_entropy import CausalLMHeadLoss
         from outcore.models import model_parts
-        from outcore.training.config import FinetuneConfig
         from outcore.training.build import (check_offload_supported, offload_from_plan, optimizer_for_config,
                                            plan_this_run)
 
-        cfg = FinetuneConfig(offload=offload, optim=optim, seq_len=seq_len, batch_size=batch_size,
-                             max_grad_norm=0.0, grad_accum=1, seed=seed, dtype=dtype,
-                             activations=activations, seq_tile=seq_tile, swap_dir=str(self.work / "swap"),
-                             output=str(self.work / "run"), ui="none", export=False,
-                             lr=hyper["lr"], betas=tuple(hyper["betas"]), eps=hyper["eps"],
-                             weight_decay=hyper["weight_decay"])
+        cfg = run_config(offload=offload, optim=optim, seq_len=seq_len, batch_size=batch_size, hyper=hyper,
+                         work=self.work, activations=activations, dtype=dtype, seq_tile=seq_tile, seed=seed)
         check_offload_supported(cfg)
         self.model, fill = lazy_model(kind, config, seed, torch_dtype(dtype))
         if budgets is None:

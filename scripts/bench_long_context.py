@@ -21,6 +21,11 @@ Per mode, the least-squares slope of peak RSS per 1K tokens over the lengths tha
 tokens); the first length over ``--cap``; and per length where both ran, each outcore mode's
 last step time over ``hf_gc``'s (the 1.15x bound of issue 29).
 
+``--plan-longest`` checks the plan's longest context instead (issue 29: within 10% of the longest
+that really ran): per outcore mode, the longest length whose plan (the trainer's own) expects a
+peak RSS within ``--cap``, bisected with the mode's activation policy held; then runs from that
+length up, ``--plan-step`` of it at a time, until one goes over the cap (at most ``--plan-runs``).
+
 Bounded: a run whose RSS passes ``--kill-over`` (default: the cap) is stopped and counted over
 the cap, a mode that stopped is not run at longer lengths, one run takes at most ``--timeout``
 and all of them ``--budget-s`` (what is left unrun says so); ``--out FILE`` is rewritten after
@@ -32,6 +37,7 @@ Usage::
     python scripts/bench_long_context.py --json --budget-s 7200 --out runs/long_context.json
     python scripts/bench_long_context.py --json --lengths 256,512     # a busy machine: short ones
     python scripts/bench_long_context.py --json --modes outcore_recompute_nvme --lengths 16384,32768
+    python scripts/bench_long_context.py --json --modes outcore_recompute --plan-longest --cap 2GiB
 """
 from __future__ import annotations
 
@@ -61,6 +67,13 @@ def _ids(seq: int):
     return torch.randint(3, 49152, (1, seq), generator=torch.Generator().manual_seed(seq))
 
 
+HYPER = {"lr": 1e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+
+
+def _policy(mode: str) -> str:
+    return "recompute_nvme" if mode.endswith("_nvme") else "recompute"
+
+
 def _child(mode: str, seq: int, steps: int, work_dir: str, seq_tile: str) -> dict:
     """One mode at one length in this process: ``steps`` optimizer steps; peak RSS and step times."""
     import torch
@@ -84,10 +97,8 @@ def _child(mode: str, seq: int, steps: int, work_dir: str, seq_tile: str) -> dic
             opt.zero_grad(set_to_none=True)
             times.append(time.perf_counter() - t0)
     else:
-        policy = "recompute_nvme" if mode.endswith("_nvme") else "recompute"
-        hyper = {"lr": 1e-5, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
         trainer = OutcoreTrainer("default", None, 0, offload="nvme", optim="adamw", seq_len=seq, batch_size=1,
-                                 hyper=hyper, work_dir=work_dir, activations=policy, seq_tile=seq_tile)
+                                 hyper=HYPER, work_dir=work_dir, activations=_policy(mode), seq_tile=seq_tile)
         try:
             out["rss_loaded_bytes"] = _peak_rss()
             out["plan"] = {"activations": trainer.plan.activations, "seq_tile": trainer.plan.seq_tile,
@@ -102,6 +113,35 @@ def _child(mode: str, seq: int, steps: int, work_dir: str, seq_tile: str) -> dic
             trainer.close()
     out.update(status="ok", peak_rss_bytes=_peak_rss(), step_s=times)
     return out
+
+
+def _plan_longest(mode: str, cap: int, work_dir: str, seq_tile: str) -> dict:
+    """The longest length (a multiple of ``ROUND``) whose plan for ``mode`` expects a peak RSS
+    within ``cap``: the trainer's own plan (``plan_this_run``: RAM tiers + the runtime
+    allowance), bisected over the length with ``mode``'s activation policy held."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _bench_outcore import lazy_model, run_config
+
+    from outcore.planner.longest import ROUND
+    from outcore.training.build import plan_this_run
+
+    model, _ = lazy_model("default", None, 0)
+    peaks: dict[int, int] = {}
+
+    def peak(n: int) -> int:
+        cfg = run_config(offload="nvme", optim="adamw", seq_len=n, batch_size=1, hyper=HYPER, work=Path(work_dir),
+                         activations=_policy(mode), seq_tile=seq_tile)
+        peaks[n] = plan_this_run(cfg, model).expected_peak_rss_bytes
+        return peaks[n]
+    lo, hi = 1, 1 << 12  # in units of ROUND tokens
+    if peak(lo * ROUND) > cap:
+        return {"mode": mode, "plan_longest": 0, "plan_peaks": peaks}
+    while peak(hi * ROUND) <= cap:
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if peak(mid * ROUND) <= cap else (lo, mid)
+    return {"mode": mode, "plan_longest": lo * ROUND, "plan_expected_peak_rss_bytes": peaks[lo * ROUND]}
 
 
 def _slope(points: list[tuple[int, int]]) -> float | None:
@@ -152,7 +192,8 @@ def _run_child(cmd: list[str], env: dict, timeout: float, kill_over: int) -> dic
         return {"status": f"failed (exit {p.returncode})", "error": (err.read().strip().splitlines() or [""])[-1]}
 
 
-def _summary(runs: dict[str, list[dict]], lengths: list[int], cap: int, args, env: dict) -> dict:
+def _summary(runs: dict[str, list[dict]], lengths: list[int], cap: int, args, env: dict,
+             planned: dict[str, dict]) -> dict:
     ok = {m: [(r["seq_len"], r["peak_rss_bytes"]) for r in rs if r.get("status") == "ok"] for m, rs in runs.items()}
     done = {m: {r["seq_len"]: r for r in rs if r.get("status") == "ok"} for m, rs in runs.items()}
     ratios: dict[str, dict[int, float]] = {}
@@ -170,9 +211,20 @@ def _summary(runs: dict[str, list[dict]], lengths: list[int], cap: int, args, en
                                     or r["status"] == "ok" and r["peak_rss_bytes"] > cap), None)
                            for m, rs in runs.items()},
         "step_time_over_hf_gc": ratios,  # the last step's time, at each length where both ran
+        **({"plan_longest_under_cap": planned, "longest_ran_under_cap": {m: _longest_ran(runs[m], cap)
+                                                                          for m in planned}} if planned else {}),
         "machine": {"cpus": os.cpu_count(), "loadavg_at_end": os.getloadavg()},
         "malloc_mmap_threshold": env["MALLOC_MMAP_THRESHOLD_"],
     }
+
+
+def _longest_ran(runs: list[dict], cap: int) -> dict:
+    """The longest length that ran within ``cap``, and whether a longer one went over it (else the
+    runs stopped first: a lower bound)."""
+    fit = [r["seq_len"] for r in runs if r.get("status") == "ok" and r["peak_rss_bytes"] <= cap]
+    over = any(r.get("status", "").startswith(("over the cap", "failed"))
+               or r.get("status") == "ok" and r["peak_rss_bytes"] > cap for r in runs)
+    return {"seq_len": max(fit, default=0), "next_one_over_cap": over}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,13 +241,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--seq-tile", default="auto",
                     help="outcore's seq_tile: tokens per tile of a recomputed block and its MLP (auto | 0 | N)")
+    ap.add_argument("--plan-longest", action="store_true",
+                    help="per outcore mode: the plan's longest length under --cap, then runs from it up in steps "
+                         "of --plan-step until one goes over the cap (--lengths unused)")
+    ap.add_argument("--plan-step", type=float, default=0.05, help="step over the plan's longest, as its fraction")
+    ap.add_argument("--plan-runs", type=int, default=4, help="at most this many runs per mode with --plan-longest")
     ap.add_argument("--child", nargs=2, metavar=("MODE", "SEQ"), help=argparse.SUPPRESS)
+    ap.add_argument("--plan", nargs=2, metavar=("MODE", "CAP"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.plan:
+        print("RESULT " + json.dumps(_plan_longest(args.plan[0], int(args.plan[1]),
+                                                   args.swap_dir or tempfile.gettempdir(), args.seq_tile)), flush=True)
+        return 0
     if args.child:
         print("RESULT " + json.dumps(_child(args.child[0], int(args.child[1]), args.steps,
                                             args.swap_dir or tempfile.gettempdir(), args.seq_tile)), flush=True)
         return 0
     from outcore.bytesize import parse_bytes
+    from outcore.planner.longest import ROUND
 
     cap = parse_bytes(args.cap, "--cap")
     args.kill_over_bytes = parse_bytes(args.kill_over, "--kill-over") if args.kill_over else cap
@@ -209,30 +272,47 @@ def main(argv: list[str] | None = None) -> int:
     # not what glibc's heap kept after a free (its dynamic threshold heaps tensors up to 32 MiB)
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072", MALLOC_TRIM_THRESHOLD_="131072")
     deadline = time.perf_counter() + args.budget_s
-    for seq in lengths:
-        for mode in modes:
-            if runs[mode] and runs[mode][-1].get("status") != "ok":
-                continue  # it stopped at a shorter length: a longer one would too
-            left = deadline - time.perf_counter()
-            if left < 1:
-                runs[mode].append({"mode": mode, "seq_len": seq, "status": "not run: --budget-s spent"})
-                continue
+
+    def run(mode: str, seq: int) -> dict:
+        left = deadline - time.perf_counter()
+        if left < 1:
+            res = {"mode": mode, "seq_len": seq, "status": "not run: --budget-s spent"}
+        else:
             cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, str(seq), "--steps", str(args.steps),
                    "--seq-tile", args.seq_tile]
             cmd += ["--swap-dir", args.swap_dir] if args.swap_dir else []
             t0 = time.perf_counter()
             res = {"mode": mode, "seq_len": seq, **_run_child(cmd, env, min(args.timeout, left), args.kill_over_bytes)}
             res["wall_s"] = time.perf_counter() - t0
-            runs[mode].append(res)
-            if args.out:
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.out).write_text(json.dumps(_summary(runs, lengths, cap, args, env), indent=2) + "\n")
-            if not args.json:
-                peak = res.get("peak_rss_bytes")
-                print(f"{mode:<24} seq {seq:>6}: {res['status']}"
-                      + (f", peak RSS {peak / GiB:.2f} GiB, step {res['step_s'][-1]:.1f} s" if "step_s" in res else ""),
-                      file=sys.stderr)
-    result = _summary(runs, lengths, cap, args, env)
+        runs[mode].append(res)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(_summary(runs, lengths, cap, args, env, planned), indent=2) + "\n")
+        if not args.json:
+            peak = res.get("peak_rss_bytes")
+            print(f"{mode:<24} seq {seq:>6}: {res['status']}"
+                  + (f", peak RSS {peak / GiB:.2f} GiB, step {res['step_s'][-1]:.1f} s" if "step_s" in res else ""),
+                  file=sys.stderr)
+        return res
+
+    planned: dict[str, dict] = {}
+    if args.plan_longest:  # per outcore mode: the plan's longest under the cap, then up from it
+        for mode in (m for m in modes if m != "hf_gc"):
+            cmd = [sys.executable, os.path.abspath(__file__), "--plan", mode, str(cap), "--seq-tile", args.seq_tile]
+            planned[mode] = _run_child(cmd, env, args.timeout, 1 << 62)
+            n = planned[mode].get("plan_longest", 0)
+            step = max(ROUND, round(n * args.plan_step / ROUND) * ROUND)
+            for seq in (n + i * step for i in range(args.plan_runs) if n):
+                res = run(mode, seq)
+                if res.get("status") != "ok" or res["peak_rss_bytes"] > cap:
+                    break  # over the cap: the longest that ran is the one before
+    else:
+        for seq in lengths:
+            for mode in modes:
+                if runs[mode] and runs[mode][-1].get("status") != "ok":
+                    continue  # it stopped at a shorter length: a longer one would too
+                run(mode, seq)
+    result = _summary(runs, lengths, cap, args, env, planned)
     if args.json:
         from outcore.cli.jsonout import emit_json
 

@@ -159,10 +159,10 @@ def test_the_input_gradient_reuses_a_private_output_gradient_only(model, ids, un
         z = z0 * 1  # (not a leaf: its node runs after the block's)
         hook = model.model.layers[-1].register_forward_hook(lambda m, a, out: out + z)
         try:
-            loss, grads = _step(model, ids, "recompute", tile)
+            _step(model, ids, "recompute", tile)
         finally:
             hook.remove()
-        return loss, z0.grad
-    (loss, gz), (ref_loss, ref_gz) = run(TILE), run(0)
+        return z0.grad
+    gz, ref_gz = run(TILE), run(0)
     assert seen[0] is False and all(seen[1:])  # the last block's gradient is shared with z
     assert (gz - ref_gz).abs().max() <= 2e-6 * ref_gz.abs().max()
