@@ -122,6 +122,7 @@ def _plan_longest(mode: str, cap: int, work_dir: str, seq_tile: str) -> dict:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _bench_outcore import lazy_model, run_config
 
+    from outcore.errors import BudgetError
     from outcore.planner.longest import ROUND
     from outcore.training.build import plan_this_run
 
@@ -131,7 +132,10 @@ def _plan_longest(mode: str, cap: int, work_dir: str, seq_tile: str) -> dict:
     def peak(n: int) -> int:
         cfg = run_config(offload="nvme", optim="adamw", seq_len=n, batch_size=1, hyper=HYPER, work=Path(work_dir),
                          activations=_policy(mode), seq_tile=seq_tile)
-        peaks[n] = plan_this_run(cfg, model).expected_peak_rss_bytes
+        try:
+            peaks[n] = plan_this_run(cfg, model).expected_peak_rss_bytes
+        except BudgetError:  # not even this machine's budgets hold it
+            peaks[n] = 1 << 62
         return peaks[n]
     lo, hi = 1, 1 << 12  # in units of ROUND tokens
     if peak(lo * ROUND) > cap:
