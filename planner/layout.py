@@ -218,13 +218,16 @@ def activation_bytes(w: Workload, policy: str, batch: int, window: int) -> tuple
     # it in the compute dtype that every block saves (quadratic in the length)
     mask = batch * s * s if w.padding_free else 0
     saved += mask * DTYPE_BYTES[w.dtype]
+    # RoPE's cos / sin tables in the compute dtype, made once per forward and held by every block's
+    # graph or recompute all step: one row of positions, one per sequence with packed documents
+    rope = (batch if w.padding_free else 1) * s * 2 * spec.head_dim * DTYPE_BYTES[w.dtype]
     tile = mlp_tile_bytes(spec, w.dtype, w.seq_tile) if w.tiled(batch) else 0  # one tile's, one block at a time
     L = spec.layers
     ckpt = batch * checkpoint_bytes(spec, w.dtype, s)
     grad = batch * s * spec.hidden * DTYPE_BYTES[w.dtype]  # d loss / d the last block's output
 
     def phases(blocks: int) -> int:  # the loss's phase, or the blocks' backward, whichever holds more
-        return mask + max(head + loss, grad + blocks)
+        return mask + rope + max(head + loss, grad + blocks)
     if policy == KEEP:
         return L * saved + phases(tile), 0, 0
     recompute = tiled_block_bytes(spec, w.dtype, s, w.seq_tile, batch) if w.block_tiled else saved + tile

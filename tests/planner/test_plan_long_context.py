@@ -84,7 +84,9 @@ def test_a_recomputed_block_is_planned_tiled_whole(tiny):
     kept, loss = chunked_head_bytes(spec, "float32", b * s)
     recompute = tiled_block_bytes(spec, "float32", s, tile, b)
     grad = b * s * 64 * 4  # d loss / d the last hidden state, held through the blocks' backward
-    assert plan.tier_bytes["DEVICE"]["activations"] == 4 * b * checkpoint_bytes(spec, "float32", s) + max(
+    # RoPE's tables, as the model makes them for the step (one row of positions), held all step
+    rope = sum(t.nbytes for t in tiny.model.rotary_emb(torch.empty(1, s, 64), torch.arange(s)[None]))
+    assert plan.tier_bytes["DEVICE"]["activations"] == 4 * b * checkpoint_bytes(spec, "float32", s) + rope + max(
         kept + loss, grad + recompute)
     # one tile's graph and the keys / values: less than the whole block's saved tensors and MLP tile
     assert recompute < b * block_activation_bytes(spec, "float32", s, tiled=True) + 8 * tile * 128 * 4
@@ -109,7 +111,9 @@ def test_packed_documents_count_their_mask_and_tile_no_block(tiny):
              for pf in (False, True)}
     assert plans[False]["recompute"].blocks_tiled and not plans[True]["recompute"].blocks_tiled
     keep = [plans[pf]["keep"].tier_bytes["DEVICE"]["activations"] for pf in (False, True)]
-    assert keep[1] - keep[0] == 4 * b * s * s * 4 + b * s * s
+    # and RoPE's tables per sequence, not one row for all: the documents' position ids differ by row
+    rope = sum(t.nbytes for t in tiny.model.rotary_emb(torch.empty(b, s, 64), torch.arange(s).repeat(b, 1)))
+    assert keep[1] - keep[0] == 4 * b * s * s * 4 + b * s * s + (b - 1) * rope // b
 
 
 def test_a_block_saves_the_packed_documents_mask_in_the_compute_dtype(tiny):

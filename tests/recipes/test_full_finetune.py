@@ -301,3 +301,20 @@ def test_padding_free_offloaded_equals_in_memory(tiny_run_inputs, tmp_path, acti
                                    "recompute_host": "block checkpoints on HOST (recompute_host)"}[activations]
     plain = finetune(_cfg(tiny_run_inputs, tmp_path / "plain", **kw), sink=RecordingSink())
     assert plain.losses != mem.losses
+
+
+def test_block_checkpoints_are_read_ahead_as_deep_as_the_plan_counts(tiny_run_inputs, tmp_path, monkeypatch):
+    """The plan holds its prefetch depth of offloaded checkpoints read ahead (planner/layout.py:
+    activation_bytes); the recipe's offloader reads that many ahead, not its own default."""
+    import outcore.activations as activations
+    from outcore.planner import plan as plan_module
+
+    seen, plans = {}, []
+    apply = activations.apply_activation_policy
+    monkeypatch.setattr(activations, "apply_activation_policy", lambda *a, **kw: seen.update(kw) or apply(*a, **kw))
+    make = plan_module.make_plan
+    monkeypatch.setattr(plan_module, "make_plan", lambda *a, **kw: plans.append(make(*a, **kw)) or plans[-1])
+    finetune(_cfg(tiny_run_inputs, tmp_path / "run", offload="nvme", activations="recompute_nvme", max_steps=1,
+                  eval_every=0, max_grad_norm=0.0), sink=RecordingSink())
+    assert plans and plans[-1].activations == "recompute_nvme"
+    assert seen["prefetch_depth"] == max(1, plans[-1].prefetch_depth)
