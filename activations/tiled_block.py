@@ -155,6 +155,7 @@ class _PrefixAttention(torch.autograd.Function):
         grad = grad.contiguous()
         dq, dk, dv = fb(grad, q, k_own.repeat_interleave(rep, 1), v_own.repeat_interleave(rep, 1), out, lse,
                         0.0, True, scale=scale)
+        dq = dq.float()  # (summed over the parts in fp32, as the keys' gradients: one rounding in 16 bits)
         stacked = [x.reshape(b, g, rep * n, d) for x in (grad, q, out)]
         lse = lse.reshape(b, g, rep * n)
         sums = [t.grad_sum(name, x) if need else None
@@ -167,7 +168,7 @@ class _PrefixAttention(torch.autograd.Function):
                 if acc is not None:
                     acc[:, :, lo:hi].add_(part)
         own = (b, g, rep, n, d)
-        return dq, dk.reshape(own).sum(2), dv.reshape(own).sum(2), None, None
+        return dq.to(q.dtype), dk.reshape(own).sum(2), dv.reshape(own).sum(2), None, None
 
 
 def _tile_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -200,12 +200,13 @@ def activation_bytes(w: Workload, policy: str, batch: int, window: int) -> tuple
     ``recompute_nvme``). The head is the chunked loss's where the model's loss is it
     (``ModelSpec.chunked_loss``).
 
-    A step holds the blocks' share and the larger of two phases: the loss (the head's kept rows
-    and, for the chunked loss, whose gradients are taken in the forward, its weight gradient and
-    logits chunk), then the blocks' backward (the gradient w.r.t. the last hidden state, the
-    head's other rows freed by the final norm's backward, and one block's recompute or MLP
-    tile). Sampled through a step of the default model at 8K tokens: the head +254 MiB, then
-    each block's recompute +~220 MiB, over the checkpoints.
+    A step holds the blocks' share, RoPE's tables and the larger of two phases: the loss (the
+    head's kept rows and, for the chunked loss, whose gradients are taken in the forward, its
+    weight gradient and logits chunk), then the blocks' backward (the gradient w.r.t. the last
+    hidden state, the head's other rows freed by the final norm's backward, and one block's
+    recompute or MLP tile). Sampled through a step of the default model at 8K tokens, tiled, the
+    checkpoints in RAM (``scripts/trace_step_phases.py 8192 recompute``, 2026-11-27): the forward
+    1302 MiB, the loss 1399, the blocks' backward 1612.
     """
     s, spec = w.seq_len, w.spec
     if not w.has_backward:  # ZO: two forward passes in flight, nothing saved for a backward
