@@ -301,12 +301,15 @@ def main(argv: list[str] | None = None) -> int:
 
     planned: dict[str, dict] = {}
     if args.plan_longest:  # per outcore mode: the plan's longest under the cap, then up from it
+        lengths.clear()  # (the lengths run, as they are chosen)
         for mode in (m for m in modes if m != "hf_gc"):
             cmd = [sys.executable, os.path.abspath(__file__), "--plan", mode, str(cap), "--seq-tile", args.seq_tile]
             planned[mode] = _run_child(cmd, env, args.timeout, 1 << 62)
             n = planned[mode].get("plan_longest", 0)
             step = max(ROUND, round(n * args.plan_step / ROUND) * ROUND)
             for seq in (n + i * step for i in range(args.plan_runs) if n):
+                if seq not in lengths:
+                    lengths.append(seq)
                 res = run(mode, seq)
                 if res.get("status") != "ok" or res["peak_rss_bytes"] > cap:
                     break  # over the cap: the longest that ran is the one before
