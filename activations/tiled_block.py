@@ -99,10 +99,13 @@ class _Tile:
     def grad_sum(self, name: str, like: torch.Tensor) -> torch.Tensor:
         """The fp32 sum of the gradients w.r.t. the sequence's keys (``"k"``) or values (``"v"``),
         which every later tile adds to (allocated by the first tile that does)."""
-        key = "d" + name
-        if key not in self.kv:
-            self.kv[key] = torch.zeros(self.kv[name].shape, dtype=torch.float32, device=like.device)
-        return self.kv[key]
+        if self.summed(name) is None:
+            self.kv["d" + name] = torch.zeros(self.kv[name].shape, dtype=torch.float32, device=like.device)
+        return self.kv["d" + name]
+
+    def summed(self, name: str) -> torch.Tensor | None:
+        """:meth:`grad_sum` where a later tile has added to it, else None."""
+        return self.kv.get("d" + name)
 
 
 class _PrefixAttention(torch.autograd.Function):
@@ -314,9 +317,9 @@ class TiledBlock(torch.autograd.Function):
                 y = run(xt, lo, hi)
             roots, seeds = [y], [grad_out[:, lo:hi]]
             for own, name in zip(t.own, "kv"):  # every later tile's gradient w.r.t. this tile's keys
-                if "d" + name in kv and own.requires_grad:
+                if (acc := t.summed(name)) is not None and own.requires_grad:
                     roots.append(own)
-                    seeds.append(kv["d" + name][:, :, lo:hi].to(own.dtype))
+                    seeds.append(acc[:, :, lo:hi].to(own.dtype))
             prev = [p for p in t.prev if p.requires_grad]  # (accelerators: the prefix as leaves)
             wanted = ([xt] if need_x else []) + prev + params
             grads = list(torch.autograd.grad(roots, wanted, seeds, allow_unused=True))

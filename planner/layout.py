@@ -189,6 +189,12 @@ def _grad_window(w: Workload, streamed: list[UnitBytes]) -> int:
     return grads + 4 * max(at_once)
 
 
+def activations_read_ahead(window: int) -> int:
+    """Offloaded blocks' activations (or checkpoints) read ahead in the backward at prefetch depth
+    ``window``: at least one, as the weights' window (the runtime's ``prefetch_depth``)."""
+    return max(window, 1)
+
+
 def activation_bytes(w: Workload, policy: str, batch: int, window: int) -> tuple[int, int, int]:
     """(DEVICE, HOST, NVME) bytes of activations for ``batch`` sequences under ``policy``.
 
@@ -235,13 +241,13 @@ def activation_bytes(w: Workload, policy: str, batch: int, window: int) -> tuple
     if policy == RECOMPUTE:
         return L * ckpt + phases(recompute), 0, 0
     if policy in CHECKPOINT_OFFLOADS:
-        near = min(L, max(window, 1) + 1)  # read ahead, and the last block's (kept)
+        near = min(L, activations_read_ahead(window) + 1)  # read ahead, and the last block's (kept)
         away = (L - near) * ckpt
         dev = near * ckpt + phases(recompute + ckpt)  # (the block in flight's checkpoint, read back)
         return (dev, away, 0) if policy == RECOMPUTE_HOST else (dev, 0, away)
     if policy == OFFLOAD:  # the offloaded bytes shrink by the codec's ratio
         offloaded = int(L * saved * compressed_ratio(w.activations_compress, DTYPE_BYTES[w.dtype]))
-        return min(L, max(window, 1) + 1) * saved + phases(tile), offloaded, 0
+        return min(L, activations_read_ahead(window) + 1) * saved + phases(tile), offloaded, 0
     raise ValueError(f"unknown activation policy {policy!r}")
 
 

@@ -42,7 +42,8 @@ from ..optim import ZO_OPTIMIZERS, optimizer_names
 from .budget import RUNTIME_OVERHEAD_BYTES, Budgets, budgets_from_probe
 from .choice import Candidate, choose, describe
 from .compute import measure_compute_rates
-from .layout import RECOMPUTED, Layout, StepTime, Workload, account, prefetch_depth, step_time
+from .layout import (RECOMPUTED, Layout, StepTime, Workload, account, activations_read_ahead, prefetch_depth,
+                     step_time)
 from .longest import LongestContext, longest_context
 from .sizes import ModelSpec, model_spec, unit_bytes
 
@@ -120,6 +121,12 @@ class MemoryPlan:
         lives in ordinary torch allocations (activations, resident LoRA adapters)."""
         parts = self.tier_bytes[Tier.parse(tier).name]
         return sum(v for k, v in parts.items() if k not in ("activations", "adapters"))
+
+    @property
+    def activations_read_ahead(self) -> int:
+        """Offloaded blocks the backward reads ahead, as this plan counts them: the
+        ``prefetch_depth`` to give ``apply_activation_policy``."""
+        return activations_read_ahead(self.prefetch_depth)
 
     @property
     def expected_peak_rss_bytes(self) -> int:

@@ -176,7 +176,7 @@ class FullFinetune:
         # block checkpoints on HOST: a private store's HOST tier sized by the plan
         host = self.plan.tier_bytes["HOST"].get("activations", 0) if self.plan is not None else 0
         # read ahead as deep as the plan counts (its prefetch depth: the checkpoints it holds near)
-        depth = {} if self.plan is None else {"prefetch_depth": max(1, self.plan.prefetch_depth)}
+        depth = {} if self.plan is None else {"prefetch_depth": self.plan.activations_read_ahead}
         hooks = apply_activation_policy(unwrap_peft(self.model), policy, store=store if on_disk else None,
                                         **depth, keep_last=self.cfg.activations_keep_last,
                                         compress=self.cfg.activations_compress, seq_tile=tile,

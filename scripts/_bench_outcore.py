@@ -171,7 +171,7 @@ class OutcoreTrainer:
             offloads = to_disk and self.offloaded.store.has_tier("nvme")
             store = self.offloaded.store if offloads else None  # as the recipe does
             self.activations = apply_activation_policy(self.model, self.plan.activations, store=store,
-                                                       prefetch_depth=max(1, self.plan.prefetch_depth),
+                                                       prefetch_depth=self.plan.activations_read_ahead,
                                                        seq_tile=self.plan.seq_tile)
 
     def _loss(self, model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:

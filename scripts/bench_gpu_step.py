@@ -176,7 +176,7 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
     to_disk = args.activations in ("offload", "recompute_nvme") and engine.store.has_tier("nvme")
     host = plan.tier_bytes["HOST"].get("activations", 0)  # block checkpoints on HOST: the plan's bytes
     apply_activation_policy(model, args.activations, store=engine.store if to_disk else None,
-                            prefetch_depth=max(1, plan.prefetch_depth), seq_tile=args.seq_tile,
+                            prefetch_depth=plan.activations_read_ahead, seq_tile=args.seq_tile,
                             host_budget=max(host, 1 << 30))  # (read ahead as deep as the plan counts)
     t = plan.time
     out = {"device": str(device), "device_name": _device_name(device), "shape": args.shape,

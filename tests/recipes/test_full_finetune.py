@@ -317,4 +317,4 @@ def test_block_checkpoints_are_read_ahead_as_deep_as_the_plan_counts(tiny_run_in
     finetune(_cfg(tiny_run_inputs, tmp_path / "run", offload="nvme", activations="recompute_nvme", max_steps=1,
                   eval_every=0, max_grad_norm=0.0), sink=RecordingSink())
     assert plans and plans[-1].activations == "recompute_nvme"
-    assert seen["prefetch_depth"] == max(1, plans[-1].prefetch_depth)
+    assert seen["prefetch_depth"] == max(1, plans[-1].prefetch_depth) == plans[-1].activations_read_ahead
