@@ -37,6 +37,10 @@ inputs:
     table, so its codes are the reference's.
   - Deterministic: the same bits for any thread count, per tensor or batched, so out-of-core
     runs equal in-memory runs bit for bit (both call this kernel), and at every ISA level.
+  - bf16-lean (``optim/lean.py``; :func:`adamw8bit_update_many` with ``lean``): bf16 weights and
+    gradients widened block by block into L1 buffers, updated, and the weights rounded back
+    stochastically (``kernels/csrc/stochastic_round_cpu.h``): the bits of widening, updating
+    and rounding as three steps, in one pass over memory.
 * ``torch.compile`` of the reference (``impl="compile"``, for comparison in benchmarks).
 * Triton for CUDA (``kernels/adamw8bit_triton.py``).
 
@@ -320,7 +324,8 @@ def _update_cpp(ext, param, grad, m_codes, m_absmax, v_codes, v_absmax, c: Coeff
 
 def adamw8bit_update_many(params: list[Tensor], grads: list[Tensor], m_codes: list[Tensor],
                           m_absmax: list[Tensor], v_codes: list[Tensor], v_absmax: list[Tensor],
-                          coeffs: list[Coefficients]) -> bool:
+                          coeffs: list[Coefficients],
+                          lean: list[tuple[int, int]] | None = None) -> bool:
     """Update many CPU tensors in one C++ call (one parallel region for all their blocks).
 
     The optimizer's fast path: no per-tensor Python dispatch or thread fork/join. Same
@@ -329,9 +334,15 @@ def adamw8bit_update_many(params: list[Tensor], grads: list[Tensor], m_codes: li
     (RuntimeError).
 
     Args:
-        params, grads: float32 CPU tensors of n_i elements each (contiguous, any shape).
+        params, grads: float32 CPU tensors of n_i elements each (contiguous, any shape);
+            bfloat16 with ``lean``.
         m_codes, v_codes: (n_i,) uint8.    m_absmax, v_absmax: (ceil(n_i / 256),) float32.
         coeffs: each tensor's :class:`Coefficients` (its own step count).
+        lean: bf16-lean (``optim/lean.py``): per tensor, the ``(key, offset)`` of
+            :func:`~outcore.kernels.stochastic_round.stochastic_round_`. Each tensor is updated
+            as its weights and gradients widened to fp32, then rounded back stochastically with
+            that key, its first element at index ``offset``: the same bits as those three steps
+            done apart, in one pass.
 
     Returns:
         False (nothing done) where the extension is disabled or cannot be built: the caller
@@ -342,7 +353,7 @@ def adamw8bit_update_many(params: list[Tensor], grads: list[Tensor], m_codes: li
         return False
     flat = [float(x) for c in coeffs for x in c]
     ext.adamw8bit_update_many(params, grads, m_codes, m_absmax, v_codes, v_absmax,
-                              list(_cpu_tables()), flat)
+                              list(_cpu_tables()), flat, [int(x) for kv in lean or () for x in kv])
     return True
 
 

@@ -94,6 +94,24 @@ class OutcoreOptimizer(torch.optim.Optimizer):
         """
         raise NotImplementedError
 
+    def update_lean(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]],
+                    group: dict[str, Any], rounding: list[tuple[int, int]]) -> list[bool]:
+        """The bf16-lean update (``optim/lean.py``) of those ``params`` this optimizer has one
+        fused pass for: bf16 weights and gradients widened to fp32, :meth:`update`, the weights
+        rounded back by ``stochastic_round_(p, w, key, offset)``; the same bits, without the
+        chunked path's fp32 buffers.
+
+        Args:
+            params, grads: bf16 tensors (weights updated in place).
+            states: per parameter, its :meth:`state_spec` tensors as for an fp32 ``p``.
+            group: the param group's hyper-parameters.
+            rounding: per parameter, the ``(key, offset)`` of its stochastic rounding.
+
+        Returns:
+            Per parameter, whether it was updated; the default updates none.
+        """
+        return [False] * len(params)
+
     # ------------------------------------------------------------------------------
     def param_index(self, p: Tensor) -> int:
         """Position of ``p`` among all parameters of all groups (0-based), by identity.

@@ -92,14 +92,16 @@ class AdamW8bit(OutcoreOptimizer):
         return state
 
     def _update_many_cpu(self, params: list[Tensor], grads: list[Tensor],
-                         states: list[dict[str, Tensor]], group: dict[str, Any]) -> bool:
+                         states: list[dict[str, Tensor]], group: dict[str, Any],
+                         lean: list[tuple[int, int]] | None = None) -> bool:
         """All 8-bit tensors in one C++ call (CPU, impl auto/cpp; one tensor too: the direct call
-        skips the custom op's dispatch, ~50 us, which bf16-lean pays per 1M-element chunk);
-        False if not applicable."""
+        skips the custom op's dispatch, ~50 us); bf16 weights and gradients with ``lean`` (see
+        :meth:`update_lean`). False if not applicable."""
         if self.impl not in ("auto", "cpp"):
             return False
-        if not all(p.device.type == "cpu" and p.is_contiguous() and g.device.type == "cpu"
-                   and g.dtype == torch.float32 and g.shape == p.shape for p, g in zip(params, grads)):
+        dtype = torch.float32 if lean is None else torch.bfloat16
+        if not all(p.device.type == "cpu" and p.is_contiguous() and p.dtype == dtype and g.device.type == "cpu"
+                   and g.dtype == dtype and g.shape == p.shape for p, g in zip(params, grads)):
             return False
         beta1, beta2 = group["betas"]
         steps = [s["step"] for s in states]
@@ -117,12 +119,25 @@ class AdamW8bit(OutcoreOptimizer):
         done = adamw8bit_update_many(params, flat,
                                      [s["m_codes"] for s in states], [s["m_absmax"] for s in states],
                                      [s["v_codes"] for s in states], [s["v_absmax"] for s in states],
-                                     coeffs)
+                                     coeffs, lean)
         if not done:
             torch._foreach_sub_(steps, 1)  # the per-tensor path counts again
             if self.impl == "cpp":
                 raise ValueError("impl='cpp' needs a buildable C++ extension "
                                  "(unset OUTCORE_NO_CPP_EXT, install a C++ compiler)")
+        return done
+
+    def update_lean(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]],
+                    group: dict[str, Any], rounding: list[tuple[int, int]]) -> list[bool]:
+        """The 8-bit tensors on CPU in one C++ call that widens, updates and rounds a few
+        blocks at a time in L1 (``kernels/adamw8bit.py: adamw8bit_update_many``); the fp32-state
+        ones and other devices are left to :class:`~outcore.optim.LeanOptimizer`'s chunks."""
+        big = [i for i, s in enumerate(states) if "exp_avg" not in s]
+        done = [False] * len(params)
+        if big and self._update_many_cpu([params[i] for i in big], [grads[i] for i in big],
+                                         [states[i] for i in big], group, [rounding[i] for i in big]):
+            for i in big:
+                done[i] = True
         return done
 
     def update(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]],

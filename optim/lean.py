@@ -7,7 +7,10 @@ optimizer and updates the bf16 weights themselves: per chunk of a tensor it wide
 weights and the gradient to fp32 (exact), runs the wrapped optimizer's ``update`` on them with
 that chunk's state, and rounds the result back *stochastically*
 (``kernels/stochastic_round.py``), so every update moves a weight by its exact value on
-average. With :class:`~outcore.optim.AdamW8bit` the bytes written per parameter per step are
+average. Where the wrapped optimizer has one fused pass for this
+(:meth:`~outcore.optim.OutcoreOptimizer.update_lean`: AdamW8bit's 8-bit tensors on CPU, which
+widen, update and round a block at a time in the C++ kernel) it takes the tensor instead,
+with the same bits and no fp32 chunk buffers. With :class:`~outcore.optim.AdamW8bit` the bytes written per parameter per step are
 the bf16 weight (2) and the two 8-bit moments (2): their block absmax stays in RAM
 (``offload.engine.unit_sizes.ram_kinds``).
 
@@ -89,23 +92,29 @@ class LeanOptimizer(OutcoreOptimizer):
 
     def update(self, params: list[Tensor], grads: list[Tensor], states: list[dict[str, Tensor]],
                group: dict[str, Any]) -> None:
-        """Update the bf16 ``params`` in place, a chunk at a time (see the module docstring).
+        """Update the bf16 ``params`` in place: the wrapped optimizer's fused pass where it has
+        one (``update_lean``), else a chunk at a time (see the module docstring).
 
         ``group[PIECE_OFFSETS]`` (set by the out-of-core engine for pieces): per parameter,
         the index of its first element in its whole tensor; absent, every one starts at 0.
         """
         offsets = group.get(PIECE_OFFSETS) or [0] * len(params)
-        for p, g, state, offset in zip(params, grads, states, offsets):
+        keys, inner = [], []
+        for state in states:
             state[STEP].add_(1)
             # .item() is a sync point on CUDA, once per tensor: the key reaches the kernel as a scalar
-            key = zo_seed(int(state[KEY].item()), int(state[STEP].item()))
-            inner = {kind: t for kind, t in state.items() if kind not in LEAN_KINDS}
+            keys.append(zo_seed(int(state[KEY].item()), int(state[STEP].item())))
+            inner.append({kind: t for kind, t in state.items() if kind not in LEAN_KINDS})
+        done = self.inner.update_lean(params, grads, inner, group, list(zip(keys, offsets)))
+        for p, g, state, key, offset, fused in zip(params, grads, inner, keys, offsets, done):
+            if fused:
+                continue
             ratios = self.inner.elementwise_state(_fp32(p), group)
             if ratios is None or any(r and CHUNK % r for r in ratios.values()):
                 ratios, size = {}, max(p.numel(), 1)  # the update mixes elements: the tensor at once
             else:
                 size = CHUNK
-            self._update_chunks(p, g, inner, ratios, size, key, offset, group)
+            self._update_chunks(p, g, state, ratios, size, key, offset, group)
 
     def _update_chunks(self, p: Tensor, g: Tensor, state: dict[str, Tensor], ratios: dict[str, int],
                        size: int, key: int, offset: int, group: dict[str, Any]) -> None:

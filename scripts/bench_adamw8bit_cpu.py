@@ -9,7 +9,10 @@ cache and memory traffic still do: report the load (``loadavg``). The codes' che
 printed per level: every level must give the same (the tests prove bit-identity to the
 reference; this shows the timed run computes it).
 
-    python scripts/bench_adamw8bit_cpu.py [--isa AVX2,AVX512_VBMI] [--numel N] [--repeats N] [--json]
+    python scripts/bench_adamw8bit_cpu.py [--isa AVX2,AVX512_VBMI] [--numel N] [--repeats N] [--lean] [--json]
+
+``--lean`` times the bf16-lean form (bf16 weights and gradients widened, updated and rounded
+back stochastically block by block: ``LeanParams``).
 
 Needs g++ (or ``$CXX``). Levels above the CPU's are refused.
 """
@@ -44,6 +47,7 @@ int main(int argc, char** argv) {
   const std::string dir = argv[1];
   const int64_t n = std::atoll(argv[2]) / kBlock * kBlock;
   const int reps = std::atoi(argv[3]);
+  const bool lean = std::atoi(argv[4]) != 0;
   auto qm = rd<float>(dir, 0, 256), qv = rd<float>(dir, 1, 256);
   auto tm = rd<float>(dir, 3, 256), tv = rd<float>(dir, 5, 256);
   auto bm = rd<uint8_t>(dir, 2, kTableBytes), bv = rd<uint8_t>(dir, 4, kTableBytes);
@@ -55,15 +59,29 @@ int main(int argc, char** argv) {
   std::vector<float> p(n), g(n), ma(n / kBlock, 0.f), va(n / kBlock, 0.f);
   std::vector<uint8_t> mc(n, 127), vc(n, 0);  // the maps' zero codes
   for (int64_t i = 0; i < n; ++i) { p[i] = nd(rng) * 0.02f; g[i] = nd(rng) * 1e-3f; }
+  std::vector<uint16_t> p16(n), g16(n);  // bf16-lean: the values' top halves
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, &p[i], 4); p16[i] = static_cast<uint16_t>(u >> 16);
+    std::memcpy(&u, &g[i], 4); g16[i] = static_cast<uint16_t>(u >> 16);
+  }
+  const LeanTensor lt{p16.data(), g16.data(), 12345u, 678u, 0};
   const Coeffs c{0.9f, 0.1f, 0.999f, 0.001f, 1.f, 1e-8f, 1e-4f, 1.f};
   double best = 1e30;
   for (int r = 0; r < reps + 3; ++r) {  // 3 warm-up updates: the moments leave their zero codes
     const double t0 = cpu_now();
-    update_range(p.data(), g.data(), mc.data(), ma.data(), vc.data(), va.data(), maps, tables, n, 0, n / kBlock, c);
+    if (lean) {
+      LeanParams io(lt);
+      update_range(io, mc.data(), ma.data(), vc.data(), va.data(), maps, tables, n, 0, n / kBlock, c);
+    } else {
+      Fp32Params io{p.data(), g.data()};
+      update_range(io, mc.data(), ma.data(), vc.data(), va.data(), maps, tables, n, 0, n / kBlock, c);
+    }
     if (r >= 3) best = std::min(best, cpu_now() - t0);
   }
   uint64_t h = 1469598103934665603ull;
   for (int64_t i = 0; i < n; ++i) h = ((h ^ mc[i]) * 1099511628211ull ^ vc[i]) * 1099511628211ull;
+  if (lean) for (int64_t i = 0; i < n; ++i) h = (h ^ p16[i]) * 1099511628211ull;
   std::printf("%.6f %016llx\n", best / n * 1e9, static_cast<unsigned long long>(h));
 }
 """
@@ -76,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--isa", default="", help="comma-separated levels (default: every level this CPU runs)")
     ap.add_argument("--numel", type=int, default=65536, help="elements updated per call (whole blocks)")
     ap.add_argument("--repeats", type=int, default=300, help="timed updates; the best counts")
+    ap.add_argument("--lean", action="store_true",
+                    help="the bf16-lean update (bf16 weights and gradients, stochastic rounding)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
     supported = supported_isa_levels()
@@ -94,13 +114,13 @@ def main(argv: list[str] | None = None) -> int:
             exe = f"{tmp}/bench_{lv.lower()}"
             subprocess.run([cxx, "-O3", "-ffp-contract=off", "-fno-math-errno", *_ISA_FLAGS[lv],
                             f"-I{csrc}", f"{tmp}/driver.cpp", "-o", exe], check=True)
-            out = subprocess.run([exe, tmp, str(args.numel), str(args.repeats)], check=True,
+            out = subprocess.run([exe, tmp, str(args.numel), str(args.repeats), str(int(args.lean))], check=True,
                                  stdout=subprocess.PIPE, text=True).stdout.split()
             result[lv] = {"ns_per_element": float(out[0]), "codes_checksum": out[1]}
     model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                   if ln.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
     result["_meta"] = {"cpu_model": model, "isa_supported": list(supported), "numel": args.numel,
-                       "repeats": args.repeats, "threads": 1, "loadavg": list(os.getloadavg()),
+                       "repeats": args.repeats, "lean": args.lean, "threads": 1, "loadavg": list(os.getloadavg()),
                        "date": time.strftime("%Y-%m-%d")}
     if args.json:
         print(json.dumps(result, indent=1))
@@ -109,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
             forced = "" if lv == supported[-1] else " (below this CPU's best: forced)"
             r = result[lv]
             print(f"{lv:<12}{r['ns_per_element']:.3f} ns/element  codes {r['codes_checksum']}{forced}")
-        print(f"{model}, {args.numel} elements, one thread, best of {args.repeats}; "
+        print(f"{model}, {args.numel} elements{' (bf16-lean)' if args.lean else ''}, one thread, "
+              f"best of {args.repeats}; "
               f"load {result['_meta']['loadavg'][0]:.1f}")
     sums = {result[lv]["codes_checksum"] for lv in levels}
     return 0 if len(sums) == 1 else 1

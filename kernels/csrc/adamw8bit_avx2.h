@@ -214,9 +214,11 @@ struct ParamUpdate {
   }
 };
 
-// Full blocks [b0, b1) of one tensor (the moments' absmax must be known before requantizing).
-// The map values of block b + 1 are looked up while block b is requantized (MapLookahead).
-inline void update_blocks_vec(float* p, const float* g, uint8_t* mc, float* ma, uint8_t* vc, float* va,
+// Full blocks [b0, b1) of one tensor (weights and gradients through io: Fp32Params or
+// LeanParams; the moments' absmax must be known before requantizing). The map values of
+// block b + 1 are looked up while block b is requantized (MapLookahead).
+template <class IO>
+inline void update_blocks_vec(IO& io, uint8_t* mc, float* ma, uint8_t* vc, float* va,
                               const VecTables& T, int64_t b0, int64_t b1, const Coeffs& c) {
   alignas(64) float mbuf[kBlock];
   alignas(64) float vbuf[kBlock];
@@ -232,19 +234,22 @@ inline void update_blocks_vec(float* p, const float* g, uint8_t* mc, float* ma, 
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t s = b * kBlock;
     MomentUpdate u(c, ma[b], va[b]);
+    const float* gb = io.grad(s, kBlock);
     for (int64_t k = 0; k < kBlock; k += 8)
-      u.step8(g + s + k, q.mval(k), q.vval(k), mbuf + k, vbuf + k);
+      u.step8(gb + k, q.mval(k), q.vval(k), mbuf + k, vbuf + k);
     ma[b] = MomentUpdate::hmax(u.amax_m);
     va[b] = MomentUpdate::hmax(u.amax_v);
     // the next block's codes; after the last block, this block's again (unused: a branch-free loop)
     const int64_t next = b + 1 < b1 ? s + kBlock : s;
     BlockQuant<true> qm(T.quant_m, ma[b]);
+    float* pb = io.param(s, kBlock);
     for (int64_t i = 0; i < kBlock; i += 32) {
-      for (int64_t k = i; k < i + 32; k += 8) pu.step8(p + s + k, mbuf + k, vbuf + k);
+      for (int64_t k = i; k < i + 32; k += 8) pu.step8(pb + k, mbuf + k, vbuf + k);
       qm.step32(mbuf + i, mc + s + i);
       lookup16(qmap_m, mc + next + i, q.m + i);
       lookup16(qmap_m, mc + next + i + 16, q.m + i + 16);
     }
+    io.store(s, kBlock);
     qm.finish(mbuf, mc + s, t.bucket_m, t.thr_m);
     BlockQuant<false> qv(T.quant_v, va[b]);
     for (int64_t i = 0; i < kBlock; i += 32) {

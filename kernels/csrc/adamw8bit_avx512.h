@@ -262,15 +262,19 @@ inline void update_block_avx512(float* __restrict pb, const float* __restrict gb
   *va_b = _mm512_reduce_max_ps(_mm512_castsi512_ps(amax_v));
 }
 
-// Full blocks [b0, b1) of one tensor: each block's update, then its requantization (the
-// moments' absmax must be known first).
-inline void update_blocks_vec(float* p, const float* g, uint8_t* mc, float* ma, uint8_t* vc, float* va,
+// Full blocks [b0, b1) of one tensor (weights and gradients through io: Fp32Params or
+// LeanParams): each block's update, then its requantization (the moments' absmax must be known
+// first).
+template <class IO>
+inline void update_blocks_vec(IO& io, uint8_t* mc, float* ma, uint8_t* vc, float* va,
                               const VecTables& T, int64_t b0, int64_t b1, const Coeffs& c) {
   alignas(64) float mbuf[kBlock];
   alignas(64) float vbuf[kBlock];
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t s = b * kBlock;
-    update_block_avx512(p + s, g + s, mc + s, ma + b, vc + s, va + b, T, mbuf, vbuf, c);
+    const float* gb = io.grad(s, kBlock);
+    update_block_avx512(io.param(s, kBlock), gb, mc + s, ma + b, vc + s, va + b, T, mbuf, vbuf, c);
+    io.store(s, kBlock);
     requantize_both_vec(mbuf, ma[b], mc + s, vbuf, va[b], vc + s, T);
   }
 }

@@ -24,6 +24,7 @@ from outcore.kernels.adamw8bit import (adamw8bit_update, adamw8bit_update_many, 
 from outcore.kernels.adamw8bit_segments import SEG_NEAR, _build, _pieces, _verify, segment_code
 from outcore.kernels.quantize import (dequantize_blockwise, dynamic_map, num_blocks,
                                       quantize_blockwise, thresholds)
+from outcore.kernels.stochastic_round import stochastic_round_ref_
 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 
@@ -46,6 +47,30 @@ def _run(impl, n, steps, **hp):
             g[: min(n, 300)] = 0  # an all-zero block
         adamw8bit_update(st[0], g, *st[1:], step=t, impl=impl, **{**HP, **hp})
     return st
+
+
+LEAN_SIZES, LEAN_KEY, LEAN_OFFSET = [256 * 64, 4099, 256 * 97 + 13], (0x5DEECE66D << 23) + 11, 3 * 4096
+
+
+def _run_lean(fused, steps=4):
+    """bf16-lean steps of tensors of LEAN_SIZES: one fused C++ call per step, or each tensor
+    widened, updated by the reference and rounded back by the rounding's reference."""
+    sts = [_state(n, seed=i) for i, n in enumerate(LEAN_SIZES)]
+    for st in sts:
+        st[0] = st[0].to(torch.bfloat16)
+    for t in range(1, steps + 1):
+        grads = [_grad(n, t + 10 * i, scale=10.0 ** (t % 5 - 3)).to(torch.bfloat16) for i, n in enumerate(LEAN_SIZES)]
+        rounding = [(LEAN_KEY + 7 * t + i, LEAN_OFFSET * i) for i in range(len(sts))]
+        if fused:
+            c = coefficients(HP["lr"], HP["beta1"], HP["beta2"], HP["eps"], HP["weight_decay"], t)
+            assert adamw8bit_update_many([st[0] for st in sts], grads, *[[st[k] for st in sts] for k in range(1, 5)],
+                                         [c] * len(sts), rounding)
+            continue
+        for st, g, (key, offset) in zip(sts, grads, rounding):
+            w = st[0].float()
+            adamw8bit_update(w, g.float(), *st[1:], step=t, impl="ref", **HP)
+            stochastic_round_ref_(st[0], w, key, offset)
+    return sts
 
 
 def _needs_ext():
@@ -215,7 +240,7 @@ def test_every_isa_level_bit_identical_to_reference(monkeypatch):
     if cpu_extension("DEFAULT") is None:
         pytest.skip("the C++ extension cannot be built here")
     n = 256 * 97 + 13
-    ref = _run("ref", n, 6)
+    ref, lean_ref = _run("ref", n, 6), _run_lean(False)
     for isa in supported_isa_levels():
         for signed in (True, False):
             _assert_quantizes_like_reference(signed, isa)
@@ -223,6 +248,8 @@ def test_every_isa_level_bit_identical_to_reference(monkeypatch):
         assert cpu_isa() == isa
         for a, b in zip(_run("cpp", n, 6), ref):
             assert torch.equal(a, b), isa
+        for a, b in zip(_run_lean(True), lean_ref):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), isa
 
 
 def test_update_many_equals_per_tensor():
@@ -242,6 +269,18 @@ def test_update_many_equals_per_tensor():
             adamw8bit_update(st[0], g, *st[1:], step=s + rnd, impl="cpp", **HP)
     for a, b in zip(many, one):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_lean_update_equals_widen_update_round():
+    """bf16-lean in one C++ call (weights and gradients bf16, rounded back stochastically, a
+    few blocks at a time): the bits of widening, the reference update and the rounding's
+    reference, per tensor (partial blocks, tensors of several slices, offsets, 64-bit keys)."""
+    _needs_ext()
+    fused, ref = _run_lean(True), _run_lean(False)
+    for a, b in zip(fused, ref):
+        assert a[0].dtype == torch.bfloat16
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(fused[0][0], _state(LEAN_SIZES[0])[0].to(torch.bfloat16))  # the weights moved
 
 
 def test_auto_is_the_op():

@@ -31,9 +31,9 @@ def _model(factory):
     return m.train()
 
 
-def _lean(model, name):
+def _lean(model, name, **extra):
     cls, kw = OPTIMIZERS[name]
-    return LeanOptimizer(cls(model.parameters(), lr=LR, weight_decay=WD, **kw), seed=7)
+    return LeanOptimizer(cls(model.parameters(), lr=LR, weight_decay=WD, **kw, **extra), seed=7)
 
 
 def _batches(n):
@@ -75,11 +75,12 @@ def test_lean_out_of_core_equals_lean_in_memory(tiny_llama_factory, tmp_path, na
 
 
 def test_chunked_update_equals_the_whole(tiny_llama_factory, monkeypatch):
-    """A tensor larger than a chunk is widened and updated a chunk at a time: the same bits."""
+    """A tensor larger than a chunk is widened and updated a chunk at a time: the same bits.
+    (The reference impl: the C++ one updates bf16 weights in one pass, without chunks.)"""
     import outcore.optim.lean as lean
 
     whole, chunked = _model(tiny_llama_factory), _model(tiny_llama_factory)
-    a, b = _lean(whole, "adamw8bit"), _lean(chunked, "adamw8bit")
+    a, b = _lean(whole, "adamw8bit", impl="ref"), _lean(chunked, "adamw8bit", impl="ref")
     batches = _batches(3)
     for ids in batches:
         reference_step(whole, a, [ids], 1.0)
@@ -90,6 +91,29 @@ def test_chunked_update_equals_the_whole(tiny_llama_factory, monkeypatch):
         assert torch.equal(p, q), n
     st_a, st_b = a.state[whole.model.embed_tokens.weight], b.state[chunked.model.embed_tokens.weight]
     assert all(torch.equal(st_a[k], st_b[k]) for k in st_a)  # step counts advanced once, not per chunk
+
+
+def test_one_pass_update_equals_the_chunked(tiny_llama_factory, monkeypatch):
+    """AdamW8bit's one-pass bf16-lean update (C++: widen, update, round, a few blocks at a
+    time) gives the chunked path's bits: weights, codes, absmax, counts; the fp32-state tensors
+    (norms) still take the chunks."""
+    import outcore.kernels.adamw8bit as k8
+
+    if k8.cpu_extension() is None:
+        pytest.skip("the C++ extension cannot be built here")
+    fused, chunked = _model(tiny_llama_factory), _model(tiny_llama_factory)
+    a, b = _lean(fused, "adamw8bit"), _lean(chunked, "adamw8bit", impl="ref")
+    calls = []
+    real = k8.adamw8bit_update_many
+    monkeypatch.setattr("outcore.optim.adamw8bit.adamw8bit_update_many",
+                        lambda *args: calls.append(args[-1]) or real(*args))
+    for ids in _batches(3):
+        reference_step(fused, a, [ids], 1.0)
+        reference_step(chunked, b, [ids], 1.0)
+    assert len(calls) == 3 and all(calls)  # one lean C++ call per step
+    for (n, p), q in zip(fused.named_parameters(), chunked.parameters()):
+        assert torch.equal(p, q), n
+        assert all(torch.equal(x, y) for x, y in zip(a.state[p].values(), b.state[q].values())), n
 
 
 def test_lean_moves_weights_that_round_to_nearest_would_keep(tiny_llama_factory):
