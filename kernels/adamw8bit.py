@@ -57,7 +57,9 @@ rest is the 8-bit work: quantization ~40%, dequantization (AVX2: scalar loads) ~
 AVX2 lookups moved off the vector pipes (2026-11-27, ``scripts/bench_adamw8bit_cpu.py``, AVX2
 forced on that AVX-512 machine, load 2-8): AVX2 1.00-1.02 ns against 1.11 before, in cache;
 what is left is vector-op bound (the two requantizations ~0.55 ns, the divider hidden under
-them). ``scripts/bench_optim.py`` measures whole optimizer steps per ISA level (``--isa``).
+them). On an AMD EPYC Zen 5 (2026-11-27, one thread): AVX2 0.72-0.83 ns per element, AVX-512 VBMI
+0.41-0.50 (in cache - DRAM); the bf16-lean pass 0.96 / 0.51-0.55 (``--lean``).
+``scripts/bench_optim.py`` measures whole optimizer steps per ISA level (``--isa``).
 """
 from __future__ import annotations
 

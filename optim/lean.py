@@ -10,9 +10,9 @@ that chunk's state, and rounds the result back *stochastically*
 average. Where the wrapped optimizer has one fused pass for this
 (:meth:`~outcore.optim.OutcoreOptimizer.update_lean`: AdamW8bit's 8-bit tensors on CPU, which
 widen, update and round a block at a time in the C++ kernel) it takes the tensor instead,
-with the same bits and no fp32 chunk buffers. With :class:`~outcore.optim.AdamW8bit` the bytes written per parameter per step are
-the bf16 weight (2) and the two 8-bit moments (2): their block absmax stays in RAM
-(``offload.engine.unit_sizes.ram_kinds``).
+with the same bits and no fp32 chunk buffers. With :class:`~outcore.optim.AdamW8bit` the bytes
+written per parameter per step are the bf16 weight (2) and the two 8-bit moments (2): their
+block absmax stays in RAM (``offload.engine.unit_sizes.ram_kinds``).
 
 The rounding's random bits are a hash of (run seed, parameter position, the tensor's update
 count, element index), never a generator stream: the position and count are two int64
