@@ -271,12 +271,19 @@ def test_update_many_equals_per_tensor():
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-def test_lean_update_equals_widen_update_round():
-    """bf16-lean in one C++ call (weights and gradients bf16, rounded back stochastically, a
-    few blocks at a time): the bits of widening, the reference update and the rounding's
-    reference, per tensor (partial blocks, tensors of several slices, offsets, 64-bit keys)."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_lean_update_equals_widen_update_round(threads):
+    """bf16-lean in one C++ call (weights and gradients bf16, rounded back stochastically block
+    by block), on 1 or 2 threads: the bits of widening, the reference update and the rounding's
+    reference, per tensor (partial blocks, tensors of many blocks, offsets, 64-bit keys)."""
     _needs_ext()
-    fused, ref = _run_lean(True), _run_lean(False)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused = _run_lean(True)
+    finally:
+        torch.set_num_threads(old)
+    ref = _run_lean(False)
     for a, b in zip(fused, ref):
         assert a[0].dtype == torch.bfloat16
         assert all(torch.equal(x, y) for x, y in zip(a, b))
