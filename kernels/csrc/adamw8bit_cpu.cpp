@@ -236,6 +236,11 @@ void check(const torch::Tensor& t, at::ScalarType dtype, int64_t numel, const ch
   TORCH_CHECK(t.numel() == numel, name, " has ", t.numel(), " elements, expected ", numel);
 }
 
+// A stochastic rounding's key and the index of its first element (stochastic_round_'s).
+void check_rounding(int64_t key, int64_t offset) {
+  TORCH_CHECK(key >= 0 && offset >= 0, "key=", key, " and offset=", offset, " must be >= 0");
+}
+
 }  // namespace
 
 namespace {
@@ -332,7 +337,7 @@ Job make_job(const torch::Tensor& param, const torch::Tensor& grad, const torch:
     job.g = grad.data_ptr<float>();
     return job;
   }
-  TORCH_CHECK(lean[0] >= 0 && lean[1] >= 0, "key=", lean[0], " and offset=", lean[1], " must be >= 0");
+  check_rounding(lean[0], lean[1]);
   const auto key = static_cast<uint64_t>(lean[0]);
   job.lean = LeanTensor{reinterpret_cast<uint16_t*>(param.data_ptr<at::BFloat16>()),
                         reinterpret_cast<const uint16_t*>(grad.data_ptr<at::BFloat16>()),
@@ -427,7 +432,7 @@ void stochastic_round(torch::Tensor out, torch::Tensor x, int64_t key, int64_t o
   const int64_t n = x.numel();
   check(x, at::kFloat, n, "x");
   check(out, at::kBFloat16, n, "out");
-  TORCH_CHECK(key >= 0 && offset >= 0, "key=", key, " and offset=", offset, " must be >= 0");
+  check_rounding(key, offset);
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float* xb = x.data_ptr<float>();
   const uint64_t k = static_cast<uint64_t>(key);
