@@ -21,16 +21,17 @@
 #pragma once
 
 // out[k] = map[codes[k]] for 16 codes, by scalar loads and stores. The empty asm keeps the
-// compiler from vectorizing the loop into vpgatherdd (slower here, see above).
+// compiler from vectorizing the loop into vpgatherdd (slower here, see above). Each code is
+// its own byte load (movzbl): 3 instructions a lookup, where extracting the bytes of one
+// 8-byte load took 5 (shift, copy, zero-extend); 124 instead of 146 per 8 elements of the
+// whole update (callgrind), 0.76-0.77 instead of 0.79-0.82 ns per element in cache and
+// 0.81 instead of 0.83 from DRAM (Zen 5, AVX2 forced, one thread). What bounds the update:
+// docs/benchmarks.md.
 inline void lookup16(const uint32_t* __restrict map, const uint8_t* __restrict codes, uint32_t* __restrict out) {
-  for (int h = 0; h < 16; h += 8) {
-    uint64_t c;
-    std::memcpy(&c, codes + h, sizeof(c));
-    for (int k = 0; k < 8; ++k, c >>= 8) {
-      uint32_t x = map[c & 255];
-      __asm__("" : "+r"(x));
-      out[h + k] = x;
-    }
+  for (int k = 0; k < 16; ++k) {
+    uint32_t x = map[codes[k]];
+    __asm__("" : "+r"(x));
+    out[k] = x;
   }
 }
 
