@@ -25,6 +25,8 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
+from ..kernels.adamw8bit import coefficients
+from ..kernels.frugal import adam_step_ref, frugal_update_
 from ._base import OutcoreOptimizer, StateSpec, check_hparams
 from ._lowrank import check_rank, next_seed
 
@@ -88,13 +90,13 @@ class FRUGAL(OutcoreOptimizer):
                group: dict[str, Any]) -> None:
         """FRUGAL step of each parameter, in place."""
         lr, wd = group["lr"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
         for p, grad, s in zip(params, grads, states):
             step = int(s["step"].item())  # CPU scalar; on CUDA a sync, once per tensor
             s["step"].add_(1)
-            if wd:  # x * 1.0 is x: without weight decay, no pass over the weights
-                p.mul_(1.0 - lr * wd)
-            if "seed" not in s:
-                _adamw(p, grad, s["exp_avg"], s["exp_avg_sq"], s["step"], group)
+            if "seed" not in s:  # full AdamW
+                c = coefficients(lr, beta1, beta2, group["eps"], wd, step + 1)
+                p.copy_(adam_step_ref(p * c.decay, grad, s["exp_avg"], s["exp_avg_sq"], c))
                 continue
             if step > 0 and step % group["update_proj_gap"] == 0:  # new subspace, fresh moments
                 s["seed"].fill_(next_seed(int(s["seed"].item())))
@@ -103,26 +105,11 @@ class FRUGAL(OutcoreOptimizer):
             cols = subspace_columns(p.shape[1], s["exp_avg"].shape[1], int(s["seed"].item()),
                                     p.device)
             s["sub_step"].add_(1)
-            # index_select / scatter_ rather than p[:, cols] and its assignment: the same
-            # values, ~5x and ~4x faster on CPU (advanced indexing computes every offset)
-            sub = torch.index_select(p, 1, cols)  # the state-full columns, before the signSGD step
-            p.add_(grad.sign(), alpha=-lr * group["free_lr_scale"])  # state-free: all columns
-            _adamw(sub, torch.index_select(grad, 1, cols), s["exp_avg"], s["exp_avg_sq"], s["sub_step"], group)
-            p.scatter_(1, cols.expand(p.shape[0], -1), sub)  # the state-full columns get AdamW instead
+            c = coefficients(lr, beta1, beta2, group["eps"], wd, float(s["sub_step"].item()))
+            frugal_update_(p, grad, cols, s["exp_avg"], s["exp_avg_sq"], c, -lr * group["free_lr_scale"])
 
 
 def subspace_columns(n: int, k: int, seed: int, device: torch.device) -> Tensor:
     """The ``k`` state-full columns out of ``n`` for ``seed`` (sorted, int64, on ``device``)."""
     gen = torch.Generator().manual_seed(int(seed))  # drawn on CPU: same set on every device
     return torch.randperm(n, generator=gen)[:k].sort().values.to(device)
-
-
-def _adamw(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step: Tensor,
-           group: dict[str, Any]) -> None:
-    """Adam step (weight decay already applied) of ``p`` in place; ``step`` already counted."""
-    beta1, beta2 = group["betas"]
-    t = float(step.item())
-    exp_avg.lerp_(grad, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-    denom = (exp_avg_sq.sqrt() / math.sqrt(1.0 - beta2 ** t)).add_(group["eps"])
-    p.addcdiv_(exp_avg, denom, value=-group["lr"] / (1.0 - beta1 ** t))

@@ -103,6 +103,7 @@ inline uint8_t quantize_one(float y, const uint8_t* bucket, const float* thr) {
 
 #include "stochastic_round_cpu.h"  // bf16-lean's rounding, in the same extension
 #include "nf4_cpu.h"  // QLoRA's NF4 quantizer, in the same extension
+#include "frugal_cpu.h"  // FRUGAL's step, in the same extension
 
 // Where a block's fp32 weights and gradient come from and its new weights go (the update
 // paths take one of these as `io`, per block: param(s, len) and grad(s, len) before the block's
@@ -464,6 +465,37 @@ void nf4_quantize(torch::Tensor x, torch::Tensor bounds, torch::Tensor packed, t
   });
 }
 
+// FRUGAL's step of one (rows, n) fp32 matrix, in place (see frugal_cpu.h): cols, the sorted
+// state-full columns (int64, k); exp_avg, exp_avg_sq (rows, k); coeffs: the 8 of
+// adamw8bit_update; free_alpha: the signSGD step, -(lr * free_lr_scale).
+void frugal_update(torch::Tensor param, torch::Tensor grad, torch::Tensor cols, torch::Tensor exp_avg,
+                   torch::Tensor exp_avg_sq, std::vector<double> coeffs, double free_alpha) {
+  TORCH_CHECK(coeffs.size() == 8, "expected 8 coefficients, got ", coeffs.size());
+  TORCH_CHECK(param.dim() == 2, "param must be a matrix, got ", param.dim(), " dimensions");
+  const int64_t rows = param.size(0), n = param.size(1), k = cols.numel();
+  check(param, at::kFloat, rows * n, "param");
+  check(grad, at::kFloat, rows * n, "grad");
+  check(cols, at::kLong, k, "cols");
+  check(exp_avg, at::kFloat, rows * k, "exp_avg");
+  check(exp_avg_sq, at::kFloat, rows * k, "exp_avg_sq");
+  const int64_t* cp = cols.data_ptr<int64_t>();
+  for (int64_t j = 0; j < k; ++j)  // sorted and in range: every column is written once
+    TORCH_CHECK(cp[j] >= 0 && cp[j] < n && (j == 0 || cp[j] > cp[j - 1]),
+                "cols must be sorted distinct columns in [0, ", n, "); cols[", j, "]=", cp[j]);
+  const Coeffs c = make_coeffs(coeffs.data());
+  const float alpha = static_cast<float>(free_alpha);
+  float* p = param.data_ptr<float>();
+  const float* g = grad.data_ptr<float>();
+  float* m = exp_avg.data_ptr<float>();
+  float* v = exp_avg_sq.data_ptr<float>();
+  // grain: ~64K weights a task, so small matrices run on one thread
+  at::parallel_for(0, rows, std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(n, 1)),
+                   [&](int64_t r0, int64_t r1) {
+                     std::vector<float> buf(static_cast<size_t>(2 * k));
+                     frugal_rows(p, g, cp, m, v, n, k, r0, r1, c, alpha, buf.data());
+                   });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw8bit_update", &adamw8bit_update, "fused block-wise 8-bit AdamW update (in place)");
   m.def("adamw8bit_update_many", &adamw8bit_update_many,
@@ -471,6 +503,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16-lean weights too)");
   m.def("quantize_blockwise", &quantize_blockwise, "block-wise 8-bit quantization (the update's path)");
   m.def("stochastic_round", &stochastic_round, "fp32 -> bf16 stochastic rounding (in place)");
+  m.def("frugal_update", &frugal_update, "FRUGAL's step of one fp32 matrix (in place, one pass)");
   m.def("nf4_quantize", &nf4_quantize, "block-wise NF4 quantization (QLoRA's, bitsandbytes' bits)");
 }
 #endif  // OUTCORE_KERNEL_ONLY
