@@ -250,10 +250,10 @@ inline void update_blocks_vec(IO& io, uint8_t* mc, float* ma, uint8_t* vc, float
       lookup16(qmap_m, mc + next + i, q.m + i);
       lookup16(qmap_m, mc + next + i + 16, q.m + i + 16);
     }
-    io.store(s, kBlock);
     qm.finish(mbuf, mc + s, t.bucket_m, t.thr_m);
     BlockQuant<false> qv(T.quant_v, va[b]);
     for (int64_t i = 0; i < kBlock; i += 32) {
+      io.store_part(s, i, 32);  // bf16-lean's rounding here, the lightest loop: 3-4% (AVX2)
       qv.step32(vbuf + i, vc + s + i);
       lookup16(qmap_v, vc + next + i, q.v + i);
       lookup16(qmap_v, vc + next + i + 16, q.v + i + 16);

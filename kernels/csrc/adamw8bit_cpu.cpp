@@ -107,7 +107,8 @@ inline uint8_t quantize_one(float y, const uint8_t* bucket, const float* thr) {
 
 // Where a block's fp32 weights and gradient come from and its new weights go (the update
 // paths take one of these as `io`, per block: param(s, len) and grad(s, len) before the block's
-// update, store(s, len) after its weights are written).
+// update, store(s, len) after its weights are written, or store_part(s, i, len) for each part
+// [i, i + len) of the block once that part is written).
 // * Fp32Params: the tensors themselves.
 // * LeanParams, bf16-lean (optim/lean.py): bf16 weights and gradients, widened (exactly) into
 //   two 1 KiB buffers, the weights rounded back stochastically with the whole tensor's element
@@ -121,6 +122,7 @@ struct Fp32Params {
   float* param(int64_t s, int64_t) { return p + s; }
   const float* grad(int64_t s, int64_t) { return g + s; }
   void store(int64_t, int64_t) {}
+  void store_part(int64_t, int64_t, int64_t) {}
 };
 
 struct LeanTensor {  // p, g: bf16 bit patterns; key and offset: stochastic_round_'s
@@ -153,8 +155,9 @@ struct LeanParams {
     widen_bf16(t.g + s, gbuf, len);
     return gbuf;
   }
-  void store(int64_t s, int64_t len) {
-    stochastic_round_range(t.p + s, pbuf, 0, len, t.key_lo, t.key_hi, t.offset + static_cast<uint64_t>(s));
+  void store(int64_t s, int64_t len) { store_part(s, 0, len); }
+  void store_part(int64_t s, int64_t i, int64_t len) {
+    stochastic_round_range(t.p + s, pbuf, i, i + len, t.key_lo, t.key_hi, t.offset + static_cast<uint64_t>(s));
   }
 };
 
