@@ -58,7 +58,11 @@ AVX2 lookups moved off the vector pipes (2026-11-27, ``scripts/bench_adamw8bit_c
 forced on that AVX-512 machine, load 2-8): AVX2 1.00-1.02 ns against 1.11 before, in cache;
 what is left is vector-op bound (the two requantizations ~0.55 ns, the divider hidden under
 them). On an AMD EPYC Zen 5 (2026-11-27, one thread): AVX2 0.72-0.83 ns per element, AVX-512 VBMI
-0.41-0.50 (in cache - DRAM); the bf16-lean pass 0.96 / 0.51-0.55 (``--lean``).
+0.41-0.50 (in cache - DRAM); the bf16-lean pass 0.96 / 0.51-0.55 (``--lean``). With one byte
+load per map lookup and lean's rounding in the second requantization loop (2026-11-27, Zen 5,
+AVX2): 0.76-0.77 / 0.81 and lean 0.92-0.96 / 0.96. There the AVX2 update runs ~124
+instructions per 8 elements at ~5.2 per cycle (48 of them the lookups, ~55 vector ALU
+operations), against torch's fused AdamW's ~16 cycles per 8 elements on a core.
 ``scripts/bench_optim.py`` measures whole optimizer steps per ISA level (``--isa``).
 """
 from __future__ import annotations
