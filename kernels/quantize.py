@@ -39,12 +39,27 @@ SMALL_TENSOR_NUMEL = 4096  # tensors with fewer elements keep fp32 optimizer sta
 # ---------------------------------------------------------------------------------
 # The maps and their lookup tables
 # ---------------------------------------------------------------------------------
+def _linspace(n: int) -> Tensor:
+    """``torch.linspace(0.1, 1, n)`` in fp32 as torch's vectorized CPU kernel computes it (x86
+    with AVX2 or AVX-512: ``start + step * i`` below the middle, ``end - step * (n - 1 - i)``
+    from it, each one FMA, one rounding), whatever the host runs. Its scalar kernel (torch's
+    ``default`` capability; other CPUs) rounds the product first: 42 of the signed map's 256
+    values and 31 of the unsigned one's came out 1-2 ulps apart, so codes written on one host
+    decoded to other values on the other."""
+    start, end = torch.tensor(0.1, dtype=torch.float32), torch.tensor(1.0, dtype=torch.float32)
+    step = ((end - start) / (n - 1)).double()  # fp32 division, as torch's
+    i = torch.arange(n, dtype=torch.float64)
+    # both exact in float64 (<= 32 significant bits): the cast is the FMA's one rounding
+    below, above = start.double() + step * i, end.double() - step * (n - 1 - i)
+    return torch.where(i < n // 2, below, above).float()
+
+
 @functools.lru_cache(maxsize=None)
 def _dynamic_map_cpu(signed: bool) -> Tensor:
     data: list[float] = []
     for i in range(7):  # decimal exponents 1e-6 ... 1e0
         items = 2 ** i + 1 if signed else 2 ** (i + 1) + 1
-        bounds = torch.linspace(0.1, 1, items, dtype=torch.float32)
+        bounds = _linspace(items)
         means = (bounds[:-1] + bounds[1:]) / 2.0
         data += ((10 ** (-6 + i)) * means).tolist()  # fp32 products, as bitsandbytes rounds them
         if signed:
@@ -55,7 +70,8 @@ def _dynamic_map_cpu(signed: bool) -> Tensor:
 
 
 def dynamic_map(signed: bool = True, device: torch.device | str = "cpu") -> Tensor:
-    """The 256-entry dynamic quantile map, sorted ascending (same values as bitsandbytes').
+    """The 256-entry dynamic quantile map, sorted ascending: bitsandbytes' values on x86
+    (AVX2 and up), and the same on every host (see :func:`_linspace`).
 
     Args:
         signed: True for values in [-1, 1] (Adam's first moment), False for [0, 1]

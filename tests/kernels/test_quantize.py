@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,8 +16,28 @@ from outcore.kernels.quantize import (BLOCKSIZE, bucket_table, dequantize_blockw
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_maps_equal_bitsandbytes(signed):
+    """bitsandbytes computes its map with torch.linspace: the pinned values where torch runs the
+    vectorized kernel (x86 AVX2 / AVX-512)."""
     bnbf = pytest.importorskip("bitsandbytes.functional")
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        pytest.skip("torch's scalar linspace here: bitsandbytes' map is 1-2 ulps off in places")
     assert torch.equal(dynamic_map(signed), bnbf.create_dynamic_map(signed=signed).float())
+
+
+_MAP_DIGEST = ("import hashlib; from outcore.kernels.quantize import dynamic_map; "
+               "print(hashlib.sha1(b''.join(dynamic_map(s).numpy().tobytes() for s in (True, False))).hexdigest())")
+
+
+def test_maps_do_not_depend_on_the_cpu_capability():
+    """The maps a run writes codes against are the same whether torch runs its vectorized or its
+    scalar kernels (a checkpoint written on one host decodes alike on another)."""
+    digests = set()
+    for capability in ("default", "avx2"):
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+        out = subprocess.run([sys.executable, "-c", _MAP_DIGEST], env=env, check=True,
+                             stdout=subprocess.PIPE, text=True).stdout.split()
+        digests.add(out[-1])
+    assert len(digests) == 1, digests
 
 
 @pytest.mark.parametrize("signed", [True, False])
