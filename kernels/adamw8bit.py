@@ -172,8 +172,10 @@ def adamw8bit_update_ref(param: Tensor, grad: Tensor, m_codes: Tensor, m_absmax:
 
 def _ieee_sqrt(x: Tensor) -> Tensor:
     """Correctly rounded fp32 sqrt. torch.sqrt on CPU is not (it is off by one ulp for ~20%
-    of inputs here: a vector-math library), numpy's is (the hardware instruction)."""
-    if x.device.type == "cpu" and not torch.compiler.is_compiling():
+    of inputs here: a vector-math library), numpy's is (the hardware instruction); numpy has
+    no bf16 / fp16, which keep torch's."""
+    if (x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64)
+            and not torch.compiler.is_compiling()):
         import numpy as np
         return torch.from_numpy(np.sqrt(x.detach().contiguous().numpy()))
     return x.sqrt()  # CUDA's and Inductor's fp32 sqrt are the IEEE one

@@ -12,7 +12,9 @@ seeded generator), which advances at each refresh. Non-matrix parameters, and gr
 This is FRUGAL's column-block ("blockwise columns") variant; the paper's SVD/random
 projection variants are GaLore-like and covered by :mod:`outcore.optim.galore`. Weight
 decay is AdamW's decoupled decay on the whole matrix. No reference package exists on
-PyPI, so the tests check the definition directly (an equivalent dense computation).
+PyPI, so the tests check the definition directly (an equivalent dense computation). The
+step of a subspace matrix is :func:`outcore.kernels.frugal.frugal_update_` (one C++ pass on
+the CPU).
 
 State per subspace parameter: ``step`` and ``sub_step`` () float32, ``seed`` () int64,
 ``exp_avg`` / ``exp_avg_sq`` (m, k): 8 * density bytes per parameter.

@@ -64,3 +64,17 @@ def test_vectors_get_full_adamw():
         a.step()
         b.step()
     torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_bf16_parameters_step():
+    """bf16 weights take the reference (the C++ step is fp32's): a step that moves them."""
+    g = torch.Generator().manual_seed(1)
+    p = torch.nn.Parameter(torch.randn(16, 40, generator=g).bfloat16())
+    v = torch.nn.Parameter(torch.randn(40, generator=g).bfloat16())
+    before = [p.detach().clone(), v.detach().clone()]
+    opt = FRUGAL([p, v], lr=1e-2, weight_decay=0.1)
+    for _ in range(2):
+        p.grad, v.grad = torch.randn(p.shape, generator=g).bfloat16(), torch.randn(v.shape, generator=g).bfloat16()
+        opt.step()
+    for now, then in zip((p, v), before):
+        assert now.dtype == torch.bfloat16 and torch.isfinite(now).all() and not torch.equal(now, then)
