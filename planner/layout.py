@@ -52,6 +52,7 @@ class Workload:
     rates: ComputeRates | None = None  # measured per unit kind (compute.py); None: budgets.flops
     seq_tile: int = 0  # tokens per MLP tile (activations/tiling.py); 0: untiled
     padding_free: bool = False  # packed documents: a [batch, 1, seq, seq] attention mask per step
+    masters: bool = True  # a 16-bit dtype keeps fp32 masters (precision exact); bf16-lean keeps none
 
     def tiled(self, batch: int) -> bool:  # a micro-batch of ``batch`` sequences runs its MLPs tiled
         return self.spec.tileable_mlp and 0 < self.seq_tile < batch * self.seq_len
@@ -416,14 +417,16 @@ def _streamed_state(u: UnitBytes, nbytes: int) -> int:
 
 def _update_bytes(w: Workload) -> int:
     """RAM bytes the optimizer updates of a step touch (memory-bound): read w, g, state and write
-    w, state (ZO: 4 in-place passes over w). Mixed precision (update.py) also widens each
-    gradient to fp32 (read it, write 4 bytes, which the update then reads instead) and rounds
-    the fp32 master into the 16-bit weight (read 4 bytes, write the weight)."""
+    w, state (ZO: 4 in-place passes over w). Mixed precision with fp32 masters (update.py) also
+    widens each gradient to fp32 (read it, write 4 bytes, which the update then reads instead)
+    and rounds the fp32 master into the 16-bit weight (read 4 bytes, write the weight);
+    bf16-lean widens and rounds in cache-sized chunks (or block by block in the 8-bit kernel):
+    no more RAM traffic than the weights' and gradients' own."""
     us = w.units
     if not w.has_backward:
         return sum(8 * u.weights for u in us)
     c = DTYPE_BYTES[w.dtype]
-    mixed = (12 + c) if c != 4 and w.method.trains_weights else 0
+    mixed = (12 + c) if c != 4 and w.method.trains_weights and w.masters else 0
     return (sum(2 * u.weights + u.grads + 2 * u.state + mixed * u.trainable for u in us if u.grads)
             + sum(2 * u.adapter_bytes for u in us))
 

@@ -357,7 +357,7 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
 
     tile = resolve_tile(seq_tile, spec.intermediate, DTYPE_BYTES[dtype])
     w = Workload(spec, ub, traits, dtype, seq_len, grads_kept, budgets, activations_compress, rates, tile,
-                 padding_free)
+                 padding_free, masters=precision == EXACT)
     policies = list(_AUTO_ACTIVATIONS) if activations == AUTO else [activations]
     if not traits.backward:
         policies = [ActivationPolicy.KEEP.value]  # nothing is saved for a backward

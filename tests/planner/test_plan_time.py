@@ -10,7 +10,7 @@ import torch
 from outcore.offload.engine import offload_model
 from outcore.offload.store import Tier
 from outcore.optim import AdamW
-from outcore.planner import Budgets
+from outcore.planner import Budgets, make_plan
 from outcore.planner.layout import Layout, Workload, step_time
 from outcore.planner.sizes import method_traits, model_spec, unit_bytes
 from tests._helpers import causal_lm_loss
@@ -114,6 +114,21 @@ def test_mixed_precision_update_counts_the_widening_and_the_rounding(tiny_llama_
     steps = sum(u.state for u in w32.units) - 8 * n  # the fp32 step counts, one per tensor
     assert t32.update_s == pytest.approx((4 * 2 * n + 4 * n + 2 * (8 * n + steps)) / 10e9)
     assert t16.update_s == pytest.approx((2 * 2 * n + 2 * n + 2 * (12 * n + steps) + 14 * n) / 10e9)
+
+
+def test_lean_update_counts_no_master(tiny_llama_factory):
+    """bf16-lean keeps no fp32 master: its update reads and writes the bf16 weight, reads the
+    gradient and the state, writes the state, and nothing more (no widening or rounding pass in
+    RAM)."""
+    model = tiny_llama_factory(layers=2, hidden=64, vocab=256, intermediate=128)
+    spec = model_spec(model)
+    units = tuple(unit_bytes(spec, method="full", optim="adamw8bit", dtype="bfloat16", precision="bf16-lean"))
+    w = Workload(spec, units, method_traits("full"), "bfloat16", 16, False, SPEEDS, masters=False)
+    t = step_time(w, Layout.uniform(len(units), Tier.NVME, "keep", prefetch=1), 1)
+    assert t.update_s == pytest.approx(sum(2 * u.weights + u.grads + 2 * u.state for u in units) / 10e9)
+    plan = make_plan(model, optim="adamw8bit", dtype="bfloat16", precision="bf16-lean", offload="nvme",
+                     budgets=SPEEDS)
+    assert plan.time.update_s == pytest.approx(t.update_s)  # the plan builds its workload so
 
 
 def test_the_checksum_rate_comes_from_the_probe():
