@@ -28,7 +28,9 @@ from __future__ import annotations
 import functools
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,6 +46,9 @@ MAX_MEASURED_PARAMS = 48 << 20
 #: 8B-sized head is cut
 MAX_MEASURED_HEAD_PARAMS = 128 << 20
 _LONG_RUN_S = 0.25  # a run this long is timed once (after its warm-up)
+#: parameters one CPU optimizer-update measurement steps: two matrices of the model's MLP
+#: shape, cut to this (16 M: its state and weights well out of the last-level cache)
+UPDATE_MEASURED_PARAMS = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -78,6 +83,42 @@ def measure_compute_rates(spec: ModelSpec, dtype: torch.dtype, seq_len: int, dev
     block = _block_rate(dims, dtype, tokens, device_kind) if spec.layers else matmul
     head = _head_rate(spec.vocab, spec.hidden, dtype, tokens, device_kind)
     return ComputeRates(block=block, head=head, matmul=matmul)
+
+
+def measure_update_rate(spec: ModelSpec, optim: str, optim_args: Mapping[str, Any] | None,
+                        precision: str) -> float:
+    """Parameters per second of a full fine-tune's CPU optimizer update, timed here.
+
+    The optimizer ``optim`` (with ``optim_args``, in ``precision``: bf16 weights for
+    ``bf16-lean``, else the fp32 ones a run updates, its masters under a 16-bit dtype) steps
+    two matrices of ``spec``'s MLP shape, ``UPDATE_MEASURED_PARAMS`` in all, on all of torch's
+    threads: the 8-bit and low-rank updates are bound by their arithmetic, not by RAM
+    bandwidth, so the plan takes their rate from here rather than from bytes moved. Once per
+    shape, optimizer and precision in a process (~0.1-0.5 s; the first use of the CPU
+    extension builds it, as the run would).
+    """
+    args = tuple(sorted((optim_args or {}).items()))
+    key = (spec.hidden, spec.intermediate, optim, repr(args), precision)
+    if key not in _UPDATE_RATES:
+        _UPDATE_RATES[key] = _update_rate(spec.hidden, spec.intermediate, optim, dict(args), precision)
+    return _UPDATE_RATES[key]
+
+
+_UPDATE_RATES: dict[tuple, float] = {}
+
+
+def _update_rate(hidden: int, intermediate: int, optim: str, optim_args: dict[str, Any], precision: str) -> float:
+    from ..dtypes import BF16_LEAN
+    from ..optim import build_optimizer, with_precision
+
+    rows = max(1, min(intermediate, UPDATE_MEASURED_PARAMS // (2 * hidden)))
+    dtype = torch.bfloat16 if precision == BF16_LEAN else torch.float32
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter((torch.randn(rows, hidden, generator=g) * 0.02).to(dtype)) for _ in range(2)]
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(dtype)
+    opt = with_precision(build_optimizer(optim, params, **optim_args), precision, seed=0)
+    return sum(p.numel() for p in params) / _seconds(opt.step, torch.device("cpu"))
 
 
 def _narrowed(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int
@@ -138,7 +179,7 @@ def _head_rate(vocab: int, hidden: int, dtype: torch.dtype, tokens: int, device_
 
 
 def _seconds(step, device: torch.device) -> float:
-    """The median time of ``step`` (forward + backward) over 3 runs after one warm-up; one
+    """The median time of ``step`` (forward + backward, or an update) over 3 runs after one warm-up; one
     run when it takes longer than ``_LONG_RUN_S`` (a wide block: seconds per run)."""
     step()
     synchronize_device(device)

@@ -53,6 +53,10 @@ class Workload:
     seq_tile: int = 0  # tokens per MLP tile (activations/tiling.py); 0: untiled
     padding_free: bool = False  # packed documents: a [batch, 1, seq, seq] attention mask per step
     masters: bool = True  # a 16-bit dtype keeps fp32 masters (precision exact); bf16-lean keeps none
+    #: a CPU full fine-tune's update, timed here (compute.measure_update_rate): the model's
+    #: parameters it covers per second (a rank of ``world`` updates 1/world of them); 0: the
+    #: update is costed by the bytes it moves (a GPU's, adapters', ZO's)
+    update_params_per_s: float = 0.0
 
     def tiled(self, batch: int) -> bool:  # a micro-batch of ``batch`` sequences runs its MLPs tiled
         return self.spec.tileable_mlp and 0 < self.seq_tile < batch * self.seq_len
@@ -382,7 +386,11 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
             "h2d": io["h2d"] / (b.h2d_gbps * gb), "d2h": io["d2h"] / (b.d2h_gbps * gb)}
 
     compute_s = sum(w.compute_s(u, batch * w.seq_len, lay.activations) for u in us)
-    update_s = _update_bytes(w) / ((b.host_mem_gbps if b.device_kind == "cpu" else b.device_mem_gbps) * gb)
+    mem = (b.host_mem_gbps if b.device_kind == "cpu" else b.device_mem_gbps) * gb
+    update_s = _update_bytes(w) / mem
+    if w.update_params_per_s > 0:  # the optimizer timed; a master's widening and rounding moved bytes
+        trained = sum(u.trainable for u in us if u.grads)
+        update_s = trained / w.update_params_per_s + _update_bytes(w, master_passes_only=True) / mem
     disk = io_s["nvme_read"] + io_s["nvme_write"]  # one disk: reads and writes share it
     copy = io_s["h2d"] + io_s["d2h"]  # one copy engine (a DMA engine / one copy thread)
     # every NVMe byte is hashed on an I/O thread (nvme.py): CPU time, not disk time
@@ -415,18 +423,21 @@ def _streamed_state(u: UnitBytes, nbytes: int) -> int:
     return nbytes - u.ram_state * nbytes // u.state if u.state else 0
 
 
-def _update_bytes(w: Workload) -> int:
+def _update_bytes(w: Workload, master_passes_only: bool = False) -> int:
     """RAM bytes the optimizer updates of a step touch (memory-bound): read w, g, state and write
     w, state (ZO: 4 in-place passes over w). Mixed precision with fp32 masters (update.py) also
     widens each gradient to fp32 (read it, write 4 bytes, which the update then reads instead)
     and rounds the fp32 master into the 16-bit weight (read 4 bytes, write the weight);
     bf16-lean widens and rounds in cache-sized chunks (or block by block in the 8-bit kernel):
-    no more RAM traffic than the weights' and gradients' own."""
+    no more RAM traffic than the weights' and gradients' own. ``master_passes_only``: the
+    widening and rounding bytes alone."""
     us = w.units
     if not w.has_backward:
-        return sum(8 * u.weights for u in us)
+        return 0 if master_passes_only else sum(8 * u.weights for u in us)
     c = DTYPE_BYTES[w.dtype]
     mixed = (12 + c) if c != 4 and w.method.trains_weights and w.masters else 0
+    if master_passes_only:
+        return sum(mixed * u.trainable for u in us if u.grads)
     return (sum(2 * u.weights + u.grads + 2 * u.state + mixed * u.trainable for u in us if u.grads)
             + sum(2 * u.adapter_bytes for u in us))
 

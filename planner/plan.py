@@ -41,7 +41,7 @@ from ..offload.store import Tier
 from ..optim import ZO_OPTIMIZERS, optimizer_names
 from .budget import RUNTIME_OVERHEAD_BYTES, Budgets, budgets_from_probe
 from .choice import Candidate, choose, describe
-from .compute import measure_compute_rates
+from .compute import measure_compute_rates, measure_update_rate
 from .layout import (RECOMPUTED, Layout, StepTime, Workload, account, activations_read_ahead, prefetch_depth,
                      step_time)
 from .longest import LongestContext, longest_context
@@ -353,11 +353,14 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
     budgets = budgets.with_flops(dtype)
     rates = measure_compute_rates(spec, torch_dtype(dtype), seq_len, budgets.device_kind,
                                   budgets.flops) if measure else None
+    # a CPU full fine-tune's update timed too (each of ``world`` ranks updates 1/world of it)
+    timed_update = measure and budgets.device_kind == "cpu" and method == "full"
+    update_rate = measure_update_rate(spec, optim, optim_args, precision) * world if timed_update else 0.0
     from ..activations.tiling import resolve_tile
 
     tile = resolve_tile(seq_tile, spec.intermediate, DTYPE_BYTES[dtype])
     w = Workload(spec, ub, traits, dtype, seq_len, grads_kept, budgets, activations_compress, rates, tile,
-                 padding_free, masters=precision == EXACT)
+                 padding_free, masters=precision == EXACT, update_params_per_s=update_rate)
     policies = list(_AUTO_ACTIVATIONS) if activations == AUTO else [activations]
     if not traits.backward:
         policies = [ActivationPolicy.KEEP.value]  # nothing is saved for a backward
@@ -423,6 +426,8 @@ def _build(w: Workload, lay: Layout, st: StepTime, batch: int, offload: str, met
         r = w.rates
         notes.append(f"compute timed here on one block and the head: {r.block / 1e9:.0f} and {r.head / 1e9:.0f} "
                      f"GFLOP/s (a square matmul: {r.matmul / 1e9:.0f})")
+    if w.update_params_per_s:
+        notes.append(f"optimizer update timed here: {w.update_params_per_s / 1e9:.2f} G parameters/s")
     trainable = sum(u.trainable for u in w.units)
     return MemoryPlan(
         model_type=w.spec.model_type, params=w.spec.numel, trainable=trainable, method=method,

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig
 
 from outcore.planner import Budgets, make_plan
-from outcore.planner.compute import MAX_MEASURED_PARAMS, _narrowed, measure_compute_rates
+from outcore.planner.compute import MAX_MEASURED_PARAMS, _narrowed, measure_compute_rates, measure_update_rate
 from outcore.planner.sizes import forward_flops_per_token, model_spec, unit_bytes
 
 GiB = 1 << 30
@@ -61,5 +61,31 @@ def test_a_given_rate_is_used_as_is_and_nothing_is_timed(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("timed although a rate was given")
     monkeypatch.setattr("outcore.planner.plan.measure_compute_rates", refuse)
+    monkeypatch.setattr("outcore.planner.plan.measure_update_rate", refuse)
     plan = make_plan(_config(), offload="none", seq_len=32, batch_size=2, budgets=dataclasses.replace(BIG, flops=1e10))
-    assert not any("compute timed here" in n for n in plan.notes)
+    assert not any("timed here" in n for n in plan.notes)
+
+
+@pytest.mark.parametrize("optim,precision,dtype", [("adamw8bit", "bf16-lean", "bfloat16"),
+                                                   ("adamw8bit", "exact", "bfloat16"), ("adamw", "exact", "float32")])
+def test_a_cpu_full_finetune_times_its_update(optim, precision, dtype):
+    """The optimizer steps the model's MLP shape here; the plan's update is the trained
+    parameters at that rate, plus a master's widening and rounding bytes (exact bf16)."""
+    config = _config()
+    plan = make_plan(config, optim=optim, dtype=dtype, precision=precision, offload="none", seq_len=32,
+                     budgets=BIG)
+    assert any("optimizer update timed here" in n for n in plan.notes)
+    spec = model_spec(config)
+    rate = measure_update_rate(spec, optim, None, precision)  # cached: the plan's
+    assert rate > 0
+    trained = sum(u.trainable for u in unit_bytes(spec, method="full", optim=optim, dtype=dtype, precision=precision))
+    master = 14 * trained / 10e9 if (dtype, precision) == ("bfloat16", "exact") else 0.0
+    assert plan.time.update_s == pytest.approx(trained / rate + master)
+
+
+def test_lora_and_given_rates_keep_the_bytes_model(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("an update timed where none should be")
+    monkeypatch.setattr("outcore.planner.plan.measure_update_rate", refuse)
+    plan = make_plan(_config(), method="lora", offload="none", seq_len=32, budgets=BIG)
+    assert not any("optimizer update timed" in n for n in plan.notes)

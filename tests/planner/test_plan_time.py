@@ -131,6 +131,15 @@ def test_lean_update_counts_no_master(tiny_llama_factory):
     assert plan.time.update_s == pytest.approx(t.update_s)  # the plan builds its workload so
 
 
+def test_a_timed_update_is_its_rate_plus_a_masters_bytes(tiny_llama_factory):
+    model = tiny_llama_factory(layers=2, hidden=64, vocab=256, intermediate=128)
+    lay = Layout.uniform(len(_workload(model, SPEEDS).units), Tier.NVME, "keep", prefetch=1)
+    for dtype, master in (("float32", 0), ("bfloat16", 14)):
+        w = dataclasses.replace(_workload(model, SPEEDS, dtype), update_params_per_s=1e8)
+        n = sum(u.trainable for u in w.units)
+        assert step_time(w, lay, 1).update_s == pytest.approx(n / 1e8 + master * n / 10e9)
+
+
 def test_the_checksum_rate_comes_from_the_probe():
     from types import SimpleNamespace
 
