@@ -94,8 +94,9 @@ def measure_update_rate(spec: ModelSpec, optim: str, optim_args: Mapping[str, An
     two matrices of ``spec``'s MLP shape, ``UPDATE_MEASURED_PARAMS`` in all, on all of torch's
     threads: the 8-bit and low-rank updates are bound by their arithmetic, not by RAM
     bandwidth, so the plan takes their rate from here rather than from bytes moved. Once per
-    shape, optimizer and precision in a process (~0.1-0.5 s; the first use of the CPU
-    extension builds it, as the run would).
+    shape, optimizer and precision in a process (2026-11-27, 2 cores: ~0.25 s for the 8B
+    shape's AdamW8bit or AdamW, 6.3 s for GaLore, whose warm-up step runs its SVDs; the first
+    use of the CPU extension builds it, ~20 s, as the run would).
     """
     args = tuple(sorted((optim_args or {}).items()))
     key = (spec.hidden, spec.intermediate, optim, repr(args), precision)
