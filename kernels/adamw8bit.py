@@ -157,10 +157,7 @@ def adamw8bit_update_ref(param: Tensor, grad: Tensor, m_codes: Tensor, m_absmax:
     # Padding codes dequantize to 0, so a partial last block's absmax sees only real values.
     m = qm[_pad_codes(m_codes, True).long()] * m_absmax[:, None]
     v = qv[_pad_codes(v_codes, False).long()] * v_absmax[:, None]
-    m = m * c.beta1 + g * c.one_minus_beta1
-    v = v * c.beta2 + (g * g) * c.one_minus_beta2
-    denom = _ieee_sqrt(v) * c.inv_bc2_sqrt + c.eps
-    p = p * c.decay - (m / denom) * c.step_size
+    p, m, v = adamw_step_ref(p, g, m, v, c)
     mc, ma = quantize_blocks_ref(m, qm)
     vc, va = quantize_blocks_ref(v, qv)
     param.view(-1).copy_(p.view(-1)[:n])
@@ -168,6 +165,17 @@ def adamw8bit_update_ref(param: Tensor, grad: Tensor, m_codes: Tensor, m_absmax:
     v_codes.view(-1).copy_(vc.view(-1)[:n])
     m_absmax.copy_(ma)
     v_absmax.copy_(va)
+
+
+def adamw_step_ref(p: Tensor, g: Tensor, m: Tensor, v: Tensor, c: Coefficients
+                   ) -> tuple[Tensor, Tensor, Tensor]:
+    """One AdamW step in the references' op order, one rounding per operation (the sqrt the
+    IEEE one): the new ``(p, m, v)``, nothing in place. The CPU kernels (this 8-bit update,
+    ``kernels/frugal.py``'s) compute exactly these operations."""
+    m = m * c.beta1 + g * c.one_minus_beta1
+    v = v * c.beta2 + (g * g) * c.one_minus_beta2
+    denom = _ieee_sqrt(v) * c.inv_bc2_sqrt + c.eps
+    return p * c.decay - (m / denom) * c.step_size, m, v
 
 
 def _ieee_sqrt(x: Tensor) -> Tensor:

@@ -27,8 +27,8 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
-from ..kernels.adamw8bit import coefficients
-from ..kernels.frugal import adam_step_ref, frugal_update_
+from ..kernels.adamw8bit import adamw_step_ref, coefficients
+from ..kernels.frugal import frugal_update_
 from ._base import OutcoreOptimizer, StateSpec, check_hparams
 from ._lowrank import check_rank, next_seed
 
@@ -98,7 +98,9 @@ class FRUGAL(OutcoreOptimizer):
             s["step"].add_(1)
             if "seed" not in s:  # full AdamW
                 c = coefficients(lr, beta1, beta2, group["eps"], wd, step + 1)
-                p.copy_(adam_step_ref(p * c.decay, grad, s["exp_avg"], s["exp_avg_sq"], c))
+                new, m, v = adamw_step_ref(p, grad, s["exp_avg"], s["exp_avg_sq"], c)
+                for t, value in ((p, new), (s["exp_avg"], m), (s["exp_avg_sq"], v)):
+                    t.copy_(value)
                 continue
             if step > 0 and step % group["update_proj_gap"] == 0:  # new subspace, fresh moments
                 s["seed"].fill_(next_seed(int(s["seed"].item())))

@@ -81,6 +81,16 @@ inline Coeffs make_coeffs(const double* k) {
                 static_cast<float>(k[6]), static_cast<float>(k[7])};
 }
 
+// One element's AdamW step, the reference's operations in its order (kernels/adamw8bit.py:
+// adamw_step_ref): m and v updated, the new weight returned. The scalar paths (a partial block,
+// the DEFAULT level, FRUGAL's state-full columns) call it in loops the compiler vectorizes.
+inline float adamw_step(float p, float g, float& m, float& v, const Coeffs& c) {
+  m = m * c.beta1 + g * c.one_minus_beta1;
+  v = v * c.beta2 + (g * g) * c.one_minus_beta2;
+  const float denom = std::sqrt(v) * c.inv_bc2_sqrt + c.eps;
+  return p * c.decay - (m / denom) * c.step_size;
+}
+
 struct Maps {  // everything a block update reads besides its own data
   const float* qm;  // (256,) signed map
   const float* qv;  // (256,) unsigned map
@@ -177,13 +187,9 @@ void update_block_scalar(float* __restrict pb, const float* __restrict gb, uint8
   float amax_v = 0.f;
 #pragma omp simd reduction(max : amax_m, amax_v)
   for (int64_t i = 0; i < len; ++i) {
-    const float gi = gb[i];
     float mi = t.qm[mcb[i]] * am;
     float vi = t.qv[vcb[i]] * av;
-    mi = mi * c.beta1 + gi * c.one_minus_beta1;
-    vi = vi * c.beta2 + (gi * gi) * c.one_minus_beta2;
-    const float denom = std::sqrt(vi) * c.inv_bc2_sqrt + c.eps;
-    pb[i] = pb[i] * c.decay - (mi / denom) * c.step_size;
+    pb[i] = adamw_step(pb[i], gb[i], mi, vi, c);
     mbuf[i] = mi;
     vbuf[i] = vi;
     amax_m = std::max(amax_m, std::fabs(mi));

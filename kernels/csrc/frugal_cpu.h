@@ -6,8 +6,8 @@
 // Per row, the subspace's new weights are computed first (from the decayed weights, before
 // the sign step overwrites them) in a buffer of k floats, the sign step runs over the
 // row, then the buffer is written back: the row (<= 64 KiB for n <= 16K) stays in L1/L2.
-// Included by adamw8bit_cpu.cpp inside its anonymous namespace (Coeffs: the AdamW step's
-// fp32 scalars; the build has no FMA contraction, so one rounding per operation).
+// Included by adamw8bit_cpu.cpp inside its anonymous namespace (adamw_step: the AdamW step
+// of one element; the build has no FMA contraction, so one rounding per operation).
 #pragma once
 
 // torch.sign's value: +-1, or +0 for zeros and NaN.
@@ -30,15 +30,7 @@ inline void frugal_rows(float* __restrict p, const float* __restrict g, const in
       gs[j] = gr[cols[j]];
     }
 #pragma omp simd
-    for (int64_t j = 0; j < k; ++j) {
-      const float gi = gs[j];
-      const float mi = mr[j] * c.beta1 + gi * c.one_minus_beta1;
-      const float vi = vr[j] * c.beta2 + (gi * gi) * c.one_minus_beta2;
-      const float denom = std::sqrt(vi) * c.inv_bc2_sqrt + c.eps;
-      xs[j] = xs[j] * c.decay - (mi / denom) * c.step_size;
-      mr[j] = mi;
-      vr[j] = vi;
-    }
+    for (int64_t j = 0; j < k; ++j) xs[j] = adamw_step(xs[j], gs[j], mr[j], vr[j], c);
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) pr[j] = pr[j] * c.decay + free_alpha * sign_of(gr[j]);
     for (int64_t j = 0; j < k; ++j) pr[cols[j]] = xs[j];
