@@ -390,7 +390,7 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
     update_s = _update_bytes(w) / mem
     if w.update_params_per_s > 0:  # the optimizer timed; a master's widening and rounding moved bytes
         trained = sum(u.trainable for u in us if u.grads)
-        update_s = trained / w.update_params_per_s + _update_bytes(w, master_passes_only=True) / mem
+        update_s = trained / w.update_params_per_s + _master_pass_bytes(w) / mem
     disk = io_s["nvme_read"] + io_s["nvme_write"]  # one disk: reads and writes share it
     copy = io_s["h2d"] + io_s["d2h"]  # one copy engine (a DMA engine / one copy thread)
     # every NVMe byte is hashed on an I/O thread (nvme.py): CPU time, not disk time
@@ -423,23 +423,27 @@ def _streamed_state(u: UnitBytes, nbytes: int) -> int:
     return nbytes - u.ram_state * nbytes // u.state if u.state else 0
 
 
-def _update_bytes(w: Workload, master_passes_only: bool = False) -> int:
+def _update_bytes(w: Workload) -> int:
     """RAM bytes the optimizer updates of a step touch (memory-bound): read w, g, state and write
-    w, state (ZO: 4 in-place passes over w). Mixed precision with fp32 masters (update.py) also
-    widens each gradient to fp32 (read it, write 4 bytes, which the update then reads instead)
-    and rounds the fp32 master into the 16-bit weight (read 4 bytes, write the weight);
-    bf16-lean widens and rounds in cache-sized chunks (or block by block in the 8-bit kernel):
-    no more RAM traffic than the weights' and gradients' own. ``master_passes_only``: the
-    widening and rounding bytes alone."""
+    w, state (ZO: 4 in-place passes over w), and a master's widening and rounding
+    (:func:`_master_pass_bytes`)."""
     us = w.units
     if not w.has_backward:
-        return 0 if master_passes_only else sum(8 * u.weights for u in us)
-    c = DTYPE_BYTES[w.dtype]
-    mixed = (12 + c) if c != 4 and w.method.trains_weights and w.masters else 0
-    if master_passes_only:
-        return sum(mixed * u.trainable for u in us if u.grads)
-    return (sum(2 * u.weights + u.grads + 2 * u.state + mixed * u.trainable for u in us if u.grads)
+        return sum(8 * u.weights for u in us)
+    return (sum(2 * u.weights + u.grads + 2 * u.state for u in us if u.grads) + _master_pass_bytes(w)
             + sum(2 * u.adapter_bytes for u in us))
+
+
+def _master_pass_bytes(w: Workload) -> int:
+    """Mixed precision with fp32 masters (update.py) widens each gradient to fp32 (read it, write
+    4 bytes, which the update then reads instead) and rounds the fp32 master into the 16-bit
+    weight (read 4 bytes, write the weight). bf16-lean widens and rounds in cache-sized chunks
+    (or block by block in the 8-bit kernel): no more RAM traffic than the weights' and
+    gradients' own."""
+    c = DTYPE_BYTES[w.dtype]
+    if not (w.has_backward and c != 4 and w.method.trains_weights and w.masters):
+        return 0
+    return sum((12 + c) * u.trainable for u in w.units if u.grads)
 
 
 def _read_in_forward(w: Workload, lay: Layout, i: int) -> bool:
