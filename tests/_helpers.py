@@ -13,6 +13,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def needs_cpu_extension(isa: str | None = None):
+    """The CPU kernels' C++ extension at ``isa`` (default: the CPU's level); the calling test is
+    skipped where it cannot be built (no compiler, ``OUTCORE_NO_CPP_EXT=1``)."""
+    import pytest
+
+    from outcore.kernels.adamw8bit import cpu_extension
+
+    ext = cpu_extension(isa)
+    if ext is None:
+        pytest.skip("the C++ extension cannot be built here")
+    return ext
+
+
 def load_module(path, name: str | None = None):
     """The Python file at ``path`` executed as a new module named ``name`` (default: the file's
     stem), not entered in ``sys.modules``: for files outside any package (``scripts/``) or

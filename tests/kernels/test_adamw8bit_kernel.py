@@ -25,6 +25,7 @@ from outcore.kernels.adamw8bit_segments import SEG_NEAR, _build, _pieces, _verif
 from outcore.kernels.quantize import (dequantize_blockwise, dynamic_map, num_blocks,
                                       quantize_blockwise, thresholds)
 from outcore.kernels.stochastic_round import stochastic_round_ref_
+from tests._helpers import needs_cpu_extension
 
 HP = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 
@@ -73,16 +74,11 @@ def _run_lean(fused, steps=4):
     return sts
 
 
-def _needs_ext():
-    if cpu_extension() is None:
-        pytest.skip("the C++ extension cannot be built here")
-
-
 @pytest.mark.parametrize("n", [256 * 64, 256 * 97 + 13, 4099])
 def test_cpp_step_bit_identical_to_reference(n):
     """Along the reference's trajectory, each C++ step equals the reference's step from the
     same state, bit for bit (gradient scales jumping by 10^4, an all-zero block, beta1 = 0)."""
-    _needs_ext()
+    needs_cpu_extension()
     for hp in ({}, {"weight_decay": 0.0, "beta1": 0.0}):
         st = _state(n)
         for t in range(1, 7):
@@ -98,7 +94,7 @@ def test_cpp_step_bit_identical_to_reference(n):
 def test_cpp_zero_learning_rate_leaves_params_exactly():
     """lr = 0 moves no parameter, even where v = 0, and updates the moments like the
     reference."""
-    _needs_ext()
+    needs_cpu_extension()
     n = 256 * 40
     st = _state(n)
     ref = [x.clone() for x in st]
@@ -112,7 +108,7 @@ def test_cpp_zero_learning_rate_leaves_params_exactly():
 
 def test_cpp_trajectory_bit_identical_to_reference():
     """Twenty steps each, with gradient scales jumping by 10^4: the same bits throughout."""
-    _needs_ext()
+    needs_cpu_extension()
     n = 256 * 200 + 7
     for a, b in zip(_run("ref", n, 20), _run("cpp", n, 20)):
         assert torch.equal(a, b)
@@ -121,7 +117,7 @@ def test_cpp_trajectory_bit_identical_to_reference():
 def test_cpp_deterministic_across_threads_and_batching():
     """Same bits with 1 or 2 threads, per tensor or in one batched call (the out-of-core
     engine and the in-memory optimizer rely on it)."""
-    _needs_ext()
+    needs_cpu_extension()
     sizes = [256 * 300, 4099, 256 * 64]
     runs = []
     for threads, batched in ((1, False), (2, False), (2, True)):
@@ -215,12 +211,12 @@ def _assert_quantizes_like_reference(signed: bool, isa: str | None = None) -> No
 def test_cpp_quantization_bit_identical(signed):
     """Adversarial values (at, just above and just below every threshold and map entry, zeros,
     tiny) and ordinary ones: the reference's codes and absmax."""
-    _needs_ext()
+    needs_cpu_extension()
     _assert_quantizes_like_reference(signed)
 
 
 def test_cpp_quantization_rejects_negative_second_moments():
-    _needs_ext()
+    needs_cpu_extension()
     with pytest.raises(RuntimeError, match=r"x\[3\]=-1 is negative"):
         quantize_blockwise_cpp(torch.tensor([0.0, 1.0, 2.0, -1.0]), signed=False)
 
@@ -237,8 +233,7 @@ def test_cpu_isa_override(monkeypatch):
 def test_every_isa_level_bit_identical_to_reference(monkeypatch):
     """Each ISA level this CPU runs (scalar, AVX2, AVX-512 with and without VBMI): quantization
     and six update steps (a partial block, an all-zero block) equal the reference's bits."""
-    if cpu_extension("DEFAULT") is None:
-        pytest.skip("the C++ extension cannot be built here")
+    needs_cpu_extension("DEFAULT")
     n = 256 * 97 + 13
     ref, lean_ref = _run("ref", n, 6), _run_lean(False)
     for isa in supported_isa_levels():
@@ -255,7 +250,7 @@ def test_every_isa_level_bit_identical_to_reference(monkeypatch):
 def test_update_many_equals_per_tensor():
     """One C++ call over tensors of different sizes (partial blocks) and step counts: the same
     bits as one call per tensor."""
-    _needs_ext()
+    needs_cpu_extension()
     sizes, steps = [256 * 64, 4099, 256 * 97 + 13], [1, 3, 7]
     many = [_state(n, seed=i) for i, n in enumerate(sizes)]
     one = [[t.clone() for t in st] for st in many]
@@ -276,7 +271,7 @@ def test_lean_update_equals_widen_update_round(threads):
     """bf16-lean in one C++ call (weights and gradients bf16, rounded back stochastically block
     by block), on 1 or 2 threads: the bits of widening, the reference update and the rounding's
     reference, per tensor (partial blocks, tensors of many blocks, offsets, 64-bit keys)."""
-    _needs_ext()
+    needs_cpu_extension()
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -4,9 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from outcore.kernels.adamw8bit import coefficients, cpu_extension, supported_isa_levels
+from outcore.kernels.adamw8bit import coefficients, supported_isa_levels
 from outcore.kernels.frugal import frugal_update_, frugal_update_ref_
 from outcore.optim.frugal import subspace_columns
+from tests._helpers import needs_cpu_extension
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -46,8 +47,7 @@ def _assert_same_bits(got, want, what="") -> None:
 @pytest.mark.parametrize("rows,n,k,wd", [(16, 40, 10, 0.1), (37, 1000, 250, 0.0), (3, 5, 5, 0.1),
                                           (300, 300, 1, 0.0)])
 def test_cpp_equals_reference(threads, rows, n, k, wd):
-    if cpu_extension() is None:
-        pytest.skip("the C++ extension cannot be built here")
+    needs_cpu_extension()
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -58,8 +58,7 @@ def test_cpp_equals_reference(threads, rows, n, k, wd):
 
 @pytest.mark.slow(ci=True)  # builds each level's extension once (shared with the AdamW8bit tests)
 def test_every_isa_level_equals_reference(monkeypatch):
-    if cpu_extension("DEFAULT") is None:
-        pytest.skip("the C++ extension cannot be built here")
+    needs_cpu_extension("DEFAULT")
     want = _run(frugal_update_ref_, 37, 1000, 250, 0.1)
     for isa in supported_isa_levels():
         monkeypatch.setenv("OUTCORE_CPU_ISA", isa)
@@ -67,9 +66,7 @@ def test_every_isa_level_equals_reference(monkeypatch):
 
 
 def test_cols_must_be_sorted_distinct_in_range():
-    ext = cpu_extension()
-    if ext is None:
-        pytest.skip("the C++ extension cannot be built here")
+    ext = needs_cpu_extension()
     p, g, m, v = torch.zeros(2, 8), torch.ones(2, 8), torch.zeros(2, 2), torch.zeros(2, 2)
     c = list(coefficients(1e-2, 0.9, 0.999, 1e-8, 0.0, 1))
     for bad in ([3, 1], [2, 2], [7, 8]):

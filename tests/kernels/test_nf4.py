@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from outcore.kernels.nf4 import NF4_BLOCK, NF4_LEVELS, nf4_bounds, nf4_quantize, nf4_quantize_ref
+from tests._helpers import needs_cpu_extension
 
 bnb = pytest.importorskip("bitsandbytes.functional")
 
@@ -40,11 +41,7 @@ def test_kernel_equals_reference_and_bitsandbytes(dtype):
 
 
 def test_the_cpp_kernel_is_the_one_that_ran():
-    from outcore.kernels.adamw8bit import cpu_extension
-
-    ext = cpu_extension()
-    if ext is None:
-        pytest.skip("the C++ extension cannot be built here")
+    ext = needs_cpu_extension()
     x = torch.randn(4 * NF4_BLOCK)
     packed, absmax = torch.empty(2 * NF4_BLOCK, dtype=torch.uint8), torch.empty(4)
     ext.nf4_quantize(x, nf4_bounds(), packed, absmax)

@@ -6,8 +6,9 @@ import torch
 
 from outcore._optional import is_triton_available
 from outcore.errors import ConfigError
-from outcore.kernels.adamw8bit import cpu_extension, supported_isa_levels
+from outcore.kernels.adamw8bit import supported_isa_levels
 from outcore.kernels.stochastic_round import random_bits, round_key, stochastic_round_, stochastic_round_ref_
+from tests._helpers import needs_cpu_extension
 
 
 def _sr(x: torch.Tensor, key: int, offset: int = 0) -> torch.Tensor:
@@ -96,8 +97,7 @@ def test_cpu_kernel_equals_the_reference_at_every_isa_level(monkeypatch):
     """The C++ loop (every ISA level this CPU runs: the compiler vectorizes it) gives the
     reference's bits: specials, NaN payloads, huge and tiny values, offsets across 2^32, keys
     with their high bits set."""
-    if cpu_extension() is None:
-        pytest.skip("the C++ extension cannot be built here")
+    needs_cpu_extension()
     x = _hard_values()
     for isa in supported_isa_levels():
         monkeypatch.setenv("OUTCORE_CPU_ISA", isa)

@@ -13,7 +13,7 @@ from outcore.optim import AdamW, AdamW8bit, LeanOptimizer
 from outcore.planner.sizes import model_spec, unit_bytes
 from outcore.training.checkpoint.run_state import load_units, save_units
 from outcore.recipes.export import unit_weights
-from tests._helpers import causal_lm_loss, reference_step
+from tests._helpers import causal_lm_loss, needs_cpu_extension, reference_step
 
 LR, WD, VOCAB = 1e-3, 0.01, 4096
 OPTIMIZERS = {"adamw": (AdamW, {}), "adamw8bit": (AdamW8bit, {"min_8bit_size": 256})}
@@ -99,8 +99,7 @@ def test_one_pass_update_equals_the_chunked(tiny_llama_factory, monkeypatch):
     (norms) still take the chunks."""
     import outcore.kernels.adamw8bit as k8
 
-    if k8.cpu_extension() is None:
-        pytest.skip("the C++ extension cannot be built here")
+    needs_cpu_extension()
     fused, chunked = _model(tiny_llama_factory), _model(tiny_llama_factory)
     a, b = _lean(fused, "adamw8bit"), _lean(chunked, "adamw8bit", impl="ref")
     calls = []
