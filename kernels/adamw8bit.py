@@ -1,8 +1,10 @@
 """The fused 8-bit AdamW update: ``outcore::adamw8bit_update``.
 
 One call updates one parameter tensor in place together with its block-wise 8-bit
-moments (``kernels/quantize.py``: signed dynamic map for ``m``, unsigned for ``v``,
-256-element blocks, fp32 absmax per block)::
+moments (256-element blocks, fp32 absmax per block), in one of two state formats
+(:data:`STATE_FORMATS`): ``"dynamic"``, ``kernels/quantize.py``'s signed dynamic map for ``m``
+and unsigned one for ``v``; ``"fp8"``, ``kernels/quantize_fp8.py``'s E4M3 for ``m`` and E5M2
+for ``v``::
 
     m  = deq(m) * b1 + g * (1 - b1)
     v  = deq(v) * b2 + (g * g) * (1 - b2)
@@ -42,7 +44,8 @@ inputs:
     stochastically (``kernels/csrc/stochastic_round_cpu.h``): the bits of widening, updating
     and rounding as three steps, in one pass over memory.
 * ``torch.compile`` of the reference (``impl="compile"``, for comparison in benchmarks).
-* Triton for CUDA (``kernels/adamw8bit_triton.py``).
+* Triton for CUDA (``kernels/adamw8bit_triton.py``), the dynamic format; FP8 codes on CUDA run
+  the reference's torch ops.
 
 The reference's fp32 sqrt is made correctly rounded (numpy's, the hardware instruction)
 because ``torch.sqrt`` on CPU is not (1 ulp off for ~20% of inputs here); every other op is
@@ -63,6 +66,9 @@ load per map lookup and lean's rounding in the second requantization loop (2026-
 AVX2): 0.76-0.77 / 0.81 and lean 0.92-0.96 / 0.96. There the AVX2 update runs ~124
 instructions per 8 elements at ~5.2 per cycle (48 of them the lookups, ~55 vector ALU
 operations), against torch's fused AdamW's ~16 cycles per 8 elements on a core.
+The FP8 format's update (2026-12-02, Zen 4, AVX2 forced, ``bench_adamw8bit_cpu.py --formats
+dynamic,fp8``): ~61 instructions per 8 elements instead of ~124, 0.70 ns per element in cache and
+0.79 from DRAM, where torch's fused AdamW took 0.46-0.53 and 0.98 in the same minutes.
 ``scripts/bench_optim.py`` measures whole optimizer steps per ISA level (``--isa``).
 """
 from __future__ import annotations
@@ -83,8 +89,18 @@ from ._library import op_name, triton_usable
 from .adamw8bit_segments import segment_tables
 from .quantize import (BLOCKSIZE, blocks_view, bucket_table, dynamic_map, num_blocks,
                        quantize_blocks_ref, thresholds)
+from .quantize_fp8 import fp8_dequantize_blocks, fp8_quantize_blocks
 
 IMPLS = ("auto", "ref", "cpp", "compile")
+# How the moments' codes are read: bitsandbytes' dynamic maps (kernels/quantize.py) or FP8
+# (kernels/quantize_fp8.py); the index is the C++ extension's Format.
+STATE_FORMATS = ("dynamic", "fp8")
+
+
+def check_state_format(state_format: str) -> None:
+    """Raises ValueError unless ``state_format`` is one of :data:`STATE_FORMATS`."""
+    if state_format not in STATE_FORMATS:
+        raise ValueError(f"state_format={state_format!r} is not one of {STATE_FORMATS}")
 
 
 class Coefficients(NamedTuple):
@@ -116,7 +132,9 @@ def coefficients(lr: float, beta1: float, beta2: float, eps: float, weight_decay
 
 
 @functools.lru_cache(maxsize=None)
-def _zero_code(signed: bool) -> int:
+def _zero_code(signed: bool, state_format: str = "dynamic") -> int:
+    if state_format == "fp8":
+        return 0  # +0.0 in both FP8 formats
     return int((dynamic_map(signed) == 0).nonzero()[0, 0])
 
 
@@ -133,33 +151,41 @@ def _tables(device: torch.device) -> tuple[Tensor, ...]:
             torch.cat([bucket_table(False, device), pad]), thresholds(qv))
 
 
-def init_codes(numel: int, signed: bool, device: torch.device | str = "cpu") -> Tensor:
-    """Codes of an all-zero moment: (numel,) uint8 filled with the map's index of 0."""
-    return torch.full((numel,), _zero_code(signed), dtype=torch.uint8, device=device)
+def init_codes(numel: int, signed: bool, device: torch.device | str = "cpu",
+               state_format: str = "dynamic") -> Tensor:
+    """Codes of an all-zero moment: (numel,) uint8 filled with the format's code of 0."""
+    check_state_format(state_format)
+    return torch.full((numel,), _zero_code(signed, state_format), dtype=torch.uint8, device=device)
 
 
 # ---------------------------------------------------------------------------------
 # Reference
 # ---------------------------------------------------------------------------------
 def adamw8bit_update_ref(param: Tensor, grad: Tensor, m_codes: Tensor, m_absmax: Tensor,
-                         v_codes: Tensor, v_absmax: Tensor, c: Coefficients) -> None:
+                         v_codes: Tensor, v_absmax: Tensor, c: Coefficients,
+                         state_format: str = "dynamic") -> None:
     """Reference 8-bit AdamW update, in place (see the module docstring).
 
     Args:
         param: (n,) float32, contiguous.    grad: (n,) float32.
         m_codes, v_codes: (n,) uint8.       m_absmax, v_absmax: (ceil(n/256),) float32.
         c: the step's :class:`Coefficients`.
+        state_format: one of :data:`STATE_FORMATS`: what the codes mean.
     """
     n = param.numel()
-    qm, qv = _tables(param.device)[:2]
     g = blocks_view(grad.reshape(-1))
     p = blocks_view(param.reshape(-1))
     # Padding codes dequantize to 0, so a partial last block's absmax sees only real values.
-    m = qm[_pad_codes(m_codes, True).long()] * m_absmax[:, None]
-    v = qv[_pad_codes(v_codes, False).long()] * v_absmax[:, None]
-    p, m, v = adamw_step_ref(p, g, m, v, c)
-    mc, ma = quantize_blocks_ref(m, qm)
-    vc, va = quantize_blocks_ref(v, qv)
+    mp, vp = _pad_codes(m_codes, True, state_format), _pad_codes(v_codes, False, state_format)
+    if state_format == "fp8":
+        m, v = fp8_dequantize_blocks(mp, m_absmax, True), fp8_dequantize_blocks(vp, v_absmax, False)
+        p, m, v = adamw_step_ref(p, g, m, v, c)
+        (mc, ma), (vc, va) = fp8_quantize_blocks(m, True), fp8_quantize_blocks(v, False)
+    else:
+        qm, qv = _tables(param.device)[:2]
+        m, v = qm[mp.long()] * m_absmax[:, None], qv[vp.long()] * v_absmax[:, None]
+        p, m, v = adamw_step_ref(p, g, m, v, c)
+        (mc, ma), (vc, va) = quantize_blocks_ref(m, qm), quantize_blocks_ref(v, qv)
     param.view(-1).copy_(p.view(-1)[:n])
     m_codes.view(-1).copy_(mc.view(-1)[:n])
     v_codes.view(-1).copy_(vc.view(-1)[:n])
@@ -189,11 +215,11 @@ def _ieee_sqrt(x: Tensor) -> Tensor:
     return x.sqrt()  # CUDA's and Inductor's fp32 sqrt are the IEEE one
 
 
-def _pad_codes(codes: Tensor, signed: bool) -> Tensor:
+def _pad_codes(codes: Tensor, signed: bool, state_format: str) -> Tensor:
     flat = codes.reshape(-1)
     pad = num_blocks(flat.numel()) * BLOCKSIZE - flat.numel()
     if pad:
-        flat = torch.cat([flat, flat.new_full((pad,), _zero_code(signed))])
+        flat = torch.cat([flat, flat.new_full((pad,), _zero_code(signed, state_format))])
     return flat.view(-1, BLOCKSIZE)
 
 
@@ -209,14 +235,16 @@ _EXT_LOCK = threading.Lock()
 _EXT: dict[str, object] = {}  # ISA level -> module, or None where its build failed
 
 # Build levels, lowest first, with their compiler flags. AVX512 needs F/BW/VL/DQ (torch's
-# "AVX512" capability); AVX512_VBMI adds the byte permutes of the fast dequantizer.
+# "AVX512" capability); AVX512_VBMI adds the byte permutes of the fast dequantizer. The vector
+# levels use F16C (the FP8 format's fp16 conversions), which every AVX2 CPU has (Intel since
+# Ivy Bridge, AMD since Piledriver); supported_isa_levels checks it where /proc/cpuinfo says.
 ISA_LEVELS = ("DEFAULT", "AVX2", "AVX512", "AVX512_VBMI")
 _ISA_FLAGS = {
     "DEFAULT": [],
-    "AVX2": ["-mavx2", "-mfma"],
-    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c"],
     "AVX512_VBMI": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vbmi",
-                    "-mavx2", "-mfma"],
+                    "-mavx2", "-mfma", "-mf16c"],
 }
 
 
@@ -235,9 +263,11 @@ def _cpu_flags() -> frozenset[str]:
 def supported_isa_levels() -> tuple[str, ...]:
     """The levels of :data:`ISA_LEVELS` this CPU can run, lowest first (``OUTCORE_CPU_ISA``
     aside): torch's CPU capability (which checks the OS saves the vector registers), plus
-    VBMI from ``/proc/cpuinfo``."""
+    F16C and VBMI from ``/proc/cpuinfo``."""
     cap = torch.backends.cpu.get_cpu_capability()
     best = cap if cap in ("AVX2", "AVX512") else "DEFAULT"
+    if _cpu_flags() and "f16c" not in _cpu_flags():
+        best = "DEFAULT"
     if best == "AVX512" and "avx512vbmi" in _cpu_flags():
         best = "AVX512_VBMI"
     return ISA_LEVELS[: ISA_LEVELS.index(best) + 1]
@@ -333,15 +363,30 @@ def quantize_blockwise_cpp(x: Tensor, signed: bool, isa: str | None = None) -> t
     return ext.quantize_blockwise(x.contiguous().view(-1), bool(signed), bucket, thr, seg)
 
 
-def _update_cpp(ext, param, grad, m_codes, m_absmax, v_codes, v_absmax, c: Coefficients) -> None:
+def fp8_quantize_blockwise_cpp(x: Tensor, signed: bool, isa: str | None = None) -> tuple[Tensor, Tensor]:
+    """Block-wise FP8 quantization through the C++ update's encoding (for tests): codes (n,)
+    uint8 and absmax (ceil(n / 256),) float32, as ``kernels/quantize_fp8.py`` defines them.
+
+    Raises:
+        ValueError: the extension cannot be built here.
+    """
+    ext = cpu_extension(isa)
+    if ext is None:
+        raise ValueError("the C++ extension is disabled or cannot be built here")
+    return ext.fp8_quantize_blockwise(x.contiguous().view(-1), bool(signed))
+
+
+def _update_cpp(ext, param, grad, m_codes, m_absmax, v_codes, v_absmax, c: Coefficients,
+                state_format: str) -> None:
     ext.adamw8bit_update(param, grad, m_codes, m_absmax, v_codes, v_absmax, list(_cpu_tables()),
-                         list(c))
+                         list(c), STATE_FORMATS.index(state_format))
 
 
 def adamw8bit_update_many(params: list[Tensor], grads: list[Tensor], m_codes: list[Tensor],
                           m_absmax: list[Tensor], v_codes: list[Tensor], v_absmax: list[Tensor],
                           coeffs: list[Coefficients],
-                          lean: list[tuple[int, int]] | None = None) -> bool:
+                          lean: list[tuple[int, int]] | None = None,
+                          state_format: str = "dynamic") -> bool:
     """Update many CPU tensors in one C++ call (one parallel region for all their blocks).
 
     The optimizer's fast path: no per-tensor Python dispatch or thread fork/join. Same
@@ -359,17 +404,20 @@ def adamw8bit_update_many(params: list[Tensor], grads: list[Tensor], m_codes: li
             as its weights and gradients widened to fp32, then rounded back stochastically with
             that key, its first element at index ``offset``: the same bits as those three steps
             done apart, in one pass.
+        state_format: one of :data:`STATE_FORMATS`, for all the tensors.
 
     Returns:
         False (nothing done) where the extension is disabled or cannot be built: the caller
         then updates tensor by tensor.
     """
+    check_state_format(state_format)
     ext = cpu_extension()
     if ext is None:
         return False
     flat = [float(x) for c in coeffs for x in c]
     ext.adamw8bit_update_many(params, grads, m_codes, m_absmax, v_codes, v_absmax,
-                              list(_cpu_tables()), flat, [int(x) for kv in lean or () for x in kv])
+                              list(_cpu_tables()), flat, [int(x) for kv in lean or () for x in kv],
+                              STATE_FORMATS.index(state_format))
     return True
 
 
@@ -380,34 +428,38 @@ def adamw8bit_update_many(params: list[Tensor], grads: list[Tensor], m_codes: li
                          mutates_args=("param", "m_codes", "m_absmax", "v_codes", "v_absmax"))
 def adamw8bit_update_op(param: Tensor, grad: Tensor, m_codes: Tensor, m_absmax: Tensor,
                         v_codes: Tensor, v_absmax: Tensor, lr: float, beta1: float, beta2: float,
-                        eps: float, weight_decay: float, step: float) -> None:
+                        eps: float, weight_decay: float, step: float, state_format: str) -> None:
     """Op form of :func:`adamw8bit_update` (CPU: the C++ extension if built, else the reference)."""
     c = coefficients(lr, beta1, beta2, eps, weight_decay, step)
     ext = cpu_extension() if param.device.type == "cpu" else None
     if ext is not None:
-        _update_cpp(ext, param, grad, m_codes, m_absmax, v_codes, v_absmax, c)
+        _update_cpp(ext, param, grad, m_codes, m_absmax, v_codes, v_absmax, c, state_format)
     else:
-        adamw8bit_update_ref(param, grad, m_codes, m_absmax, v_codes, v_absmax, c)
+        adamw8bit_update_ref(param, grad, m_codes, m_absmax, v_codes, v_absmax, c, state_format)
 
 
 @adamw8bit_update_op.register_fake
-def _(param, grad, m_codes, m_absmax, v_codes, v_absmax, lr, beta1, beta2, eps, weight_decay, step):
+def _(param, grad, m_codes, m_absmax, v_codes, v_absmax, lr, beta1, beta2, eps, weight_decay, step,
+      state_format):
     return None
 
 
 @adamw8bit_update_op.register_kernel("cuda")
-def _(param, grad, m_codes, m_absmax, v_codes, v_absmax, lr, beta1, beta2, eps, weight_decay, step):
+def _(param, grad, m_codes, m_absmax, v_codes, v_absmax, lr, beta1, beta2, eps, weight_decay, step,
+      state_format):
     c = coefficients(lr, beta1, beta2, eps, weight_decay, step)
-    if triton_usable(param):
+    # FP8 codes on CUDA: the reference's torch ops (a few kernels; the format is for the CPU)
+    if state_format == "dynamic" and triton_usable(param):
         from .adamw8bit_triton import adamw8bit_update_triton
         adamw8bit_update_triton(param, grad, m_codes, m_absmax, v_codes, v_absmax, c)
-    else:  # pragma: no cover
-        adamw8bit_update_ref(param, grad, m_codes, m_absmax, v_codes, v_absmax, c)
+    else:
+        adamw8bit_update_ref(param, grad, m_codes, m_absmax, v_codes, v_absmax, c, state_format)
 
 
 def adamw8bit_update(param: Tensor, grad: Tensor, m_codes: Tensor, m_absmax: Tensor,
                      v_codes: Tensor, v_absmax: Tensor, *, lr: float, beta1: float, beta2: float,
-                     eps: float, weight_decay: float, step: float, impl: str = "auto") -> None:
+                     eps: float, weight_decay: float, step: float, impl: str = "auto",
+                     state_format: str = "dynamic") -> None:
     """One 8-bit AdamW step of one tensor, in place.
 
     Args:
@@ -419,28 +471,30 @@ def adamw8bit_update(param: Tensor, grad: Tensor, m_codes: Tensor, m_absmax: Ten
         step: the step count *after* this update (1 for the first step).
         impl: "auto" (the op: C++ on CPU when built, Triton on CUDA), "ref", "cpp"
             (raises if the extension cannot be built) or "compile".
+        state_format: one of :data:`STATE_FORMATS`: what the codes mean.
 
     Raises:
-        ValueError: bad dtypes, sizes, devices or ``impl``.
+        ValueError: bad dtypes, sizes, devices, ``impl`` or ``state_format``.
     """
+    check_state_format(state_format)
     _validate(param, grad, m_codes, m_absmax, v_codes, v_absmax)
     grad = grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().reshape(-1)
     p = param.view(-1)
     if impl == "auto":
         adamw8bit_update_op(p, grad, m_codes, m_absmax, v_codes, v_absmax, float(lr), float(beta1),
-                            float(beta2), float(eps), float(weight_decay), float(step))
+                            float(beta2), float(eps), float(weight_decay), float(step), state_format)
         return
     c = coefficients(lr, beta1, beta2, eps, weight_decay, step)
     if impl == "ref":
-        adamw8bit_update_ref(p, grad, m_codes, m_absmax, v_codes, v_absmax, c)
+        adamw8bit_update_ref(p, grad, m_codes, m_absmax, v_codes, v_absmax, c, state_format)
     elif impl == "compile":
-        _compiled_ref()(p, grad, m_codes, m_absmax, v_codes, v_absmax, c)
+        _compiled_ref()(p, grad, m_codes, m_absmax, v_codes, v_absmax, c, state_format)
     elif impl == "cpp":
         ext = cpu_extension()
         if ext is None or param.device.type != "cpu":
             raise ValueError("impl='cpp' needs CPU tensors and a buildable C++ extension "
                              "(unset OUTCORE_NO_CPP_EXT, install a C++ compiler)")
-        _update_cpp(ext, p, grad, m_codes, m_absmax, v_codes, v_absmax, c)
+        _update_cpp(ext, p, grad, m_codes, m_absmax, v_codes, v_absmax, c, state_format)
     else:
         raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
 

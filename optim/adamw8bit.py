@@ -4,14 +4,17 @@ Quantization", 2022), on the outcore contract.
 Per parameter with at least ``min_8bit_size`` (4096) elements the state is
 
     step      ()          float32
-    m_codes   (numel,)    uint8    first moment, signed dynamic map
+    m_codes   (numel,)    uint8    first moment: signed dynamic map, or E4M3
     m_absmax  (nblocks,)  float32  one per 256 elements
-    v_codes   (numel,)    uint8    second moment, unsigned dynamic map
+    v_codes   (numel,)    uint8    second moment: unsigned dynamic map, or E5M2
     v_absmax  (nblocks,)  float32
 
-i.e. 2 + 8/256 bytes per parameter instead of AdamW's 8. Smaller tensors (norms,
-biases) keep fp32 ``exp_avg`` / ``exp_avg_sq`` and are updated exactly like
-:class:`outcore.optim.AdamW` (their bytes do not matter, their precision does).
+i.e. 2 + 8/256 bytes per parameter instead of AdamW's 8. ``state_format`` says what a code
+means: ``"dynamic"`` (default) bitsandbytes' dynamic maps, ``"fp8"`` FP8 values (E4M3 for ``m``,
+E5M2 for ``v``; ``kernels/quantize_fp8.py``), whose CPU update needs no table lookups: ~1.5×
+the dynamic format's speed with AVX2 (``docs/benchmarks.md``), for coarser codes (3 and 2
+mantissa bits). Smaller tensors (norms, biases) keep fp32 ``exp_avg`` / ``exp_avg_sq`` and are
+updated exactly like :class:`outcore.optim.AdamW` (their bytes do not matter, their precision does).
 
 The update is the fused op ``outcore::adamw8bit_update`` (``kernels/adamw8bit.py``): the
 C++ extension on CPU (AVX-512, AVX2 or scalar), Triton on CUDA and the pure-PyTorch
@@ -26,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ..kernels.adamw8bit import (IMPLS, adamw8bit_update, adamw8bit_update_many,
-                                 coefficients, init_codes)
+                                 check_state_format, coefficients, init_codes)
 from ..kernels.quantize import BLOCKSIZE, SMALL_TENSOR_NUMEL, num_blocks
 from ._base import OutcoreOptimizer, StateSpec, check_hparams
 
@@ -39,23 +42,27 @@ class AdamW8bit(OutcoreOptimizer):
         lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW` (decoupled decay).
         min_8bit_size: tensors with fewer elements keep fp32 moments.
         impl: "auto" (fastest available), "ref", "cpp" or "compile" (benchmarks, tests).
+        state_format: "dynamic" or "fp8" (see the module docstring); a param group's
+            own, saved with it in ``state_dict()`` (a loaded state keeps the format its codes
+            were written in).
 
     Raises:
-        ValueError: a hyper-parameter is out of range, or ``impl`` is unknown.
+        ValueError: a hyper-parameter is out of range, or ``impl`` / ``state_format`` is unknown.
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, min_8bit_size: int = SMALL_TENSOR_NUMEL,
-                 impl: str = "auto") -> None:
+                 impl: str = "auto", state_format: str = "dynamic") -> None:
         check_hparams(lr, betas, eps, weight_decay)
         if impl not in IMPLS:
             raise ValueError(f"impl={impl!r} is not one of {IMPLS}")
+        check_state_format(state_format)
         if min_8bit_size < 1:
             raise ValueError(f"min_8bit_size={min_8bit_size} must be >= 1")
         self.impl = impl
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
-                                      weight_decay=weight_decay, min_8bit_size=min_8bit_size))
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      min_8bit_size=min_8bit_size, state_format=state_format))
 
     @staticmethod
     def is_8bit(p: Tensor, group: dict[str, Any]) -> bool:
@@ -84,12 +91,18 @@ class AdamW8bit(OutcoreOptimizer):
         return {"step": 0, "m_codes": 1, "m_absmax": BLOCKSIZE, "v_codes": 1, "v_absmax": BLOCKSIZE}
 
     def init_state(self, p: Tensor, group: dict[str, Any]) -> dict[str, Tensor]:
-        """Zero moments: codes set to each map's index of 0 (not code 0)."""
+        """Zero moments: codes set to the format's code of 0 (the dynamic maps': not code 0)."""
         state = super().init_state(p, group)
         if "m_codes" in state:
-            state["m_codes"] = init_codes(p.numel(), True, p.device)
-            state["v_codes"] = init_codes(p.numel(), False, p.device)
+            state["m_codes"] = init_codes(p.numel(), True, p.device, group["state_format"])
+            state["v_codes"] = init_codes(p.numel(), False, p.device, group["state_format"])
         return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As :meth:`OutcoreOptimizer.load_state_dict`; a group saved before ``state_format``
+        existed holds dynamic-map codes."""
+        groups = [{"state_format": "dynamic", **g} for g in state_dict["param_groups"]]
+        super().load_state_dict({**state_dict, "param_groups": groups})
 
     def _update_many_cpu(self, params: list[Tensor], grads: list[Tensor],
                          states: list[dict[str, Tensor]], group: dict[str, Any],
@@ -119,7 +132,7 @@ class AdamW8bit(OutcoreOptimizer):
         done = adamw8bit_update_many(params, flat,
                                      [s["m_codes"] for s in states], [s["m_absmax"] for s in states],
                                      [s["v_codes"] for s in states], [s["v_absmax"] for s in states],
-                                     coeffs, lean)
+                                     coeffs, lean, group["state_format"])
         if not done:
             torch._foreach_sub_(steps, 1)  # the per-tensor path counts again
             if self.impl == "cpp":
@@ -156,7 +169,7 @@ class AdamW8bit(OutcoreOptimizer):
                 adamw8bit_update(p, g, s["m_codes"], s["m_absmax"], s["v_codes"], s["v_absmax"],
                                  lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
                                  weight_decay=group["weight_decay"], step=float(s["step"].item()),
-                                 impl=self.impl)
+                                 impl=self.impl, state_format=group["state_format"])
         if small:
             steps = [states[i]["step"] for i in small]
             torch._foreach_add_(steps, 1)

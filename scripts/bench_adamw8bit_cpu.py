@@ -6,13 +6,15 @@ blocks of one tensor updated in place, repeatedly: ``--numel`` 65536 keeps it in
 kernel's own cost), 16M reads it from DRAM. Times are the thread's CPU time (the best of
 ``--repeats``), so a descheduled thread on a shared machine does not count; neighbours'
 cache and memory traffic still do: report the load (``loadavg``). The codes' checksum is
-printed per level: every level must give the same (the tests prove bit-identity to the
+printed per level and state format: every level must give the same (the tests prove bit-identity to the
 reference; this shows the timed run computes it).
 
-    python scripts/bench_adamw8bit_cpu.py [--isa AVX2,AVX512_VBMI] [--numel N] [--repeats N] [--lean] [--json]
+    python scripts/bench_adamw8bit_cpu.py [--isa AVX2,AVX512_VBMI] [--numel N] [--repeats N] [--lean]
+                                          [--formats dynamic,fp8] [--json]
 
 ``--lean`` times the bf16-lean form (bf16 weights and gradients widened, updated and rounded
-back stochastically block by block: ``LeanParams``).
+back stochastically block by block: ``LeanParams``). ``--formats`` the state formats
+(``kernels/adamw8bit.py: STATE_FORMATS``), each timed at every level.
 
 Needs g++ (or ``$CXX``). Levels above the CPU's are refused.
 """
@@ -48,6 +50,7 @@ int main(int argc, char** argv) {
   const int64_t n = std::atoll(argv[2]) / kBlock * kBlock;
   const int reps = std::atoi(argv[3]);
   const bool lean = std::atoi(argv[4]) != 0;
+  const Format fmt = static_cast<Format>(std::atoi(argv[5]));
   auto qm = rd<float>(dir, 0, 256), qv = rd<float>(dir, 1, 256);
   auto tm = rd<float>(dir, 3, 256), tv = rd<float>(dir, 5, 256);
   auto bm = rd<uint8_t>(dir, 2, kTableBytes), bv = rd<uint8_t>(dir, 4, kTableBytes);
@@ -57,7 +60,7 @@ int main(int argc, char** argv) {
   std::mt19937 rng(1);
   std::normal_distribution<float> nd;
   std::vector<float> p(n), g(n), ma(n / kBlock, 0.f), va(n / kBlock, 0.f);
-  std::vector<uint8_t> mc(n, 127), vc(n, 0);  // the maps' zero codes
+  std::vector<uint8_t> mc(n, fmt == Format::kFp8 ? 0 : 127), vc(n, 0);  // the formats' zero codes
   for (int64_t i = 0; i < n; ++i) { p[i] = nd(rng) * 0.02f; g[i] = nd(rng) * 1e-3f; }
   std::vector<uint16_t> p16(n), g16(n);  // bf16-lean: the values' top halves
   for (int64_t i = 0; i < n; ++i) {
@@ -72,10 +75,10 @@ int main(int argc, char** argv) {
     const double t0 = cpu_now();
     if (lean) {
       LeanParams io(lt);
-      update_range(io, mc.data(), ma.data(), vc.data(), va.data(), maps, tables, n, 0, n / kBlock, c);
+      update_range(io, mc.data(), ma.data(), vc.data(), va.data(), maps, tables, n, 0, n / kBlock, c, fmt);
     } else {
       Fp32Params io{p.data(), g.data()};
-      update_range(io, mc.data(), ma.data(), vc.data(), va.data(), maps, tables, n, 0, n / kBlock, c);
+      update_range(io, mc.data(), ma.data(), vc.data(), va.data(), maps, tables, n, 0, n / kBlock, c, fmt);
     }
     if (r >= 3) best = std::min(best, cpu_now() - t0);
   }
@@ -88,7 +91,7 @@ int main(int argc, char** argv) {
 
 
 def main(argv: list[str] | None = None) -> int:
-    from outcore.kernels.adamw8bit import _ISA_FLAGS, _cpu_tables, supported_isa_levels
+    from outcore.kernels.adamw8bit import _ISA_FLAGS, STATE_FORMATS, _cpu_tables, supported_isa_levels
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--isa", default="", help="comma-separated levels (default: every level this CPU runs)")
@@ -96,8 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=300, help="timed updates; the best counts")
     ap.add_argument("--lean", action="store_true",
                     help="the bf16-lean update (bf16 weights and gradients, stochastic rounding)")
+    ap.add_argument("--formats", default="dynamic",
+                    help=f"comma-separated state formats (of {','.join(STATE_FORMATS)}; default: dynamic)")
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     args = ap.parse_args(argv)
+    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    if not formats or not set(formats) <= set(STATE_FORMATS):
+        ap.error(f"--formats {args.formats!r}: choose from {','.join(STATE_FORMATS)}")
     supported = supported_isa_levels()
     levels = [lv.strip().upper() for lv in args.isa.split(",") if lv.strip()] or list(supported)
     bad = [lv for lv in levels if lv not in supported]
@@ -114,9 +122,12 @@ def main(argv: list[str] | None = None) -> int:
             exe = f"{tmp}/bench_{lv.lower()}"
             subprocess.run([cxx, "-O3", "-ffp-contract=off", "-fno-math-errno", *_ISA_FLAGS[lv],
                             f"-I{csrc}", f"{tmp}/driver.cpp", "-o", exe], check=True)
-            out = subprocess.run([exe, tmp, str(args.numel), str(args.repeats), str(int(args.lean))], check=True,
-                                 stdout=subprocess.PIPE, text=True).stdout.split()
-            result[lv] = {"ns_per_element": float(out[0]), "codes_checksum": out[1]}
+            result[lv] = {}
+            for fmt in formats:
+                out = subprocess.run([exe, tmp, str(args.numel), str(args.repeats), str(int(args.lean)),
+                                      str(STATE_FORMATS.index(fmt))],
+                                     check=True, stdout=subprocess.PIPE, text=True).stdout.split()
+                result[lv][fmt] = {"ns_per_element": float(out[0]), "codes_checksum": out[1]}
     model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                   if ln.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
     result["_meta"] = {"cpu_model": model, "isa_supported": list(supported), "numel": args.numel,
@@ -127,13 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for lv in levels:
             forced = "" if lv == supported[-1] else " (below this CPU's best: forced)"
-            r = result[lv]
-            print(f"{lv:<12}{r['ns_per_element']:.3f} ns/element  codes {r['codes_checksum']}{forced}")
+            for fmt, r in result[lv].items():
+                print(f"{lv:<12}{fmt:<8}{r['ns_per_element']:.3f} ns/element  codes {r['codes_checksum']}{forced}")
         print(f"{model}, {args.numel} elements{' (bf16-lean)' if args.lean else ''}, one thread, "
               f"best of {args.repeats}; "
               f"load {result['_meta']['loadavg'][0]:.1f}")
-    sums = {result[lv]["codes_checksum"] for lv in levels}
-    return 0 if len(sums) == 1 else 1
+    same = all(len({result[lv][fmt]["codes_checksum"] for lv in levels}) == 1 for fmt in formats)
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

@@ -22,8 +22,9 @@ levels N times; the summary gives each optimizer's median and range of ``vs_fuse
 runs.
 
 Optimizers: torch's fused AdamW, bitsandbytes' AdamW8bit (where installed), outcore's
-AdamW8bit, its ``bf16-lean`` form (``lean_adamw8bit``: bf16 weights, AdamW8bit, stochastic
-rounding; ``optim/lean.py``), GaLore, APOLLO, APOLLO-Mini and FRUGAL. Low-rank optimizers
+AdamW8bit in its two state formats (``adamw8bit``: the dynamic maps; ``adamw8bit_fp8``: FP8
+codes), their ``bf16-lean`` forms (``lean_adamw8bit``, ``lean_adamw8bit_fp8``: bf16 weights,
+stochastic rounding; ``optim/lean.py``), GaLore, APOLLO, APOLLO-Mini and FRUGAL. Low-rank optimizers
 project every matrix, embedding included; vectors (norms) get Adam. Their SVD / subspace
 refreshes happen at step 0 only (``update_proj_gap`` 200), so the figures are their steady
 state.
@@ -107,11 +108,12 @@ def build(name: str, params):
     if name == "bnb_adamw8bit":
         import bitsandbytes as bnb
         return bnb.optim.AdamW8bit(params, **kw)
-    if name == "lean_adamw8bit":  # bf16 copies of the tensors (their own memory)
-        return LeanOptimizer(AdamW8bit(_bf16(params), **kw), seed=0)
+    fmt = "fp8" if name.endswith("_fp8") else "dynamic"
+    if name.startswith("lean_adamw8bit"):  # bf16 copies of the tensors (their own memory)
+        return LeanOptimizer(AdamW8bit(_bf16(params), state_format=fmt, **kw), seed=0)
     if name.startswith("adamw8bit"):
-        impl = {"adamw8bit": "auto", "adamw8bit_ref": "ref", "adamw8bit_compile": "compile"}[name]
-        return AdamW8bit(params, impl=impl, **kw)
+        impl = "ref" if name.endswith("_ref") else "compile" if name.endswith("_compile") else "auto"
+        return AdamW8bit(params, impl=impl, state_format=fmt, **kw)
     if name == "galore":
         return GaLore([{"params": vecs, "rank": None}, {"params": mats}], rank=min(128, hidden // 5), **kw)
     if name == "apollo":
@@ -272,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch threads for every optimizer (default: all cores; 1: the cost per core)")
     args = ap.parse_args(argv)
     steps = args.steps or (3 if args.quick else 7)
-    names = [FUSED, "bnb_adamw8bit", "adamw8bit", "lean_adamw8bit", "galore", "apollo", "apollo_mini", "frugal"]
+    names = [FUSED, "bnb_adamw8bit", "adamw8bit", "adamw8bit_fp8", "lean_adamw8bit", "lean_adamw8bit_fp8",
+             "galore", "apollo", "apollo_mini", "frugal"]
     if args.impls:
         names += ["adamw8bit_ref", "adamw8bit_compile"]
     if args.only:

@@ -26,6 +26,8 @@
 // * scalar (any CPU, and partial blocks everywhere): dequantize through the map, quantize with
 //   the 16-bit bucket table + one threshold comparison of kernels/quantize.py (equal to the
 //   reference's searchsorted by construction).
+// The FP8 state format (adamw8bit_fp8.h; kernels/quantize_fp8.py) has its own block update: F16C
+// conversions at every vector level (8 lanes), bit manipulation in the scalar path.
 #ifndef OUTCORE_KERNEL_ONLY  // defined by stand-alone micro-benchmarks of the kernel (no torch)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -176,6 +178,7 @@ struct LeanParams {
 #elif defined(OUTCORE_AVX2)
 #include "adamw8bit_avx2.h"
 #endif
+#include "adamw8bit_fp8.h"  // the FP8 state format (uses the definitions above)
 
 void update_block_scalar(float* __restrict pb, const float* __restrict gb, uint8_t* __restrict mcb,
                          float* __restrict ma_b, uint8_t* __restrict vcb, float* __restrict va_b,
@@ -213,13 +216,20 @@ struct Tables {
 };
 #endif
 
+// The state formats (kernels/adamw8bit.py: STATE_FORMATS): the dynamic maps, or FP8 codes.
+enum class Format : int64_t { kDynamic = 0, kFp8 = 1 };
+
 template <class IO>
 void update_range(IO& io, uint8_t* mc, float* ma, uint8_t* vc, float* va, const Maps& maps,
-                  const Tables& tables, int64_t n, int64_t block_begin, int64_t block_end, const Coeffs& c) {
+                  const Tables& tables, int64_t n, int64_t block_begin, int64_t block_end, const Coeffs& c,
+                  Format fmt = Format::kDynamic) {
   int64_t b = block_begin;
 #ifdef OUTCORE_VEC
   const int64_t full_end = std::min(block_end, n / kBlock);  // the last block may be partial
-  if (b < full_end) update_blocks_vec(io, mc, ma, vc, va, tables, b, full_end, c);
+  if (b < full_end) {
+    if (fmt == Format::kFp8) update_blocks_fp8_vec(io, mc, ma, vc, va, b, full_end, c);
+    else update_blocks_vec(io, mc, ma, vc, va, tables, b, full_end, c);
+  }
   b = std::max(b, full_end);
 #endif
   alignas(64) float mbuf[kBlock];
@@ -229,7 +239,10 @@ void update_range(IO& io, uint8_t* mc, float* ma, uint8_t* vc, float* va, const 
     const int64_t len = std::min(kBlock, n - start);
     float* pb = io.param(start, len);
     const float* gb = io.grad(start, len);
-    update_block_scalar(pb, gb, mc + start, ma + b, vc + start, va + b, len, maps, mbuf, vbuf, c);
+    if (fmt == Format::kFp8)
+      update_block_fp8_scalar(pb, gb, mc + start, ma + b, vc + start, va + b, len, mbuf, vbuf, c);
+    else
+      update_block_scalar(pb, gb, mc + start, ma + b, vc + start, va + b, len, maps, mbuf, vbuf, c);
     io.store(start, len);
   }
 }
@@ -265,6 +278,7 @@ struct Job {  // one tensor's update
   int64_t n, nblocks;
   Coeffs c;
   LeanTensor lean;
+  Format fmt;
 };
 
 Maps make_maps(const std::vector<torch::Tensor>& t) {
@@ -308,10 +322,10 @@ void run_jobs(const std::vector<Job>& jobs, const Maps& maps) {
     const int64_t b1 = std::min(t.nblocks, b0 + chunk);
     if (t.p) {
       Fp32Params io{t.p, t.g};
-      update_range(io, t.mc, t.ma, t.vc, t.va, maps, tables, t.n, b0, b1, t.c);
+      update_range(io, t.mc, t.ma, t.vc, t.va, maps, tables, t.n, b0, b1, t.c, t.fmt);
     } else {
       LeanParams io(t.lean);
-      update_range(io, t.mc, t.ma, t.vc, t.va, maps, tables, t.n, b0, b1, t.c);
+      update_range(io, t.mc, t.ma, t.vc, t.va, maps, tables, t.n, b0, b1, t.c, t.fmt);
     }
   };
   const int64_t workers = std::min<int64_t>(threads, nchunks);
@@ -330,7 +344,7 @@ void run_jobs(const std::vector<Job>& jobs, const Maps& maps) {
 // lean: null for fp32 weights and gradients, else the key and offset of bf16 ones' rounding.
 Job make_job(const torch::Tensor& param, const torch::Tensor& grad, const torch::Tensor& m_codes,
              const torch::Tensor& m_absmax, const torch::Tensor& v_codes,
-             const torch::Tensor& v_absmax, const double* k, const int64_t* lean = nullptr) {
+             const torch::Tensor& v_absmax, const double* k, Format fmt, const int64_t* lean = nullptr) {
   const int64_t n = param.numel();
   const int64_t nblocks = (n + kBlock - 1) / kBlock;
   const at::ScalarType dtype = lean ? at::kBFloat16 : at::kFloat;
@@ -341,7 +355,7 @@ Job make_job(const torch::Tensor& param, const torch::Tensor& grad, const torch:
   check(m_absmax, at::kFloat, nblocks, "m_absmax");
   check(v_absmax, at::kFloat, nblocks, "v_absmax");
   Job job{nullptr, nullptr, m_codes.data_ptr<uint8_t>(), m_absmax.data_ptr<float>(),
-          v_codes.data_ptr<uint8_t>(), v_absmax.data_ptr<float>(), n, nblocks, make_coeffs(k), {}};
+          v_codes.data_ptr<uint8_t>(), v_absmax.data_ptr<float>(), n, nblocks, make_coeffs(k), {}, fmt};
   if (!lean) {
     job.p = param.data_ptr<float>();
     job.g = grad.data_ptr<float>();
@@ -356,17 +370,23 @@ Job make_job(const torch::Tensor& param, const torch::Tensor& grad, const torch:
   return job;
 }
 
+Format to_format(int64_t fmt) {
+  TORCH_CHECK(fmt == 0 || fmt == 1, "fmt=", fmt, " is not a state format (0: dynamic, 1: fp8)");
+  return static_cast<Format>(fmt);
+}
+
 }  // namespace
 
 // One tensor. coeffs: beta1, 1 - beta1, beta2, 1 - beta2, 1 / sqrt(1 - beta2^t), eps,
-// lr / (1 - beta1^t), 1 - lr * wd (kernels/adamw8bit.py: Coefficients).
+// lr / (1 - beta1^t), 1 - lr * wd (kernels/adamw8bit.py: Coefficients); fmt: the state format
+// (kernels/adamw8bit.py: STATE_FORMATS' index).
 void adamw8bit_update(torch::Tensor param, torch::Tensor grad, torch::Tensor m_codes,
                       torch::Tensor m_absmax, torch::Tensor v_codes, torch::Tensor v_absmax,
                       std::vector<torch::Tensor> tables,
-                      std::vector<double> coeffs) {
+                      std::vector<double> coeffs, int64_t fmt) {
   TORCH_CHECK(coeffs.size() == 8, "expected 8 coefficients, got ", coeffs.size());
   const Maps maps = make_maps(tables);
-  run_jobs({make_job(param, grad, m_codes, m_absmax, v_codes, v_absmax, coeffs.data())}, maps);
+  run_jobs({make_job(param, grad, m_codes, m_absmax, v_codes, v_absmax, coeffs.data(), to_format(fmt))}, maps);
 }
 
 // Many tensors in one parallel region; coeffs holds 8 per tensor, in order. lean: empty for
@@ -376,7 +396,7 @@ void adamw8bit_update_many(std::vector<torch::Tensor> params, std::vector<torch:
                            std::vector<torch::Tensor> m_codes, std::vector<torch::Tensor> m_absmax,
                            std::vector<torch::Tensor> v_codes, std::vector<torch::Tensor> v_absmax,
                            std::vector<torch::Tensor> tables, std::vector<double> coeffs,
-                           std::vector<int64_t> lean) {
+                           std::vector<int64_t> lean, int64_t fmt) {
   const size_t k = params.size();
   TORCH_CHECK(grads.size() == k && m_codes.size() == k && m_absmax.size() == k &&
                   v_codes.size() == k && v_absmax.size() == k && coeffs.size() == 8 * k &&
@@ -387,8 +407,20 @@ void adamw8bit_update_many(std::vector<torch::Tensor> params, std::vector<torch:
   jobs.reserve(k);
   for (size_t i = 0; i < k; ++i)
     jobs.push_back(make_job(params[i], grads[i], m_codes[i], m_absmax[i], v_codes[i], v_absmax[i],
-                            coeffs.data() + 8 * i, lean.empty() ? nullptr : lean.data() + 2 * i));
+                            coeffs.data() + 8 * i, to_format(fmt), lean.empty() ? nullptr : lean.data() + 2 * i));
   run_jobs(jobs, maps);
+}
+
+// The absmax of x[start, start + len); unsigned codes (the second moment's, never negative)
+// refuse negative values.
+float checked_absmax(const float* xp, int64_t start, int64_t len, bool is_signed) {
+  float amax = 0.f;
+  for (int64_t i = start; i < start + len; ++i) {
+    TORCH_CHECK(is_signed || !(xp[i] < 0.f), "x[", i, "]=", xp[i],
+                " is negative; the unsigned codes quantize values >= 0 only");
+    amax = std::max(amax, std::fabs(xp[i]));
+  }
+  return amax;
 }
 
 // Block-wise quantization of `x` with the update's requantization code (tests compare it
@@ -416,13 +448,7 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_blockwise(torch::Tensor x, boo
   for (int64_t b = 0; b < nblocks; ++b) {
     const int64_t start = b * kBlock;
     const int64_t len = std::min(kBlock, n - start);
-    float amax = 0.f;
-    for (int64_t i = 0; i < len; ++i) {
-      // the unsigned path serves the second moment, which is never negative
-      TORCH_CHECK(is_signed || !(xp[start + i] < 0.f), "x[", start + i, "]=", xp[start + i],
-                  " is negative; the unsigned map quantizes values >= 0 only");
-      amax = std::max(amax, std::fabs(xp[start + i]));
-    }
+    const float amax = checked_absmax(xp, start, len, is_signed);
     ap[b] = amax;
 #ifdef OUTCORE_VEC
     if (len == kBlock) {
@@ -433,6 +459,37 @@ std::tuple<torch::Tensor, torch::Tensor> quantize_blockwise(torch::Tensor x, boo
 #endif
     const float inv = amax > 0.f ? 1.f / amax : 1.f;
     for (int64_t i = 0; i < len; ++i) cp[start + i] = quantize_one(xp[start + i] * inv, bp, tp);
+  }
+  return {codes, absmax};
+}
+
+// Block-wise FP8 quantization of x (E4M3 if is_signed, else E5M2) with the update's encoding
+// (tests compare it with the reference on the grid, its midpoints and their neighbours).
+std::tuple<torch::Tensor, torch::Tensor> fp8_quantize_blockwise(torch::Tensor x, bool is_signed) {
+  const int64_t n = x.numel();
+  const int64_t nblocks = (n + kBlock - 1) / kBlock;
+  check(x, at::kFloat, n, "x");
+  auto codes = torch::empty({n}, x.options().dtype(at::kByte));
+  auto absmax = torch::empty({nblocks}, x.options());
+  const float* xp = x.data_ptr<float>();
+  uint8_t* cp = codes.data_ptr<uint8_t>();
+  for (int64_t b = 0; b < nblocks; ++b) {
+    const int64_t start = b * kBlock;
+    const int64_t len = std::min(kBlock, n - start);
+    const float amax = checked_absmax(xp, start, len, is_signed);
+    absmax.data_ptr<float>()[b] = amax;
+    const float inv = is_signed ? fp8_inv<E4M3>(amax) : fp8_inv<E5M2>(amax);
+#ifdef OUTCORE_VEC
+    if (len == kBlock) {
+      for (int64_t i = 0; i < kBlock; i += 32) {
+        if (is_signed) Fp8Vec<E4M3, true>::encode32(xp + start + i, _mm256_set1_ps(inv), cp + start + i);
+        else Fp8Vec<E5M2, false>::encode32(xp + start + i, _mm256_set1_ps(inv), cp + start + i);
+      }
+      continue;
+    }
+#endif
+    for (int64_t i = start; i < start + len; ++i)
+      cp[i] = is_signed ? fp8_encode<E4M3>(xp[i] * inv) : fp8_encode<E5M2>(xp[i] * inv);
   }
   return {codes, absmax};
 }
@@ -511,6 +568,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fused block-wise 8-bit AdamW update of many tensors (in place, one parallel region; "
         "bf16-lean weights too)");
   m.def("quantize_blockwise", &quantize_blockwise, "block-wise 8-bit quantization (the update's path)");
+  m.def("fp8_quantize_blockwise", &fp8_quantize_blockwise, "block-wise FP8 quantization (the update's path)");
   m.def("stochastic_round", &stochastic_round, "fp32 -> bf16 stochastic rounding (in place)");
   m.def("frugal_update", &frugal_update, "FRUGAL's step of one fp32 matrix (in place, one pass)");
   m.def("nf4_quantize", &nf4_quantize, "block-wise NF4 quantization (QLoRA's, bitsandbytes' bits)");

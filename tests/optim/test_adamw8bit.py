@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from outcore.kernels.adamw8bit import STATE_FORMATS
 from outcore.optim import AdamW, AdamW8bit
 
 
@@ -69,9 +70,10 @@ def test_impls_agree_through_the_optimizer():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_trains_a_tiny_llama_like_adamw(tiny_llama_factory):
+@pytest.mark.parametrize("fmt", STATE_FORMATS)
+def test_trains_a_tiny_llama_like_adamw(tiny_llama_factory, fmt):
     a, b = tiny_llama_factory(layers=2), tiny_llama_factory(layers=2)
-    opts = [AdamW8bit(a.parameters(), lr=3e-3), AdamW(b.parameters(), lr=3e-3)]
+    opts = [AdamW8bit(a.parameters(), lr=3e-3, state_format=fmt), AdamW(b.parameters(), lr=3e-3)]
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (2, 32), generator=g)
     losses = []
@@ -85,3 +87,56 @@ def test_trains_a_tiny_llama_like_adamw(tiny_llama_factory):
     first = float(tiny_llama_factory(layers=2)(input_ids=ids, labels=ids).loss)
     assert losses[0] < first - 1.0  # it learns
     assert abs(losses[0] - losses[1]) / losses[1] < 0.05  # like fp32 AdamW
+
+
+def test_fp8_state_format_steps_like_its_reference_and_round_trips():
+    """state_format="fp8": FP8 codes (0 is +0.0), the C++ path equal to the reference's bits,
+    and state_dict() carries the format: a default-built optimizer loading it continues the
+    uninterrupted run bit for bit."""
+    import copy
+
+    from outcore.kernels.adamw8bit import cpu_extension
+
+    def params():
+        return [torch.nn.Parameter(torch.randn(300, 50, generator=torch.Generator().manual_seed(i)))
+                for i in range(2)]
+
+    def run(opt, ps, steps, start=0):
+        for t in range(start, start + steps):
+            for q in ps:
+                q.grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(t))
+            opt.step()
+
+    fresh = AdamW8bit(params(), state_format="fp8")
+    fresh.step()  # no gradients: nothing happens
+    ps = params()
+    opt = AdamW8bit(ps, state_format="fp8", impl="ref")
+    st = opt.state_dict()
+    assert st["param_groups"][0]["state_format"] == "fp8"
+    run(opt, ps, 3)
+    if cpu_extension() is not None:
+        qs = params()
+        cpp = AdamW8bit(qs, state_format="fp8", impl="cpp")
+        run(cpp, qs, 3)
+        assert all(torch.equal(a, b) for a, b in zip(ps, qs))
+    sd = copy.deepcopy(opt.state_dict())
+    resumed_ps = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    resumed = AdamW8bit(resumed_ps, impl="ref")  # the format comes from the state
+    resumed.load_state_dict(sd)
+    assert resumed.param_groups[0]["state_format"] == "fp8"
+    run(opt, ps, 2, start=3)
+    run(resumed, resumed_ps, 2, start=3)
+    assert all(torch.equal(a, b) for a, b in zip(ps, resumed_ps))
+
+
+def test_a_state_saved_without_a_format_loads_as_dynamic():
+    """Checkpoints from before state_format hold dynamic-map codes."""
+    ps = [torch.nn.Parameter(torch.randn(100, 50))]
+    opt = AdamW8bit(ps)
+    ps[0].grad = torch.randn(100, 50)
+    opt.step()
+    sd = opt.state_dict()
+    del sd["param_groups"][0]["state_format"]
+    other = AdamW8bit([torch.nn.Parameter(ps[0].detach().clone())], state_format="fp8")
+    other.load_state_dict(sd)
+    assert other.param_groups[0]["state_format"] == "dynamic"

@@ -126,6 +126,7 @@ def test_build_optimizer_errors_name_the_value():
     (AdamW, dict(lr=-1.0), "lr=-1.0"),
     (AdamW8bit, dict(betas=(0.9, 1.0)), r"betas=\(0.9, 1.0\)"),
     (AdamW8bit, dict(impl="fast"), "impl='fast'"),
+    (AdamW8bit, dict(state_format="int8"), "state_format='int8'"),
     (GaLore, dict(update_proj_gap=0), "update_proj_gap=0"),
     (APOLLO, dict(scale_type="row"), "scale_type='row'"),
     (APOLLOMini, dict(scale=0.0), "scale=0.0"),
