@@ -231,7 +231,6 @@ def _compiled_ref():
 # ---------------------------------------------------------------------------------
 # C++ extension (built lazily, cached on disk)
 # ---------------------------------------------------------------------------------
-_EXT_LOCK = threading.Lock()
 _EXT: dict[str, object] = {}  # ISA level -> module, or None where its build failed
 
 # Build levels, lowest first, with their compiler flags. AVX512 needs F/BW/VL/DQ (torch's
@@ -246,6 +245,9 @@ _ISA_FLAGS = {
     "AVX512_VBMI": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vbmi",
                     "-mavx2", "-mfma", "-mf16c"],
 }
+
+
+_EXT_LOCKS = {isa: threading.Lock() for isa in ISA_LEVELS}
 
 
 @functools.lru_cache(maxsize=1)
@@ -308,7 +310,9 @@ def cpu_extension(isa: str | None = None):
     isa = cpu_isa() if isa is None else isa
     if isa not in ISA_LEVELS:
         raise ValueError(f"isa={isa!r} is not one of {ISA_LEVELS}")
-    with _EXT_LOCK:  # one build per process and level; load_extension locks across processes
+    # one build per process and level (levels build side by side in threads: separate
+    # compilers); load_extension locks across processes
+    with _EXT_LOCKS[isa]:
         if isa not in _EXT:
             _EXT[isa] = _build_extension(isa)
         return _EXT[isa]
