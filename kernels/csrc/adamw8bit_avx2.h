@@ -1,7 +1,7 @@
 // The AVX2 block update of the CPU 8-bit AdamW kernel, bit-exact with the reference (see
 // adamw8bit_cpu.cpp for the contract and adamw8bit_segments.py for the quantizer's model).
 // Included by adamw8bit_cpu.cpp inside its anonymous namespace, after the definitions it uses
-// (kBlock, Coeffs, Maps, quantize_one); one translation unit only.
+// (kBlock, Coeffs, Maps, quantize_one, hmax8); one translation unit only.
 //
 // Per block: the moments from their map values, updated (the reference's operations in its
 // order: no FMA), into two L1 buffers with their absmax; then the param and both
@@ -195,11 +195,6 @@ struct MomentUpdate {
     amax_m = _mm256_max_ps(amax_m, _mm256_and_ps(m, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))));
     amax_v = _mm256_max_ps(amax_v, v);  // v >= 0
   }
-  static float hmax(__m256 x) {
-    __m128 r = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    r = _mm_max_ps(r, _mm_movehl_ps(r, r));
-    return _mm_cvtss_f32(_mm_max_ss(r, _mm_movehdup_ps(r)));
-  }
 };
 
 struct ParamUpdate {
@@ -238,8 +233,8 @@ inline void update_blocks_vec(IO& io, uint8_t* mc, float* ma, uint8_t* vc, float
     const float* gb = io.grad(s, kBlock);
     for (int64_t k = 0; k < kBlock; k += 8)
       u.step8(gb + k, q.mval(k), q.vval(k), mbuf + k, vbuf + k);
-    ma[b] = MomentUpdate::hmax(u.amax_m);
-    va[b] = MomentUpdate::hmax(u.amax_v);
+    ma[b] = hmax8(u.amax_m);
+    va[b] = hmax8(u.amax_v);
     // the next block's codes; after the last block, this block's again (unused: a branch-free loop)
     const int64_t next = b + 1 < b1 ? s + kBlock : s;
     BlockQuant<true> qm(T.quant_m, ma[b]);

@@ -173,6 +173,14 @@ struct LeanParams {
   }
 };
 
+#ifdef OUTCORE_VEC
+// The largest of 8 lanes (a block's absmax from its running maximum; AVX2 and FP8 updates).
+inline float hmax8(__m256 x) {
+  __m128 r = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  r = _mm_max_ps(r, _mm_movehl_ps(r, r));
+  return _mm_cvtss_f32(_mm_max_ss(r, _mm_movehdup_ps(r)));
+}
+#endif
 #if defined(OUTCORE_AVX512)
 #include "adamw8bit_avx512.h"  // the vector block update (uses the definitions above)
 #elif defined(OUTCORE_AVX2)

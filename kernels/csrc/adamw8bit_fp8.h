@@ -3,13 +3,13 @@
 // float8_e5m2, one fp32 absmax per 256-element block, a value being code * (absmax / FP8_MAX).
 // Bit-exact with the reference (adamw8bit_update_ref with state_format="fp8": torch's casts).
 // Included by adamw8bit_cpu.cpp inside its anonymous namespace, after the definitions it uses
-// (kBlock, Coeffs, adamw_step); one translation unit only.
+// (kBlock, Coeffs, adamw_step, hmax8); one translation unit only.
 //
 // Why a second format: the dynamic map's dequantization is a 256-entry table lookup and its
 // quantization a search, which AVX2 can only do with scalar loads or many permutes (~124
 // instructions per 8 elements, adamw8bit_avx2.h). FP8 codes are a float's top bits: decoding
 // 8 of them is 4 vector instructions (F16C), encoding 8 or 11, with no table and no memory
-// operation (~57 instructions per 8 elements for the whole update, callgrind).
+// operation (~61 instructions per 8 elements for the whole update, callgrind).
 #pragma once
 
 // One FP8 format: kMant mantissa bits, exponent bias kBias, the fp32 bits of its largest value.
@@ -155,12 +155,6 @@ struct Fp8Vec {
                         _mm256_permutevar8x32_epi32(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   }
 };
-
-inline float hmax8(__m256 x) {
-  __m128 r = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  r = _mm_max_ps(r, _mm_movehl_ps(r, r));
-  return _mm_cvtss_f32(_mm_max_ss(r, _mm_movehdup_ps(r)));
-}
 
 // Full blocks [b0, b1) of one tensor, two passes per block (the codes need the block's new
 // absmax): the codes decoded, the moments updated into two L1 buffers with their absmax and
