@@ -50,7 +50,7 @@ def frugal_update_(p: Tensor, g: Tensor, cols: Tensor, m: Tensor, v: Tensor, c: 
     tensors = (p, g, m, v)
     if (p.device.type == "cpu" and all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
             and cols.dtype == torch.int64 and not torch.compiler.is_compiling()):
-        from .adamw8bit import cpu_extension  # the CPU kernels' extension, built on first use
+        from .cpu_ext import cpu_extension  # the CPU kernels' extension, built on first use
 
         ext = cpu_extension()
         if ext is not None:

@@ -71,7 +71,7 @@ def nf4_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """
     _check(x)
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-        from .adamw8bit import cpu_extension  # the CPU kernels' extension, built on first use
+        from .cpu_ext import cpu_extension  # the CPU kernels' extension, built on first use
 
         ext = cpu_extension()
         if ext is not None and hasattr(ext, "nf4_quantize"):

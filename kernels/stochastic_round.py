@@ -132,7 +132,7 @@ def _stochastic_round_op(out: torch.Tensor, x: torch.Tensor, key: int, offset: i
 def _(out, x, key, offset) -> None:
     """The C++ extension's one-pass loop where it builds (``kernels/csrc/stochastic_round_cpu.h``,
     bit-identical; ~100x the reference's tensor passes), else the reference."""
-    from .adamw8bit import cpu_extension  # the CPU kernels' extension, built on first use
+    from .cpu_ext import cpu_extension  # the CPU kernels' extension, built on first use
 
     ext = cpu_extension()
     if ext is None:
@@ -176,7 +176,7 @@ def stochastic_round_(out: torch.Tensor, x: torch.Tensor, key: int, offset: int 
     if out.is_cuda:
         _maybe_register_triton()
     elif out.device.type == "cpu" and not torch.compiler.is_compiling():
-        from .adamw8bit import cpu_extension
+        from .cpu_ext import cpu_extension
 
         ext = cpu_extension()
         if ext is not None:  # the op's CPU kernel, without its dispatch (~50 us a call)

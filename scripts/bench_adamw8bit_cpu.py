@@ -1,7 +1,7 @@
 """The CPU 8-bit AdamW kernel alone, per ISA level: ns per element on one thread.
 
 A stand-alone build of ``kernels/csrc/adamw8bit_cpu.cpp`` (``-DOUTCORE_KERNEL_ONLY``: no torch,
-no threads) with each level's flags (``kernels/adamw8bit.py: _ISA_FLAGS``), timing the full
+no threads) with each level's flags (``kernels/cpu_ext.py: _ISA_FLAGS``), timing the full
 blocks of one tensor updated in place, repeatedly: ``--numel`` 65536 keeps it in cache (the
 kernel's own cost), 16M reads it from DRAM. Times are the thread's CPU time (the best of
 ``--repeats``), so a descheduled thread on a shared machine does not count; neighbours'
@@ -91,7 +91,8 @@ int main(int argc, char** argv) {
 
 
 def main(argv: list[str] | None = None) -> int:
-    from outcore.kernels.adamw8bit import _ISA_FLAGS, STATE_FORMATS, _cpu_tables, supported_isa_levels
+    from outcore.kernels.adamw8bit import STATE_FORMATS, _cpu_tables
+    from outcore.kernels.cpu_ext import _ISA_FLAGS, supported_isa_levels
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--isa", default="", help="comma-separated levels (default: every level this CPU runs)")

@@ -12,7 +12,7 @@ that load on a shared machine hits all of them alike. Reported per optimizer:
   machine wall time mostly measures the neighbours; CPU time is the steadier figure.
 
 Every figure comes with the machine's CPU model and the ISA level it ran at (``_meta``):
-the outcore kernel's (``kernels/adamw8bit.py: cpu_isa``) and torch's own
+the outcore kernel's (``kernels/cpu_ext.py: cpu_isa``) and torch's own
 (``torch.backends.cpu.get_cpu_capability``), and ``isa_forced`` where that level is below
 the CPU's best (AVX2 measured on an AVX-512 machine is not an AVX2-only machine's figure).
 ``--isa AVX2,AVX512`` runs each level in its own process with ``OUTCORE_CPU_ISA`` and
@@ -138,7 +138,7 @@ def state_bytes(opt) -> int:
 def cpu_best_isa() -> str:
     """The highest outcore ISA level this CPU's flags (``/proc/cpuinfo``) allow, whatever
     ``ATEN_CPU_CAPABILITY`` says (Linux; elsewhere torch's capability)."""
-    from outcore.kernels.adamw8bit import _cpu_flags, supported_isa_levels
+    from outcore.kernels.cpu_ext import _cpu_flags, supported_isa_levels
 
     flags = _cpu_flags()
     if not flags:
@@ -150,7 +150,7 @@ def cpu_best_isa() -> str:
 
 def machine() -> dict:
     """The CPU model, the ISA levels in use (outcore's kernel, torch's dispatch) and the load."""
-    from outcore.kernels.adamw8bit import cpu_extension, cpu_isa, supported_isa_levels
+    from outcore.kernels.cpu_ext import cpu_extension, cpu_isa, supported_isa_levels
 
     model = "unknown"
     try:
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         names = [n for n in names if n in args.only.split(",")]
 
     if args.isa:
-        from outcore.kernels.adamw8bit import supported_isa_levels
+        from outcore.kernels.cpu_ext import supported_isa_levels
         levels = [lv.strip().upper() for lv in args.isa.split(",") if lv.strip()]
         bad = [lv for lv in levels if lv not in supported_isa_levels()]
         if bad:

@@ -18,7 +18,7 @@ def needs_cpu_extension(isa: str | None = None):
     skipped where it cannot be built (no compiler, ``OUTCORE_NO_CPP_EXT=1``)."""
     import pytest
 
-    from outcore.kernels.adamw8bit import cpu_extension
+    from outcore.kernels.cpu_ext import cpu_extension
 
     ext = cpu_extension(isa)
     if ext is None:

@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from outcore.kernels.adamw8bit import (STATE_FORMATS, adamw8bit_update, adamw8bit_update_many,
-                                       coefficients, cpu_extension, cpu_isa, fp8_quantize_blockwise_cpp,
-                                       init_codes, quantize_blockwise_cpp, supported_isa_levels)
+                                       coefficients, fp8_quantize_blockwise_cpp, init_codes,
+                                       quantize_blockwise_cpp)
+from outcore.kernels.cpu_ext import cpu_extension, cpu_isa, supported_isa_levels
 from outcore.kernels.adamw8bit_segments import SEG_NEAR, _build, _pieces, _verify, segment_code
 from outcore.kernels.quantize import (blocks_view, dequantize_blockwise, dynamic_map, num_blocks,
                                       quantize_blockwise, thresholds)

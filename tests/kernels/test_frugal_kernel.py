@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from outcore.kernels.adamw8bit import coefficients, supported_isa_levels
+from outcore.kernels.adamw8bit import coefficients
+from outcore.kernels.cpu_ext import supported_isa_levels
 from outcore.kernels.frugal import frugal_update_, frugal_update_ref_
 from outcore.optim.frugal import subspace_columns
 from tests._helpers import needs_cpu_extension

@@ -6,7 +6,7 @@ import torch
 
 from outcore._optional import is_triton_available
 from outcore.errors import ConfigError
-from outcore.kernels.adamw8bit import supported_isa_levels
+from outcore.kernels.cpu_ext import supported_isa_levels
 from outcore.kernels.stochastic_round import random_bits, round_key, stochastic_round_, stochastic_round_ref_
 from tests._helpers import needs_cpu_extension
 

@@ -52,7 +52,7 @@ def test_rejects_half_precision_parameters():
 def test_impls_agree_through_the_optimizer():
     """"auto" and "cpp" (the C++ kernel where it builds) agree bit for bit and stay within the
     kernel's contract of the pure-PyTorch reference (kernels/adamw8bit.py)."""
-    from outcore.kernels.adamw8bit import cpu_extension
+    from outcore.kernels.cpu_ext import cpu_extension
     ps = [torch.nn.Parameter(torch.randn(300, 50, generator=torch.Generator().manual_seed(i)))
           for i in range(3)]
     runs = {}
@@ -95,7 +95,7 @@ def test_fp8_state_format_steps_like_its_reference_and_round_trips():
     uninterrupted run bit for bit."""
     import copy
 
-    from outcore.kernels.adamw8bit import cpu_extension
+    from outcore.kernels.cpu_ext import cpu_extension
 
     def params():
         return [torch.nn.Parameter(torch.randn(300, 50, generator=torch.Generator().manual_seed(i)))
