@@ -42,8 +42,8 @@ inputs:
     stochastically (``kernels/csrc/stochastic_round_cpu.h``): the bits of widening, updating
     and rounding as three steps, in one pass over memory.
 * ``torch.compile`` of the reference (``impl="compile"``, for comparison in benchmarks).
-* Triton for CUDA (``kernels/adamw8bit_triton.py``), the dynamic format; FP8 codes on CUDA run
-  the reference's torch ops.
+* Triton for CUDA (``kernels/adamw8bit_triton.py``), both state formats: one fused kernel (the
+  reference's torch ops where triton is not installed).
 
 The reference's fp32 sqrt is made correctly rounded (numpy's, the hardware instruction)
 because ``torch.sqrt`` on CPU is not (1 ulp off for ~20% of inputs here); every other op is
@@ -334,10 +334,10 @@ def _(param, grad, m_codes, m_absmax, v_codes, v_absmax, lr, beta1, beta2, eps, 
 def _(param, grad, m_codes, m_absmax, v_codes, v_absmax, lr, beta1, beta2, eps, weight_decay, step,
       state_format):
     c = coefficients(lr, beta1, beta2, eps, weight_decay, step)
-    # FP8 codes on CUDA: the reference's torch ops (a few kernels; the format is for the CPU)
-    if state_format == "dynamic" and triton_usable(param):
+    # one fused Triton kernel for either format; without triton the reference's torch ops
+    if triton_usable(param):
         from .adamw8bit_triton import adamw8bit_update_triton
-        adamw8bit_update_triton(param, grad, m_codes, m_absmax, v_codes, v_absmax, c)
+        adamw8bit_update_triton(param, grad, m_codes, m_absmax, v_codes, v_absmax, c, state_format)
     else:
         adamw8bit_update_ref(param, grad, m_codes, m_absmax, v_codes, v_absmax, c, state_format)
 

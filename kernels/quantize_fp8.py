@@ -33,7 +33,10 @@ def fp8_max(signed: bool) -> float:
 
 def fp8_dequantize_blocks(codes: Tensor, absmax: Tensor, signed: bool) -> Tensor:
     """(nblocks, blocksize) uint8 codes and their (nblocks,) absmax -> fp32 values."""
-    return codes.view(FP8_DTYPES[signed]).float() * (absmax / fp8_max(signed))[:, None]
+    # tensor / tensor: a true division on every device (CUDA computes ``tensor / Python scalar``
+    # as a product with the scalar's fp32 reciprocal, one ulp off for about half the scales)
+    scale = absmax / torch.full_like(absmax, fp8_max(signed))
+    return codes.view(FP8_DTYPES[signed]).float() * scale[:, None]
 
 
 def fp8_quantize_blocks(blocks: Tensor, signed: bool) -> tuple[Tensor, Tensor]:

@@ -17,8 +17,8 @@ mantissa bits). Smaller tensors (norms, biases) keep fp32 ``exp_avg`` / ``exp_av
 updated exactly like :class:`outcore.optim.AdamW` (their bytes do not matter, their precision does).
 
 The update is the fused op ``outcore::adamw8bit_update`` (``kernels/adamw8bit.py``): the
-C++ extension on CPU (AVX-512, AVX2 or scalar), Triton on CUDA and the pure-PyTorch
-reference elsewhere, bit-identical to each other. Parameters must be float32 (they are the master weights).
+C++ extension on CPU (AVX-512, AVX2 or scalar), Triton on CUDA (either state format) and the
+pure-PyTorch reference elsewhere, bit-identical to each other. Parameters must be float32 (they are the master weights).
 """
 from __future__ import annotations
 

@@ -413,29 +413,68 @@ def test_torch_compile_bit_identical_to_reference(fmt):
         assert torch.equal(a, b)
 
 
+def _triton_check_inputs(fmt):
+    """The Triton check's start state and its steps' (grad, coefficients).
+
+    The state holds every finite code of the format (random absmax): each code is decoded.
+    Step 1 makes each moment its gradient's (beta1 = beta2 = 0 and 1 - beta2 = 7/8, coefficients
+    no real beta2 gives: m = g, v = (g * g) * 7/8), so the encoder sees the format's adversarial
+    values: for m the quantization tests' (``_adversarial``, ``_fp8_adversarial``: blocks whose
+    absmax makes y = m; ties between neighbouring codes and the floats next to them, subnormal
+    codes, zeros of both signs, tiny values, an all-zero block), for v the square roots of the
+    unsigned ones (an FP8 block's max, 57344, is 256^2 * 7/8: y = v, and 46 of the 123 E5M2
+    ties are hit exactly, the others missed by an ulp or so); last a partial block. Steps 2-5:
+    ordinary AdamW steps with gradient scales jumping by 10^4, an all-zero block, negative zeros.
+    """
+    adversarial = _fp8_adversarial if fmt == "fp8" else _adversarial
+    v_part = (adversarial(False).double() / 0.875).sqrt().float()
+    g1 = torch.cat([torch.nn.functional.pad(v_part, (0, (-v_part.numel()) % 256)), adversarial(True),
+                    _grad(5, 0)])
+    n, nb = g1.numel(), num_blocks(g1.numel())
+    state = _state(n, fmt=fmt)
+    if fmt == "fp8":  # the finite codes: E4M3 all but the NaNs (0x7F, 0xFF), E5M2 below inf (0x7C)
+        m_codes = torch.tensor([c for c in range(256) if (c & 0x7F) != 0x7F], dtype=torch.uint8)
+        v_codes = torch.arange(0x7C, dtype=torch.uint8)
+    else:
+        m_codes = v_codes = torch.arange(256, dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(7)
+    for k, codes in ((1, m_codes), (3, v_codes)):
+        state[k] = codes.repeat(n // codes.numel() + 1)[:n].contiguous()
+        state[k + 1] = torch.rand(nb, generator=gen) * 10.0 ** torch.randint(-8, 3, (nb,), generator=gen)
+    steps = [(g1, coefficients(HP["lr"], 0.0, 0.0, HP["eps"], HP["weight_decay"], 1)._replace(one_minus_beta2=0.875))]
+    for t in range(2, 6):
+        g = _grad(n, t, scale=10.0 ** (t % 5 - 3))
+        if t == 3:
+            g[:300] = 0
+        if t == 4:
+            g[:100] = -0.0
+        steps.append((g, coefficients(HP["lr"], HP["beta1"], HP["beta2"], HP["eps"], HP["weight_decay"], t)))
+    return state, [(g, tuple(c)) for g, c in steps]
+
+
 _TRITON_CHECK = r"""
 import torch
-from outcore.kernels.adamw8bit import adamw8bit_update_ref, coefficients, init_codes
+from outcore.kernels.adamw8bit import Coefficients, adamw8bit_update_ref
 from outcore.kernels.adamw8bit_triton import adamw8bit_update_triton
-from outcore.kernels.quantize import num_blocks
-n = 256 * 80 + 5
-g = torch.Generator().manual_seed(0)
-a = [torch.randn(n, generator=g), init_codes(n, True), torch.zeros(num_blocks(n)),
-     init_codes(n, False), torch.zeros(num_blocks(n))]
+fmt, a, steps = torch.load(INPUTS)
 b = [t.clone() for t in a]
-for s in range(1, 5):
-    grad = torch.randn(n, generator=g) * 10.0 ** (s - 3)
-    c = coefficients(1e-2, 0.9, 0.999, 1e-8, 0.1, s)
-    adamw8bit_update_ref(a[0], grad, *a[1:], c)
-    adamw8bit_update_triton(b[0], grad, *b[1:], c)
+for s, (grad, c) in enumerate(steps, 1):
+    c = Coefficients(*c)
+    adamw8bit_update_ref(a[0], grad, *a[1:], c, fmt)
+    adamw8bit_update_triton(b[0], grad, *b[1:], c, fmt)
     assert all(torch.equal(x, y) for x, y in zip(a, b)), s
 print("ok")
 """
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
-def test_triton_bit_identical_in_interpreter(run_in_triton_interpreter):
-    out = run_in_triton_interpreter(_TRITON_CHECK)
+@pytest.mark.parametrize("fmt", STATE_FORMATS)
+def test_triton_bit_identical_in_interpreter(fmt, run_in_triton_interpreter, tmp_path):
+    """The Triton kernel (interpreted) equals the reference bit for bit, step after step, from
+    a state holding every code, through adversarial and ordinary steps (``_triton_check_inputs``)."""
+    inputs = tmp_path / "inputs.pt"
+    torch.save((fmt, *_triton_check_inputs(fmt)), inputs)
+    out = run_in_triton_interpreter(_TRITON_CHECK.replace("INPUTS", repr(str(inputs))))
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
 
 
