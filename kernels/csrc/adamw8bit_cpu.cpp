@@ -27,7 +27,8 @@
 //   the 16-bit bucket table + one threshold comparison of kernels/quantize.py (equal to the
 //   reference's searchsorted by construction).
 // The FP8 state format (adamw8bit_fp8.h; kernels/quantize_fp8.py) has its own block update: F16C
-// conversions at every vector level (8 lanes), bit manipulation in the scalar path.
+// conversions and integer rounding on the FP8 grid, 8 lanes with AVX2, 16 with AVX-512; bit
+// manipulation in the scalar path.
 #ifndef OUTCORE_KERNEL_ONLY  // defined by stand-alone micro-benchmarks of the kernel (no torch)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -83,13 +84,24 @@ inline Coeffs make_coeffs(const double* k) {
                 static_cast<float>(k[6]), static_cast<float>(k[7])};
 }
 
-// One element's AdamW step, the reference's operations in its order (kernels/adamw8bit.py:
-// adamw_step_ref): m and v updated, the new weight returned. The scalar paths (a partial block,
-// the DEFAULT level, FRUGAL's state-full columns) call it in loops the compiler vectorizes.
-inline float adamw_step(float p, float g, float& m, float& v, const Coeffs& c) {
+inline float lane_sqrt(float x) { return std::sqrt(x); }
+#ifdef OUTCORE_VEC
+inline __m256 lane_sqrt(__m256 x) { return _mm256_sqrt_ps(x); }
+#endif
+#ifdef OUTCORE_AVX512
+inline __m512 lane_sqrt(__m512 x) { return _mm512_sqrt_ps(x); }
+#endif
+
+// AdamW's step, the reference's operations in its order (kernels/adamw8bit.py:
+// adamw_step_ref): m and v updated, the new weight returned. T is float or a vector of floats
+// (GCC/Clang vector types: +, -, *, / lane by lane, a scalar operand broadcast; each operation
+// rounds once, -ffp-contract=off keeps it from fusing). The scalar paths (a partial block, the
+// DEFAULT level, FRUGAL's state-full columns) call it in loops the compiler vectorizes.
+template <class T>
+inline T adamw_step(T p, T g, T& m, T& v, const Coeffs& c) {
   m = m * c.beta1 + g * c.one_minus_beta1;
   v = v * c.beta2 + (g * g) * c.one_minus_beta2;
-  const float denom = std::sqrt(v) * c.inv_bc2_sqrt + c.eps;
+  const T denom = lane_sqrt(v) * c.inv_bc2_sqrt + c.eps;
   return p * c.decay - (m / denom) * c.step_size;
 }
 
@@ -489,10 +501,8 @@ std::tuple<torch::Tensor, torch::Tensor> fp8_quantize_blockwise(torch::Tensor x,
     const float inv = is_signed ? fp8_inv<E4M3>(amax) : fp8_inv<E5M2>(amax);
 #ifdef OUTCORE_VEC
     if (len == kBlock) {
-      for (int64_t i = 0; i < kBlock; i += 32) {
-        if (is_signed) Fp8Vec<E4M3, true>::encode32(xp + start + i, _mm256_set1_ps(inv), cp + start + i);
-        else Fp8Vec<E5M2, false>::encode32(xp + start + i, _mm256_set1_ps(inv), cp + start + i);
-      }
+      if (is_signed) Fp8Lanes::encode_block<E4M3, true>(xp + start, inv, cp + start);
+      else Fp8Lanes::encode_block<E5M2, false>(xp + start, inv, cp + start);
       continue;
     }
 #endif

@@ -8,8 +8,9 @@
 // Why a second format: the dynamic map's dequantization is a 256-entry table lookup and its
 // quantization a search, which AVX2 can only do with scalar loads or many permutes (~124
 // instructions per 8 elements, adamw8bit_avx2.h). FP8 codes are a float's top bits: decoding
-// 8 of them is 4 vector instructions (F16C), encoding 8 or 11, with no table and no memory
-// operation (~61 instructions per 8 elements for the whole update, callgrind).
+// 8 or 16 of them is 4 vector instructions (F16C), encoding 8 or 16 about 10, with no table and
+// no memory operation (~58 instructions per 8 elements for the whole update with AVX2, ~30
+// with AVX-512's 16 lanes).
 #pragma once
 
 // One FP8 format: kMant mantissa bits, exponent bias kBias, the fp32 bits of its largest value.
@@ -104,16 +105,51 @@ inline void update_block_fp8_scalar(float* __restrict pb, const float* __restric
 }
 
 #ifdef OUTCORE_VEC
-// 8 lanes (AVX2 + FMA + F16C; the AVX-512 builds run these too). The same results as the
-// scalar functions above, lane by lane.
-template <class F, bool kSigned>
-struct Fp8Vec {
+// E4M3's codes decode as fp16 values 2^8 times too small (Fp8Lanes8::decode); the block's scale
+// absorbs the factor.
+constexpr float kE4M3DecodedScale = 0x1p-8f;
+
+using I32x8 = int32_t __attribute__((vector_size(32)));
+inline I32x8 lane_max_i32(I32x8 a, I32x8 b) {
+  return reinterpret_cast<I32x8>(_mm256_max_epi32(reinterpret_cast<__m256i>(a), reinterpret_cast<__m256i>(b)));
+}
+#ifdef OUTCORE_AVX512
+using I32x16 = int32_t __attribute__((vector_size(64)));
+inline I32x16 lane_max_i32(I32x16 a, I32x16 b) {
+  return reinterpret_cast<I32x16>(_mm512_max_epi32(reinterpret_cast<__m512i>(a), reinterpret_cast<__m512i>(b)));
+}
+#endif
+
+// The code of |y| for lanes of any width (I: GCC/Clang int32 vector, VF: float vector of the
+// same size, a: |y|'s bits). Adding 2^(e + 23 - kMant), e the exponent of |y| (of the smallest
+// normal below it), rounds |y| to the FP8 grid (to nearest even: the FPU's rounding); the sum's
+// bits minus the power's count grid steps from 2^e, and the code is that count plus the
+// exponent's offset. 8 operations, one of them a float add.
+template <class F, class VF, class I>
+inline I fp8_magnitude_code(I a) {
+  const I e = lane_max_i32(a & static_cast<int32_t>(0x7F800000), I{} + static_cast<int32_t>(F::kMinNormalBits));
+  const I power = e + (F::kShift << 23);
+  const I sum = reinterpret_cast<I>(reinterpret_cast<VF>(a) + reinterpret_cast<VF>(power));
+  return sum - power + ((e - static_cast<int32_t>(F::kMinNormalBits)) >> F::kShift);
+}
+
+// One vector width's part of the FP8 block update (update_blocks_fp8_vec): decoding 8 or 16
+// codes, encoding a block. Same results as fp8_decode / fp8_encode, lane by lane.
+// 8 lanes: AVX2 + FMA + F16C.
+struct Fp8Lanes8 {
+  using V = __m256;
+  using I = I32x8;
+  static constexpr int kLanes = 8;
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static float hmax(V x) { return hmax8(x); }
   // An FP8 code is a truncated fp16: E5M2 is the top byte of the fp16 of the same value, E4M3
   // (sign aside) bits 7..13 of the fp16 of value * 2^-8. So vcvtph2ps decodes 8 codes,
-  // subnormals included, and the block's scale absorbs the 2^8.
-  static constexpr float kHalfScale = kSigned ? 0x1p-8f : 1.f;
-  // Values * kHalfScale of 8 codes.
-  static inline __m256 decode(const uint8_t* codes) {
+  // subnormals included.
+  template <bool kSigned>
+  static V decode(const uint8_t* codes) {
     const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes));
     __m128i h;
     if (kSigned)  // sign-extended: bits 15 and 14 hold the sign after the shift; drop 14
@@ -122,39 +158,94 @@ struct Fp8Vec {
       h = _mm_slli_epi16(_mm_cvtepu8_epi16(c), 8);
     return _mm256_cvtph_ps(h);
   }
-  // Codes of |y| (int32 lanes). Adding 2^(e + 23 - kMant), e the exponent of |y| (of the
-  // smallest normal below it), rounds |y| to the FP8 grid (to nearest even: the FPU's
-  // rounding); the sum's bits minus the power's count grid steps from 2^e, and the code is that
-  // count plus the exponent's offset. 8 operations, one of them a float add.
-  static inline __m256i magnitude_code(__m256 y) {
-    const __m256i a = kSigned ? _mm256_and_si256(_mm256_castps_si256(y), _mm256_set1_epi32(0x7FFFFFFF))
-                              : _mm256_castps_si256(y);
-    const __m256i e = _mm256_max_epi32(_mm256_and_si256(a, _mm256_set1_epi32(0x7F800000)),
-                                       _mm256_set1_epi32(static_cast<int32_t>(F::kMinNormalBits)));
-    const __m256i power = _mm256_add_epi32(e, _mm256_set1_epi32(F::kShift << 23));
-    const __m256i sum = _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(power)));
-    const __m256i offset = _mm256_srli_epi32(
-        _mm256_sub_epi32(e, _mm256_set1_epi32(static_cast<int32_t>(F::kMinNormalBits))), F::kShift);
-    return _mm256_add_epi32(_mm256_sub_epi32(sum, power), offset);
+  template <class F, bool kSigned>
+  static __m256i code8(V y) {  // int32 lanes: the codes of |y|
+    const __m256i bits = _mm256_castps_si256(y);
+    const I a = reinterpret_cast<I>(kSigned ? _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)) : bits);
+    return reinterpret_cast<__m256i>(fp8_magnitude_code<F, V>(a));
   }
-  // Codes of the 32 values y[0..32) * inv into out (bytes, in order).
-  static inline void encode32(const float* __restrict y, __m256 inv, uint8_t* __restrict out) {
-    __m256 v[4];
-    for (int k = 0; k < 4; ++k) v[k] = _mm256_mul_ps(_mm256_loadu_ps(y + 8 * k), inv);
-    __m256i a = _mm256_packus_epi32(magnitude_code(v[0]), magnitude_code(v[1]));
-    __m256i b = _mm256_packus_epi32(magnitude_code(v[2]), magnitude_code(v[3]));
-    if (kSigned) {  // the sign bits, packed alike (saturation keeps them), as bit 7 (-0.0 too)
-      const __m256i sa = _mm256_packs_epi32(_mm256_castps_si256(v[0]), _mm256_castps_si256(v[1]));
-      const __m256i sb = _mm256_packs_epi32(_mm256_castps_si256(v[2]), _mm256_castps_si256(v[3]));
-      a = _mm256_or_si256(a, _mm256_and_si256(_mm256_srai_epi16(sa, 15), _mm256_set1_epi16(0x80)));
-      b = _mm256_or_si256(b, _mm256_and_si256(_mm256_srai_epi16(sb, 15), _mm256_set1_epi16(0x80)));
+  // 16 codes (int16 lanes, per 128-bit lane 4 of y0's then 4 of y1's) with their signs as bit 7
+  template <class F, bool kSigned>
+  static __m256i code16(V y0, V y1) {
+    const __m256i c = _mm256_packus_epi32(code8<F, kSigned>(y0), code8<F, kSigned>(y1));
+    if (!kSigned) return c;
+    // the sign bits, packed alike (saturation keeps them), as bit 7 (-0.0 too)
+    const __m256i s = _mm256_packs_epi32(_mm256_castps_si256(y0), _mm256_castps_si256(y1));
+    return _mm256_or_si256(c, _mm256_and_si256(_mm256_srai_epi16(s, 15), _mm256_set1_epi16(0x80)));
+  }
+  // Codes of the 32 values y[0..32) * inv into out: two saturating packs and one dword permute
+  // (the packs work per 128-bit lane: dword l of lane h holds vector l's elements 4h..4h+3).
+  template <class F, bool kSigned>
+  static void encode32(const float* __restrict y, V inv, uint8_t* __restrict out) {
+    const __m256i a = code16<F, kSigned>(_mm256_mul_ps(_mm256_loadu_ps(y), inv),
+                                         _mm256_mul_ps(_mm256_loadu_ps(y + 8), inv));
+    const __m256i b = code16<F, kSigned>(_mm256_mul_ps(_mm256_loadu_ps(y + 16), inv),
+                                         _mm256_mul_ps(_mm256_loadu_ps(y + 24), inv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(
+        _mm256_packus_epi16(a, b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  }
+  template <class F, bool kSigned>
+  static void encode_block(const float* __restrict y, float inv, uint8_t* __restrict out) {
+    for (int64_t i = 0; i < kBlock; i += 32) encode32<F, kSigned>(y + i, set1(inv), out + i);
+  }
+  // Both moments' codes, 32 of each at a time
+  static void encode_moments(const float* m, float inv_m, uint8_t* mc, const float* v, float inv_v, uint8_t* vc) {
+    for (int64_t i = 0; i < kBlock; i += 32) {
+      encode32<E4M3, true>(m + i, set1(inv_m), mc + i);
+      encode32<E5M2, false>(v + i, set1(inv_v), vc + i);
     }
-    // the packs work per 128-bit lane: dword l of lane h holds vector l's elements 4h..4h+3
-    const __m256i r = _mm256_packus_epi16(a, b);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
-                        _mm256_permutevar8x32_epi32(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
   }
 };
+
+#ifdef OUTCORE_AVX512
+// 16 lanes: AVX-512 F/BW/VL/DQ (+ F16C). Half the instructions per element of Fp8Lanes8: on
+// cores that split 512-bit operations in two (AMD Zen 4) the vector work is the same, but the
+// front end issues half as many instructions; and vpmovdb packs 16 codes in one.
+struct Fp8Lanes16 {
+  using V = __m512;
+  using I = I32x16;
+  static constexpr int kLanes = 16;
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static float hmax(V x) { return _mm512_reduce_max_ps(x); }
+  template <bool kSigned>
+  static V decode(const uint8_t* codes) {  // as Fp8Lanes8::decode
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes));
+    __m256i h;
+    if (kSigned)
+      h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(c), 7),
+                           _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+    else
+      h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8);
+    return _mm512_cvtph_ps(h);
+  }
+  template <class F, bool kSigned>
+  static void encode16(const float* __restrict y, V inv, uint8_t* __restrict out) {
+    const V v = _mm512_mul_ps(_mm512_loadu_ps(y), inv);
+    const __m512i bits = _mm512_castps_si512(v);
+    const I a = reinterpret_cast<I>(kSigned ? _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)) : bits);
+    __m512i code = reinterpret_cast<__m512i>(fp8_magnitude_code<F, V>(a));
+    if (kSigned)  // | (bits >> 24) & 0x80: bit 7 where the sign is set (-0.0 too), one ternary-logic op
+      code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xF8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(code));
+  }
+  template <class F, bool kSigned>
+  static void encode_block(const float* __restrict y, float inv, uint8_t* __restrict out) {
+    for (int64_t i = 0; i < kBlock; i += 16) encode16<F, kSigned>(y + i, set1(inv), out + i);
+  }
+  static void encode_moments(const float* m, float inv_m, uint8_t* mc, const float* v, float inv_v, uint8_t* vc) {
+    for (int64_t i = 0; i < kBlock; i += 16) {
+      encode16<E4M3, true>(m + i, set1(inv_m), mc + i);
+      encode16<E5M2, false>(v + i, set1(inv_v), vc + i);
+    }
+  }
+};
+using Fp8Lanes = Fp8Lanes16;
+#else
+using Fp8Lanes = Fp8Lanes8;
+#endif
 
 // Full blocks [b0, b1) of one tensor, two passes per block (the codes need the block's new
 // absmax): the codes decoded, the moments updated into two L1 buffers with their absmax and
@@ -165,45 +256,30 @@ struct Fp8Vec {
 template <class IO>
 inline void update_blocks_fp8_vec(IO& io, uint8_t* mc, float* ma, uint8_t* vc, float* va,
                                   int64_t b0, int64_t b1, const Coeffs& c) {
-  using QM = Fp8Vec<E4M3, true>;
-  using QV = Fp8Vec<E5M2, false>;
+  using L = Fp8Lanes;
+  using V = L::V;
   alignas(64) float mbuf[kBlock];
   alignas(64) float vbuf[kBlock];
-  const __m256 b1v = _mm256_set1_ps(c.beta1), omb1 = _mm256_set1_ps(c.one_minus_beta1);
-  const __m256 b2v = _mm256_set1_ps(c.beta2), omb2 = _mm256_set1_ps(c.one_minus_beta2);
-  const __m256 ibc2 = _mm256_set1_ps(c.inv_bc2_sqrt), eps = _mm256_set1_ps(c.eps);
-  const __m256 ss = _mm256_set1_ps(c.step_size), decay = _mm256_set1_ps(c.decay);
-  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t s = b * kBlock;
-    // the decoded E4M3 values are 2^-8 of the codes' (exact): the scale is 2^8 times larger
-    const __m256 sm = _mm256_set1_ps(fp8_scale<E4M3>(ma[b]) * (1.f / QM::kHalfScale));
-    const __m256 sv = _mm256_set1_ps(fp8_scale<E5M2>(va[b]));
+    const V sm = L::set1(fp8_scale<E4M3>(ma[b]) * (1.f / kE4M3DecodedScale));
+    const V sv = L::set1(fp8_scale<E5M2>(va[b]));
     const float* gb = io.grad(s, kBlock);
     float* pb = io.param(s, kBlock);
-    __m256 amax_m = _mm256_setzero_ps(), amax_v = _mm256_setzero_ps();
-    for (int64_t k = 0; k < kBlock; k += 8) {
-      const __m256 g = _mm256_loadu_ps(gb + k);
-      __m256 m = _mm256_mul_ps(QM::decode(mc + s + k), sm);
-      __m256 v = _mm256_mul_ps(QV::decode(vc + s + k), sv);
-      m = _mm256_add_ps(_mm256_mul_ps(m, b1v), _mm256_mul_ps(g, omb1));
-      v = _mm256_add_ps(_mm256_mul_ps(v, b2v), _mm256_mul_ps(_mm256_mul_ps(g, g), omb2));
-      _mm256_store_ps(mbuf + k, m);
-      _mm256_store_ps(vbuf + k, v);
-      amax_m = _mm256_max_ps(amax_m, _mm256_and_ps(m, abs_mask));
-      amax_v = _mm256_max_ps(amax_v, v);  // v >= 0
-      const __m256 denom = _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(v), ibc2), eps);
-      const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(pb + k), decay);
-      _mm256_storeu_ps(pb + k, _mm256_sub_ps(p, _mm256_mul_ps(_mm256_div_ps(m, denom), ss)));
+    V amax_m = L::set1(0.f), amax_v = L::set1(0.f);
+    for (int64_t k = 0; k < kBlock; k += L::kLanes) {
+      V m = L::template decode<true>(mc + s + k) * sm;
+      V v = L::template decode<false>(vc + s + k) * sv;
+      L::store(pb + k, adamw_step(L::load(pb + k), L::load(gb + k), m, v, c));
+      L::store(mbuf + k, m);
+      L::store(vbuf + k, v);
+      amax_m = L::max(amax_m, reinterpret_cast<V>(reinterpret_cast<L::I>(m) & 0x7FFFFFFF));  // |m|
+      amax_v = L::max(amax_v, v);  // v >= 0
     }
     io.store(s, kBlock);
-    ma[b] = hmax8(amax_m);
-    va[b] = hmax8(amax_v);
-    const __m256 inv_m = _mm256_set1_ps(fp8_inv<E4M3>(ma[b])), inv_v = _mm256_set1_ps(fp8_inv<E5M2>(va[b]));
-    for (int64_t i = 0; i < kBlock; i += 32) {
-      QM::encode32(mbuf + i, inv_m, mc + s + i);
-      QV::encode32(vbuf + i, inv_v, vc + s + i);
-    }
+    ma[b] = L::hmax(amax_m);
+    va[b] = L::hmax(amax_v);
+    L::encode_moments(mbuf, fp8_inv<E4M3>(ma[b]), mc + s, vbuf, fp8_inv<E5M2>(va[b]), vc + s);
   }
 }
 #endif  // OUTCORE_VEC
