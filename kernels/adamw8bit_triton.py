@@ -116,7 +116,7 @@ def _update(p_ptr, g_ptr, mc_ptr, ma_ptr, vc_ptr, va_ptr, qm_ptr, qv_ptr, bm_ptr
 
 
 def adamw8bit_update_triton(param: Tensor, grad: Tensor, m_codes: Tensor, m_absmax: Tensor,
-                            v_codes: Tensor, v_absmax: Tensor, c, state_format: str = "dynamic") -> None:
+                            v_codes: Tensor, v_absmax: Tensor, c, state_format: str) -> None:
     """In-place 8-bit AdamW update with Triton (see ``adamw8bit_update_ref`` for the contract).
 
     Args:

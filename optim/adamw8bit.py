@@ -4,16 +4,17 @@ Quantization", 2022), on the outcore contract.
 Per parameter with at least ``min_8bit_size`` (4096) elements the state is
 
     step      ()          float32
-    m_codes   (numel,)    uint8    first moment: signed dynamic map, or E4M3
+    m_codes   (numel,)    uint8    first moment: E4M3, or the signed dynamic map
     m_absmax  (nblocks,)  float32  one per 256 elements
-    v_codes   (numel,)    uint8    second moment: unsigned dynamic map, or E5M2
+    v_codes   (numel,)    uint8    second moment: E5M2, or the unsigned dynamic map
     v_absmax  (nblocks,)  float32
 
 i.e. 2 + 8/256 bytes per parameter instead of AdamW's 8. ``state_format`` says what a code
-means: ``"dynamic"`` (default) bitsandbytes' dynamic maps, ``"fp8"`` FP8 values (E4M3 for ``m``,
-E5M2 for ``v``; ``kernels/quantize_fp8.py``), whose CPU update needs no table lookups: ~1.5×
-the dynamic format's speed with AVX2 (``docs/benchmarks.md``), for coarser codes (3 and 2
-mantissa bits). Smaller tensors (norms, biases) keep fp32 ``exp_avg`` / ``exp_avg_sq`` and are
+means: ``"fp8"`` (default) FP8 values (E4M3 for ``m``, E5M2 for ``v``;
+``kernels/quantize_fp8.py``), whose CPU update needs no table lookups, or ``"dynamic"``
+bitsandbytes' dynamic maps: finer codes near each block's absmax (7 bits of mantissa against 3
+and 2), ~0.7x the speed with AVX2. FP8's losses were as close to fp32 AdamW's or closer in every
+convergence run (``docs/benchmarks.md``). Smaller tensors (norms, biases) keep fp32 ``exp_avg`` / ``exp_avg_sq`` and are
 updated exactly like :class:`outcore.optim.AdamW` (their bytes do not matter, their precision does).
 
 The update is the fused op ``outcore::adamw8bit_update`` (``kernels/adamw8bit.py``): the
@@ -28,7 +29,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import Tensor
 
-from ..kernels.adamw8bit import (IMPLS, adamw8bit_update, adamw8bit_update_many,
+from ..kernels.adamw8bit import (DEFAULT_STATE_FORMAT, IMPLS, adamw8bit_update, adamw8bit_update_many,
                                  check_state_format, coefficients, init_codes)
 from ..kernels.quantize import BLOCKSIZE, SMALL_TENSOR_NUMEL, num_blocks
 from ._base import OutcoreOptimizer, StateSpec, check_hparams
@@ -42,9 +43,9 @@ class AdamW8bit(OutcoreOptimizer):
         lr, betas, eps, weight_decay: as :class:`torch.optim.AdamW` (decoupled decay).
         min_8bit_size: tensors with fewer elements keep fp32 moments.
         impl: "auto" (fastest available), "ref", "cpp" or "compile" (benchmarks, tests).
-        state_format: "dynamic" or "fp8" (see the module docstring); a param group's
-            own, saved with it in ``state_dict()`` (a loaded state keeps the format its codes
-            were written in).
+        state_format: "fp8" (default) or "dynamic" (see the module docstring); a param
+            group's own, saved with it in ``state_dict()`` (a loaded state keeps the format its
+            codes were written in, "dynamic" for states saved before the formats existed).
 
     Raises:
         ValueError: a hyper-parameter is out of range, or ``impl`` / ``state_format`` is unknown.
@@ -53,7 +54,7 @@ class AdamW8bit(OutcoreOptimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, min_8bit_size: int = SMALL_TENSOR_NUMEL,
-                 impl: str = "auto", state_format: str = "dynamic") -> None:
+                 impl: str = "auto", state_format: str = DEFAULT_STATE_FORMAT) -> None:
         check_hparams(lr, betas, eps, weight_decay)
         if impl not in IMPLS:
             raise ValueError(f"impl={impl!r} is not one of {IMPLS}")

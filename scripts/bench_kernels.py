@@ -167,7 +167,7 @@ def bench_adamw8bit(c: Ctx) -> dict[str, Any]:
         from outcore.kernels.adamw8bit_triton import adamw8bit_update_triton
 
         def run(st, g, t):
-            adamw8bit_update_triton(st[0], g, *st[1:], k.coefficients(step=t, **hp))
+            adamw8bit_update_triton(st[0], g, *st[1:], k.coefficients(step=t, **hp), k.DEFAULT_STATE_FORMAT)
     else:
         def run(st, g, t):
             k.adamw8bit_update(st[0], g, *st[1:], step=t, impl="auto", **hp)

@@ -22,9 +22,10 @@ per trainable parameter per step, from the optimizer's state and the weights' dt
 measured out-of-core figure is ``scripts/bench_lean_bytes.py``'s).
 
 Measured (2026-11-24, shared 2-core box under heavy load, 200 steps, seq 64, batch 2, lr 5e-5,
-one thread per run): fp32 AdamW final train loss (mean of the last 20 steps) 3.8210, bf16-lean
-AdamW8bit 3.8227 (+0.04%); last step 3.9002 vs 3.8938 (-0.16%); validation 3.8675 vs 3.8759
-(+0.22%); the lean update writes 4.033 B per parameter per step (JSON: /work/notes/lean-convergence.json).
+one thread per run, AdamW8bit's dynamic maps, its default then): fp32 AdamW final train loss
+(mean of the last 20 steps) 3.8210, bf16-lean AdamW8bit 3.8227 (+0.04%); last step 3.9002 vs
+3.8938 (-0.16%); validation 3.8675 vs 3.8759 (+0.22%); the lean update writes 4.033 B per
+parameter per step (JSON: /work/notes/lean-convergence.json).
 
     python scripts/bench_lean_convergence.py [--steps 200] [--seq-len 64] [--quick] [--json OUT]
 

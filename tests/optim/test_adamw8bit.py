@@ -89,9 +89,10 @@ def test_trains_a_tiny_llama_like_adamw(tiny_llama_factory, fmt):
     assert abs(losses[0] - losses[1]) / losses[1] < 0.05  # like fp32 AdamW
 
 
-def test_fp8_state_format_steps_like_its_reference_and_round_trips():
-    """state_format="fp8": FP8 codes (0 is +0.0), the C++ path equal to the reference's bits,
-    and state_dict() carries the format: a default-built optimizer loading it continues the
+@pytest.mark.parametrize("fmt", STATE_FORMATS)
+def test_state_format_steps_like_its_reference_and_round_trips(fmt):
+    """Either state format: the C++ path equal to the reference's bits, and state_dict() carries
+    the format: an optimizer built with the other format, loading it, continues the
     uninterrupted run bit for bit."""
     import copy
 
@@ -107,23 +108,24 @@ def test_fp8_state_format_steps_like_its_reference_and_round_trips():
                 q.grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(t))
             opt.step()
 
-    fresh = AdamW8bit(params(), state_format="fp8")
+    other = next(f for f in STATE_FORMATS if f != fmt)
+    fresh = AdamW8bit(params(), state_format=fmt)
     fresh.step()  # no gradients: nothing happens
     ps = params()
-    opt = AdamW8bit(ps, state_format="fp8", impl="ref")
+    opt = AdamW8bit(ps, state_format=fmt, impl="ref")
     st = opt.state_dict()
-    assert st["param_groups"][0]["state_format"] == "fp8"
+    assert st["param_groups"][0]["state_format"] == fmt
     run(opt, ps, 3)
     if cpu_extension() is not None:
         qs = params()
-        cpp = AdamW8bit(qs, state_format="fp8", impl="cpp")
+        cpp = AdamW8bit(qs, state_format=fmt, impl="cpp")
         run(cpp, qs, 3)
         assert all(torch.equal(a, b) for a, b in zip(ps, qs))
     sd = copy.deepcopy(opt.state_dict())
     resumed_ps = [torch.nn.Parameter(p.detach().clone()) for p in ps]
-    resumed = AdamW8bit(resumed_ps, impl="ref")  # the format comes from the state
+    resumed = AdamW8bit(resumed_ps, impl="ref", state_format=other)  # the format comes from the state
     resumed.load_state_dict(sd)
-    assert resumed.param_groups[0]["state_format"] == "fp8"
+    assert resumed.param_groups[0]["state_format"] == fmt
     run(opt, ps, 2, start=3)
     run(resumed, resumed_ps, 2, start=3)
     assert all(torch.equal(a, b) for a, b in zip(ps, resumed_ps))
@@ -132,7 +134,7 @@ def test_fp8_state_format_steps_like_its_reference_and_round_trips():
 def test_a_state_saved_without_a_format_loads_as_dynamic():
     """Checkpoints from before state_format hold dynamic-map codes."""
     ps = [torch.nn.Parameter(torch.randn(100, 50))]
-    opt = AdamW8bit(ps)
+    opt = AdamW8bit(ps, state_format="dynamic")
     ps[0].grad = torch.randn(100, 50)
     opt.step()
     sd = opt.state_dict()

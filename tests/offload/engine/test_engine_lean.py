@@ -17,7 +17,7 @@ from tests._helpers import causal_lm_loss, needs_cpu_extension, reference_step
 
 LR, WD, VOCAB = 1e-3, 0.01, 4096
 OPTIMIZERS = {"adamw": (AdamW, {}), "adamw8bit": (AdamW8bit, {"min_8bit_size": 256}),
-              "adamw8bit_fp8": (AdamW8bit, {"min_8bit_size": 256, "state_format": "fp8"})}
+              "adamw8bit_dynamic": (AdamW8bit, {"min_8bit_size": 256, "state_format": "dynamic"})}
 
 
 # One intra-op thread (the comparison is exact either way; on a shared 2-core machine the
@@ -55,7 +55,7 @@ def _assert_same_weights(om, model):
     ("adamw8bit", 0.0, False, False),
     ("adamw8bit", 1.0, False, True),  # clipped with gradients kept, pieces
     ("adamw8bit", 1.0, True, True),  # clipped, spilled, pieces
-    ("adamw8bit_fp8", 1.0, False, True),  # the FP8 state format, clipped, pieces
+    ("adamw8bit_dynamic", 1.0, False, True),  # the dynamic maps (FP8 is the default), clipped, pieces
 ])
 def test_lean_out_of_core_equals_lean_in_memory(tiny_llama_factory, tmp_path, name, clip, spill, split,
                                                 compute_device):
