@@ -64,9 +64,10 @@ load per map lookup and lean's rounding in the second requantization loop (2026-
 AVX2): 0.76-0.77 / 0.81 and lean 0.92-0.96 / 0.96. There the AVX2 update runs ~124
 instructions per 8 elements at ~5.2 per cycle (48 of them the lookups, ~55 vector ALU
 operations), against torch's fused AdamW's ~16 cycles per 8 elements on a core.
-The FP8 format's update (2026-12-02, Zen 4, AVX2 forced, ``bench_adamw8bit_cpu.py --formats
-dynamic,fp8``): ~61 instructions per 8 elements instead of ~124, 0.70 ns per element in cache and
-0.79 from DRAM, where torch's fused AdamW took 0.46-0.53 and 0.98 in the same minutes.
+The FP8 format's update (2026-12-02, Zen 4, ``bench_adamw8bit_cpu.py --formats dynamic,fp8``,
+whose driver reads the step's coefficients at run time): with AVX2 forced ~62 instructions per
+8 elements instead of ~124, 0.71 ns per element in cache and 0.82 from DRAM; with AVX-512's 16
+lanes 0.60 and 0.73. Torch's fused AdamW took 0.46-0.53 and 0.98 in an earlier run that day.
 ``scripts/bench_optim.py`` measures whole optimizer steps per ISA level (``--isa``).
 """
 from __future__ import annotations

@@ -501,8 +501,8 @@ std::tuple<torch::Tensor, torch::Tensor> fp8_quantize_blockwise(torch::Tensor x,
     const float inv = is_signed ? fp8_inv<E4M3>(amax) : fp8_inv<E5M2>(amax);
 #ifdef OUTCORE_VEC
     if (len == kBlock) {
-      if (is_signed) Fp8Lanes::encode_block<E4M3, true>(xp + start, inv, cp + start);
-      else Fp8Lanes::encode_block<E5M2, false>(xp + start, inv, cp + start);
+      if (is_signed) fp8_encode_block<E4M3, true>(xp + start, inv, cp + start);
+      else fp8_encode_block<E5M2, false>(xp + start, inv, cp + start);
       continue;
     }
 #endif

@@ -9,8 +9,8 @@
 // quantization a search, which AVX2 can only do with scalar loads or many permutes (~124
 // instructions per 8 elements, adamw8bit_avx2.h). FP8 codes are a float's top bits: decoding
 // 8 or 16 of them is 4 vector instructions (F16C), encoding 8 or 16 about 10, with no table and
-// no memory operation (~58 instructions per 8 elements for the whole update with AVX2, ~30
-// with AVX-512's 16 lanes).
+// no memory operation (~62 instructions per 8 elements for the whole update with AVX2,
+// callgrind; ~29 with AVX-512's 16 lanes, read from the compiler's assembly).
 #pragma once
 
 // One FP8 format: kMant mantissa bits, exponent bias kBias, the fp32 bits of its largest value.
@@ -134,12 +134,13 @@ inline I fp8_magnitude_code(I a) {
 }
 
 // One vector width's part of the FP8 block update (update_blocks_fp8_vec): decoding 8 or 16
-// codes, encoding a block. Same results as fp8_decode / fp8_encode, lane by lane.
+// codes, encoding kEncodeLanes. Same results as fp8_decode / fp8_encode, lane by lane.
 // 8 lanes: AVX2 + FMA + F16C.
 struct Fp8Lanes8 {
   using V = __m256;
   using I = I32x8;
   static constexpr int kLanes = 8;
+  static constexpr int kEncodeLanes = 32;  // four vectors make one 32-byte store
   static V set1(float x) { return _mm256_set1_ps(x); }
   static V load(const float* p) { return _mm256_loadu_ps(p); }
   static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
@@ -176,24 +177,13 @@ struct Fp8Lanes8 {
   // Codes of the 32 values y[0..32) * inv into out: two saturating packs and one dword permute
   // (the packs work per 128-bit lane: dword l of lane h holds vector l's elements 4h..4h+3).
   template <class F, bool kSigned>
-  static void encode32(const float* __restrict y, V inv, uint8_t* __restrict out) {
+  static void encode(const float* __restrict y, V inv, uint8_t* __restrict out) {
     const __m256i a = code16<F, kSigned>(_mm256_mul_ps(_mm256_loadu_ps(y), inv),
                                          _mm256_mul_ps(_mm256_loadu_ps(y + 8), inv));
     const __m256i b = code16<F, kSigned>(_mm256_mul_ps(_mm256_loadu_ps(y + 16), inv),
                                          _mm256_mul_ps(_mm256_loadu_ps(y + 24), inv));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(
         _mm256_packus_epi16(a, b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-  }
-  template <class F, bool kSigned>
-  static void encode_block(const float* __restrict y, float inv, uint8_t* __restrict out) {
-    for (int64_t i = 0; i < kBlock; i += 32) encode32<F, kSigned>(y + i, set1(inv), out + i);
-  }
-  // Both moments' codes, 32 of each at a time
-  static void encode_moments(const float* m, float inv_m, uint8_t* mc, const float* v, float inv_v, uint8_t* vc) {
-    for (int64_t i = 0; i < kBlock; i += 32) {
-      encode32<E4M3, true>(m + i, set1(inv_m), mc + i);
-      encode32<E5M2, false>(v + i, set1(inv_v), vc + i);
-    }
   }
 };
 
@@ -205,6 +195,7 @@ struct Fp8Lanes16 {
   using V = __m512;
   using I = I32x16;
   static constexpr int kLanes = 16;
+  static constexpr int kEncodeLanes = 16;
   static V set1(float x) { return _mm512_set1_ps(x); }
   static V load(const float* p) { return _mm512_loadu_ps(p); }
   static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
@@ -222,7 +213,7 @@ struct Fp8Lanes16 {
     return _mm512_cvtph_ps(h);
   }
   template <class F, bool kSigned>
-  static void encode16(const float* __restrict y, V inv, uint8_t* __restrict out) {
+  static void encode(const float* __restrict y, V inv, uint8_t* __restrict out) {
     const V v = _mm512_mul_ps(_mm512_loadu_ps(y), inv);
     const __m512i bits = _mm512_castps_si512(v);
     const I a = reinterpret_cast<I>(kSigned ? _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF)) : bits);
@@ -231,21 +222,18 @@ struct Fp8Lanes16 {
       code = _mm512_ternarylogic_epi32(code, _mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), 0xF8);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(code));
   }
-  template <class F, bool kSigned>
-  static void encode_block(const float* __restrict y, float inv, uint8_t* __restrict out) {
-    for (int64_t i = 0; i < kBlock; i += 16) encode16<F, kSigned>(y + i, set1(inv), out + i);
-  }
-  static void encode_moments(const float* m, float inv_m, uint8_t* mc, const float* v, float inv_v, uint8_t* vc) {
-    for (int64_t i = 0; i < kBlock; i += 16) {
-      encode16<E4M3, true>(m + i, set1(inv_m), mc + i);
-      encode16<E5M2, false>(v + i, set1(inv_v), vc + i);
-    }
-  }
 };
 using Fp8Lanes = Fp8Lanes16;
 #else
 using Fp8Lanes = Fp8Lanes8;
 #endif
+
+// Codes of one block's values y[0..kBlock) * inv (fp8_quantize_blockwise's full blocks).
+template <class F, bool kSigned>
+inline void fp8_encode_block(const float* __restrict y, float inv, uint8_t* __restrict out) {
+  for (int64_t i = 0; i < kBlock; i += Fp8Lanes::kEncodeLanes)
+    Fp8Lanes::encode<F, kSigned>(y + i, Fp8Lanes::set1(inv), out + i);
+}
 
 // Full blocks [b0, b1) of one tensor, two passes per block (the codes need the block's new
 // absmax): the codes decoded, the moments updated into two L1 buffers with their absmax and
@@ -279,7 +267,11 @@ inline void update_blocks_fp8_vec(IO& io, uint8_t* mc, float* ma, uint8_t* vc, f
     io.store(s, kBlock);
     ma[b] = L::hmax(amax_m);
     va[b] = L::hmax(amax_v);
-    L::encode_moments(mbuf, fp8_inv<E4M3>(ma[b]), mc + s, vbuf, fp8_inv<E5M2>(va[b]), vc + s);
+    const V inv_m = L::set1(fp8_inv<E4M3>(ma[b])), inv_v = L::set1(fp8_inv<E5M2>(va[b]));
+    for (int64_t i = 0; i < kBlock; i += L::kEncodeLanes) {  // both moments, interleaved
+      L::encode<E4M3, true>(mbuf + i, inv_m, mc + s + i);
+      L::encode<E5M2, false>(vbuf + i, inv_v, vc + s + i);
+    }
   }
 }
 #endif  // OUTCORE_VEC
