@@ -63,6 +63,8 @@ FLAGS: tuple[tuple[str, str, Any, str | None, str], ...] = (
     ("--resume", "resume", str, "DIR", "resume from the last checkpoint in this output directory"),
     ("--offload", "offload", str, "MODE", f"where parameters and optimizer state live: {', '.join(OFFLOAD_MODES)}"),
     ("--device", "device", str, "KIND", "where the model computes: auto (the GPU when there is one), cuda or cpu"),
+    ("--update-on", "update_on", str, "WHERE", "on a GPU, where the out-of-core update runs: device (the state "
+     "streams to it) or host (the CPU updates the state in RAM; gradients and weights cross the link)"),
     ("--device-mem", "device_mem", str, "BYTES", "DEVICE tier budget, e.g. 6GiB"),
     ("--host-mem", "host_mem", str, "BYTES", "HOST tier budget, e.g. 16GiB"),
     ("--swap-dir", "swap_dir", str, "DIR", "NVMe swap directory (default: OUTPUT/swap)"),

@@ -19,3 +19,8 @@ STREAMED_MODES = (CPU, NVME)
 #: ``device.resolve_device``): auto is the GPU when there is one; sim, the simulated
 #: accelerator (``simdevice.py``), is for tests and dry runs
 DEVICE_CHOICES = ("auto", "cuda", "cpu", "sim")
+
+#: where an accelerator's out-of-core update runs (``--update-on``, ``FinetuneConfig.update_on``,
+#: ``offload_model``): device (the state streams to it) or host (the state stays in HOST RAM
+#: and the CPU updates it; gradients come down, updated weights go up). One path on a CPU.
+UPDATE_ON = ("device", "host")

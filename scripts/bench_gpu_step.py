@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
     ap.add_argument("--precision", default="exact", help="exact | bf16-lean")
     ap.add_argument("--offload", default="cpu", choices=("cpu", "nvme"), help="where weights and state live")
+    ap.add_argument("--update-on", default="device", choices=("device", "host"),
+                    help="where the update runs (host: the CPU updates the state in RAM; the plan models device)")
     ap.add_argument("--seq", default="1024", help="tokens per sequence, or max: the longest the plan finds")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")
@@ -150,6 +152,7 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
         return load_config(overrides=[f"{k}={v}" for k, v in dict(
             method="full", optim=args.optim, dtype=args.dtype, precision=args.precision, seq_len=seq,
             batch_size=args.batch, activations=activations, offload=args.offload, device=device.type,
+            update_on=args.update_on,
             max_grad_norm=0.0, grad_accum=1, lr=1e-5, weight_decay=0.0, device_mem=args.device_mem,
             seq_tile=args.seq_tile, swap_dir=os.path.join(swap, "swap"), output=os.path.join(swap, "out")).items()])
 
@@ -181,7 +184,8 @@ def _setup(args: argparse.Namespace, swap: str) -> tuple[dict, dict]:
     t = plan.time
     out = {"device": str(device), "device_name": _device_name(device), "shape": args.shape,
            "layers": hf.num_hidden_layers, "params": n_params, "optim": args.optim, "dtype": args.dtype,
-           "precision": args.precision, "offload": args.offload, "seq_len": args.seq, "batch_size": args.batch,
+           "precision": args.precision, "offload": args.offload, "update_on": args.update_on,
+           "seq_len": args.seq, "batch_size": args.batch,
            "activations": args.activations, "seq_tile": args.seq_tile, "device_mem": args.device_mem,
            "device_cap_bytes": cap, "prefetch": plan.prefetch_depth,
            # --seq max: the plan's longest context (run at 64 tokens at most in a dry run)

@@ -110,7 +110,8 @@ run_step_bench() {  # the lead's scripts/bench_gpu_step.py, where it exists (BUD
   local name=$1 file=$2; shift 2
   if [ -f scripts/bench_gpu_step.py ]; then
     run_stage "$name" "$file" "${BUDGET:-$B_STEP}" python3 scripts/bench_gpu_step.py --device "$DEV" "$@" \
-      --seq "${STAGE_SEQ:-$SEQ}" --batch "${STAGE_BATCH:-$BATCH}" "${DRYFLAG[@]}" --json
+      --seq "${STAGE_SEQ:-$SEQ}" --batch "${STAGE_BATCH:-$BATCH}" --update-on "${PROOF_UPDATE_ON:-device}" \
+      "${DRYFLAG[@]}" --json
   else
     echo '{"status": "missing", "reason": "scripts/bench_gpu_step.py is not in this tree"}' > "$WORK/$file"
     finish "$name" "$file" 0 0

@@ -132,4 +132,5 @@ def offload_from_plan(cfg: FinetuneConfig, model: torch.nn.Module, optimizer: An
                          nvme_reserve=plan.tier_total(Tier.NVME) if mode == NVME else 0,
                          nvme_keep=_nvme_during_steps(plan),
                          ranks=None if cfg.uses_adapters else ranks, device=device or cfg.device,
+                         update_on=cfg.update_on,
                          init_weights=None if fill is None else (lambda slot, t: fill(plain_name(slot.name), t)))

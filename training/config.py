@@ -19,7 +19,7 @@ from ..errors import ConfigError
 from ..methods import FULL, GRPO, GRPO_LOSS_TYPES, SCALE_REWARDS, SFT, method_traits, objective
 from ..methods import OBJECTIVES as _OBJECTIVE_REGISTRY
 from ..methods import METHODS as _METHOD_REGISTRY
-from ..offload.modes import DEVICE_CHOICES, NVME, OFFLOAD_MODES
+from ..offload.modes import DEVICE_CHOICES, NVME, OFFLOAD_MODES, UPDATE_ON
 from ..optim import ZO_OPTIMIZERS as _ZO_REGISTRY
 from ..optim import optimizer_names
 
@@ -99,6 +99,9 @@ class FinetuneConfig:
     # --- memory ----------------------------------------------------------------
     offload: str = NVME  # one of OFFLOAD_MODES: where weights and optimizer state live (none = in memory)
     device: str = "auto"  # one of DEVICE_CHOICES: where the model computes (auto: the GPU when there is one)
+    # one of UPDATE_ON: on a GPU, where the out-of-core update runs (host: the state stays in RAM and
+    # the CPU updates it; only gradients and weights cross the link; the plan models device only)
+    update_on: str = "device"
     device_mem: str | None = None  # DEVICE tier budget, e.g. "2GiB" (None = plan decides)
     host_mem: str | None = None  # HOST tier budget
     swap_dir: str | None = None  # NVMe swap directory (default: OUTPUT/swap)
@@ -135,7 +138,8 @@ class FinetuneConfig:
         _choice("method", self.method, tuple(_METHOD_REGISTRY))  # (a method registered since import too)
         objective(self.objective)  # (an objective registered since import too)
         for name, allowed in (("optim", OPTIMIZERS), ("dtype", DTYPES), ("precision", PRECISIONS),
-                              ("offload", OFFLOAD_MODES), ("device", DEVICE_CHOICES), ("ui", UI_MODES),
+                              ("offload", OFFLOAD_MODES), ("device", DEVICE_CHOICES), ("update_on", UPDATE_ON),
+                              ("ui", UI_MODES),
                               ("activations", ACTIVATION_POLICIES), ("activations_compress", ACTIVATION_COMPRESSION)):
             _choice(name, getattr(self, name), allowed)
         self.seq_tile = parse_seq_tile(self.seq_tile)

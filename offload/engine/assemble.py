@@ -19,7 +19,7 @@ import torch
 from ...errors import ConfigError
 from ..device import Device
 from ..distributed import Ranks
-from ..modes import NVME, STREAMED_MODES
+from ..modes import NVME, STREAMED_MODES, UPDATE_ON
 from ..store import Tier, TieredStore
 from .engine import OutOfCoreEngine
 from .sharding import shard_units
@@ -36,7 +36,8 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
                   resident_trainable: bool = False, master_weights: bool = True,
                   quantize_frozen: bool = False, spill_grads: bool | None = None,
                   split_state: bool = True, nvme_reserve: int = 0, nvme_keep: int = 0,
-                  ranks: Ranks | None = None, device: str | torch.device | None = "auto") -> OutOfCoreEngine:
+                  ranks: Ranks | None = None, device: str | torch.device | None = "auto",
+                  update_on: str = "device") -> OutOfCoreEngine:
     """Move ``model``'s weights and ``optimizer``'s state into tiers and wrap it for training.
 
     Args:
@@ -77,18 +78,25 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
         ranks: data parallelism (``world > 1``): each rank keeps 1/world of the state (``sharding.py``).
         device: where the model computes (``auto``: the GPU when there is one; see
             ``device.resolve_device``): the DEVICE tier's memory, and, on an accelerator, where
-            the update runs.
+            the update runs unless ``update_on`` says otherwise.
+        update_on: where an accelerator's out-of-core update runs: ``device`` (the state streams
+            to it) or ``host`` (the state stays in HOST RAM and the CPU updates it; gradients
+            come down and updated weights go up: ZeRO-Offload's placement). The same on a
+            CPU-only machine.
 
     Returns:
         The :class:`OutOfCoreEngine`, owning the store (``close()`` it when done).
 
     Raises:
-        ConfigError: an unknown ``offload``, ``nvme`` without a swap dir, or sharding what cannot be.
+        ConfigError: an unknown ``offload`` or ``update_on``, ``nvme`` without a swap dir, or sharding
+            what cannot be.
         BudgetError: a cap smaller than one unit needs.
         SwapDirError: the swap dir cannot be used (``DiskFullError``: too small for ``nvme_reserve``).
     """
     if offload not in STREAMED_MODES:
         raise ConfigError(f"offload={offload!r}: the out-of-core engine takes 'cpu' or 'nvme'")
+    if update_on not in UPDATE_ON:
+        raise ConfigError(f"update_on={update_on!r}: choose one of {', '.join(UPDATE_ON)}")
     units = causal_lm_units(model, resident_trainable=resident_trainable, head_modules=head_modules)
     world = shard_units(units, optimizer, ranks, resident_trainable)
     homes = homes or [(Tier.NVME if offload == NVME else Tier.HOST,) * 3] * len(units)
@@ -100,7 +108,8 @@ def offload_model(model: torch.nn.Module, optimizer: Any, *, offload: str, swap_
     store, memory = _store_and_memory(units, optimizer, homes, k, device, caps=(device_bytes, host_bytes),
                                       swap_dir=swap_dir, nvme_reserve=nvme_reserve, init_weights=init_weights,
                                       master_weights=master_weights, spill_grads=spill_grads,
-                                      quantize_frozen=quantize_frozen, split_state=split_state)
+                                      quantize_frozen=quantize_frozen, split_state=split_state,
+                                      update_on_device=update_on == "device")
     try:
         engine = OutOfCoreEngine(model, optimizer, memory, prefetch=k, max_grad_norm=max_grad_norm,
                                  grad_accum=grad_accum, units=units, spill_grads=spill_grads, world=world)
@@ -116,7 +125,7 @@ def _store_and_memory(units: list[Unit], optimizer: Any, homes: list[tuple[Tier,
                       device: str | torch.device | None, *,
                       caps: tuple[int | None, int | None], swap_dir: str | Path | None, nvme_reserve: int,
                       init_weights: Callable[[Any, torch.Tensor], None] | None, master_weights: bool,
-                      spill_grads: bool, quantize_frozen: bool, split_state: bool
+                      spill_grads: bool, quantize_frozen: bool, split_state: bool, update_on_device: bool
                       ) -> tuple[TieredStore, Callable[[list[Unit], Any], StoreUnitMemory]]:
     """The store of ``units``, its DEVICE and HOST arenas sized to their working set, and the
     engine's unit memory on it.
@@ -128,6 +137,7 @@ def _store_and_memory(units: list[Unit], optimizer: Any, homes: list[tuple[Tier,
         caps: ``(device_bytes, host_bytes)``: caps on the arenas (None: the working set).
         swap_dir, nvme_reserve, init_weights, master_weights, spill_grads, quantize_frozen,
             split_state: as in :func:`offload_model`.
+        update_on_device: ``offload_model``'s ``update_on == "device"``.
 
     Returns:
         ``(store, memory)``: ``memory(units, optimizer)`` makes the ``StoreUnitMemory`` the
@@ -141,7 +151,8 @@ def _store_and_memory(units: list[Unit], optimizer: Any, homes: list[tuple[Tier,
         raise ConfigError("offload=nvme needs a swap directory; pass --swap-dir DIR on a fast disk")
     compute = Device(device)  # the store's, closed with it
     need = working_set(units, optimizer, homes, k, master_weights=master_weights, spill_grads=spill_grads,
-                       quantize_frozen=quantize_frozen, split_state=split_state, accelerator=compute.is_accelerator)
+                       quantize_frozen=quantize_frozen, split_state=split_state, accelerator=compute.is_accelerator,
+                       update_on_device=update_on_device)
     device_bytes, host_bytes = caps
     device_cap = min(device_bytes, need.device) if device_bytes else need.device
     host = min(host_bytes, need.host) if host_bytes else need.host
@@ -150,6 +161,7 @@ def _store_and_memory(units: list[Unit], optimizer: Any, homes: list[tuple[Tier,
 
     def memory(us: list[Unit], opt: Any) -> StoreUnitMemory:
         return StoreUnitMemory(store, us, opt, homes=homes, init_weights=init_weights, master_weights=master_weights,
-                               quantize_frozen=quantize_frozen, state_piece_bytes=need.piece_bytes)
+                               quantize_frozen=quantize_frozen, state_piece_bytes=need.piece_bytes,
+                               update_on_device=update_on_device)
 
     return store, memory

@@ -48,15 +48,18 @@ class StoreUnitMemory:
         homes: per unit, the home tiers of (weights, state, spilled gradients); overrides ``home``.
         init_weights, master_weights, quantize_frozen, state_piece_bytes: how each unit is
             laid out, see :func:`unit_layout.store_unit`.
+        update_on_device: on an accelerator, the update runs there (the state streams to it);
+            False: in HOST, by the CPU (see :meth:`_tier`).
     """
 
     def __init__(self, store: TieredStore, units: list[Unit], optimizer: Any, home: Tier = Tier.NVME,
                  homes: list[tuple[Tier, Tier, Tier]] | None = None, init_weights: InitWeights | None = None,
                  master_weights: bool = True, quantize_frozen: bool = False,
-                 state_piece_bytes: int | None = None):
+                 state_piece_bytes: int | None = None, update_on_device: bool = True):
         self.store = store
         self.units = units
-        self._accelerator = store.device.is_accelerator
+        #: where optimizer state and spilled gradients are used: the tier the update runs in
+        self.state_tier = Tier.DEVICE if store.device.is_accelerator and update_on_device else Tier.HOST
         homes = homes or [(Tier.parse(home),) * 3] * len(units)
         # The arenas sit empty while the units are laid out: their pages go back to the OS
         # (faulted in again when training uses them), so the setup's peak — a large unit's
@@ -67,18 +70,19 @@ class StoreUnitMemory:
         for unit in units:
             store_unit(store, unit, optimizer, homes[unit.index], init_weights=init_weights,
                        master_weights=master_weights, quantize_frozen=quantize_frozen,
-                       state_piece_bytes=state_piece_bytes, state_streams=self._accelerator)
+                       state_piece_bytes=state_piece_bytes, state_streams=self.state_tier is Tier.DEVICE)
         self._spare: torch.Tensor | None = None  # a released unit's dequantized buffer (_decode_buffer)
         self._tick = count()  # orders kept copies for eviction, least recently released first
         self._writes: list[Future] = []  # write-backs and evictions in flight
 
     def _tier(self, part: Part) -> Tier:
         """Where ``part`` is used: weights where they compute (DEVICE); optimizer state and
-        spilled gradients where the update runs — on an accelerator the device too (the state
-        streams to it: its memory bandwidth, not a consumer CPU's, does the update, and the
-        link it crosses carries fewer bytes than the disk it comes from), on a CPU-only
+        spilled gradients where the update runs (``state_tier``) — on an accelerator the device
+        by default (the state streams to it: its memory bandwidth, not a consumer CPU's, does the
+        update), or HOST RAM when the CPU updates there (``update_on_device=False``: the state's
+        bytes stay off the link, the gradients and updated weights cross it); on a CPU-only
         machine the HOST RAM the CPU updates in."""
-        return Tier.DEVICE if part.kind == WEIGHTS or self._accelerator else Tier.HOST
+        return Tier.DEVICE if part.kind == WEIGHTS else self.state_tier
 
     # -- fetch, use, release ----------------------------------------------------------
     def prefetch(self, index: int, part: Part | str) -> None:
@@ -239,7 +243,9 @@ class StoreUnitMemory:
         flat = self.acquire(index, GRADS)
         for k, g in grads.items():
             view = unit.view(flat, unit.slots[k])
-            view.copy_(g) if first else view.add_(g)
+            # (updated on the host, the spilled gradient is in HOST and g on the device: the
+            # sum is taken in HOST, the same arithmetic)
+            view.copy_(g) if first else view.add_(g.to(view.device))
         return flat
 
     def spill_pieces(self, index: int, segment: Callable[[int, int, int], torch.Tensor], dtype: torch.dtype,
@@ -262,7 +268,7 @@ class StoreUnitMemory:
             for k, lo, hi in piece.segments:
                 flat = segment(k, lo, hi)
                 if not first:
-                    torch.add(spilled[at:at + hi - lo], flat, out=flat)
+                    torch.add(spilled[at:at + hi - lo].to(flat.device), flat, out=flat)
                 spilled[at:at + hi - lo].copy_(flat)
                 at += hi - lo
             self.release(unit.index, part, dirty=True)  # written home and evicted, asynchronously

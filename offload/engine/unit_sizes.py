@@ -278,13 +278,15 @@ def weights_arena_bytes(unit: Unit, quantize_frozen: bool = False) -> int:
 
 def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier, Tier]], k: int, *,
                 master_weights: bool, spill_grads: bool, quantize_frozen: bool, split_state: bool,
-                accelerator: bool = False) -> WorkingSet:
+                accelerator: bool = False, update_on_device: bool = True) -> WorkingSet:
     """The DEVICE and HOST arena bytes the engine needs with ``k`` units prefetched.
 
-    On an ``accelerator`` the update runs there (``StoreUnitMemory.tier``): the state window
-    is in DEVICE, and HOST holds the HOST-homed copies plus the pinned staging of what moves
-    between the disk and the device — a weights window and a state window in flight (freed as
-    each copy lands, ``Transfers.drop_staging``).
+    On an ``accelerator`` the update runs there unless ``update_on_device`` is False
+    (``StoreUnitMemory._tier``): the state window is in DEVICE, and HOST holds the HOST-homed
+    copies plus the pinned staging of what moves between the disk and the device — a weights
+    window and a state window in flight (freed as each copy lands, ``Transfers.drop_staging``).
+    Updated on the host, the state window is in HOST as on a CPU-only machine, and only the
+    weights are staged.
 
     DEVICE: at the turn of the step the engine wants the unit computing, its borrowed (tied)
     weights, k prefetched and k+1 kept for the next phase: 2k + 3 units. Kept units are only
@@ -297,6 +299,7 @@ def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier, Tier
     it in block-sized pieces when the optimizer is element-wise (its spilled gradient too). A
     spilled gradient homed in HOST while the state streams from disk is HOST-home bytes.
     """
+    state_on_device = accelerator and update_on_device
     w_sizes = [weights_arena_bytes(u, quantize_frozen) for u in units]
     kinds_of = unit_state_bytes(units, optimizer, master_weights, spill_grads)
     s_sizes = [_arena_bytes(kinds) for kinds in kinds_of]
@@ -306,7 +309,7 @@ def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier, Tier
     window_sizes, host_home = list(s_sizes), 0
     for i, unit in enumerate(units):
         on_disk = homes[i][1] is Tier.NVME
-        streams = on_disk or accelerator  # (on an accelerator every state streams to the update)
+        streams = on_disk or state_on_device  # (on an accelerator every state streams to the update)
         ram = ram_kinds({k: n for k, n in kinds_of[i].items() if k != GRADS}) if on_disk else set()
         grads_in_ram = on_disk and spill_grads and homes[i][2] is Tier.HOST
         if grads_in_ram:
@@ -314,8 +317,8 @@ def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier, Tier
         split = state_pieces(unit, optimizer, piece_bytes, master_weights) if streams or unit.shard else None
         # the kinds kept in RAM never stream from the disk, but reach the device with the rest
         handles = {k: n for k, n in (split.handle_bytes if split else kinds_of[i]).items()
-                   if k not in ram or accelerator}
-        if split is not None and spill_grads and (not grads_in_ram or accelerator):
+                   if k not in ram or state_on_device}
+        if split is not None and spill_grads and (not grads_in_ram or state_on_device):
             handles[GRADS] = max((p.hi - p.lo for p in split.pieces), default=0) * _unit_dtype(unit).itemsize
         window_sizes[i] = _arena_bytes(handles)
         pieces = len(split.pieces) if split else 1
@@ -327,9 +330,11 @@ def working_set(units: list[Unit], optimizer, homes: list[tuple[Tier, Tier, Tier
     host_home += sum(s for s, (_, hs, _) in zip(s_sizes, homes) if hs is Tier.HOST)
     streams = any(hs is Tier.NVME for _, hs, _ in homes)
     weights = step_window(w_sizes, 2 * k + 2, [u.borrows for u in units])
-    if not accelerator:
-        return WorkingSet(device=weights, host=host_home + (window_bytes(window_sizes, k + 1) if streams else 0),
-                          piece_bytes=piece_bytes)
+    if not state_on_device:
+        state_window = window_bytes(window_sizes, k + 1) if streams else 0
+        weights_disk = [w for w, (hw, _, _) in zip(w_sizes, homes) if hw is Tier.NVME]
+        staging = window_bytes(weights_disk, k + 1) if accelerator and weights_disk else 0
+        return WorkingSet(device=weights, host=host_home + state_window + staging, piece_bytes=piece_bytes)
     on_disk = [i for i, (hw, hs, _) in enumerate(homes) if Tier.NVME in (hw, hs)]
     staging = (window_bytes([w_sizes[i] for i in on_disk], k + 1)
                + window_bytes([window_sizes[i] for i in on_disk], k + 1)) if on_disk else 0

@@ -20,11 +20,14 @@ import torch
 
 from ...optim._base import PIECE_OFFSETS
 from ..distributed import global_norm
+from ..store import Tier
 from .scratch import WidenedGrads
 from .sharding import gather_weights, reduce_grads
 from .tied_embedding import dense_range
 from .unit_memory import StoreUnitMemory
 from .units import GRADS, WEIGHTS, Part, Unit
+
+HOST_DEVICE = torch.device("cpu")  # where HOST-tier tensors live
 
 
 def _clip_coef(max_norm: float, total_norm: torch.Tensor) -> torch.Tensor:
@@ -73,6 +76,8 @@ class UnitUpdater:
         self.lr = self.group["lr"]
         self.clip_norm: torch.Tensor | None = None  # this step's global norm (spill mode)
         self.widen = WidenedGrads()  # mixed precision: the fp32 gradients, one buffer for every unit
+        # weights computed on an accelerator, state updated in HOST by the CPU (update_on="host")
+        self.on_host = mem.state_tier is Tier.HOST and mem.store.device.is_accelerator
 
     def prefetch_state(self, unit: Unit) -> None:
         """Start fetching what the unit's update reads first: its state (the first piece of a
@@ -89,14 +94,24 @@ class UnitUpdater:
         them); ``offsets``: where each of a piece's segments starts in its tensor."""
         group = {**self.group, "lr": self.lr, PIECE_OFFSETS: offsets}
         with torch.no_grad():
+            if self.on_host:
+                # Updated in HOST: the gradients come down (a blocking copy: it waits for the
+                # backward that made them); spilled ones are there already.
+                grads = [g.to(HOST_DEVICE) for g in grads]
             if states and "master" in states[0]:
                 # Mixed precision: the update runs on the fp32 master with the gradient
                 # made fp32 (exact: a widening cast), then the master is rounded into
-                # the 16-bit weights the next forward computes with.
+                # the 16-bit weights the next forward computes with (in HOST first when
+                # updated there: 2 bytes per weight go up instead of 4; the same rounding).
                 masters = [st.pop("master") for st in states]
                 self.optimizer.update(masters, self.widen(grads, masters[0].dtype), states, group)
                 for p, m in zip(params, masters):
-                    p.copy_(m)
+                    p.copy_(m.to(p.dtype) if self.on_host else m)
+            elif self.on_host:  # the weights are their own masters: down, updated, up
+                local = [p.to(HOST_DEVICE) for p in params]
+                self.optimizer.update(local, grads, states, group)
+                for p, w in zip(params, local):
+                    p.copy_(w)
             else:
                 self.optimizer.update(params, grads, states, group)
 
@@ -127,12 +142,13 @@ class UnitUpdater:
         params = [unit.view(unit.step.bound, unit.slots[k]) for k in train]
         if self.spill:
             flat = self.mem.acquire(unit.index, GRADS)
-            for k in train:
-                unit.slots[k].param.grad = unit.view(flat, unit.slots[k])
-            if self.clip_norm is not None:  # torch's own clip arithmetic, on this unit's share
-                torch.nn.utils.clip_grads_with_norm_([unit.slots[k].param for k in train],
-                                                     self.max_grad_norm, self.clip_norm)
-        grads = [dense_range(g, 0, g.numel()).view(g.shape) for g in (unit.slots[k].param.grad for k in train)]
+            grads = [unit.view(flat, unit.slots[k]) for k in train]
+            if self.clip_norm is not None:  # clip_grads_with_norm_'s arithmetic, on this unit's share
+                coef = _clip_coef(self.max_grad_norm, self.clip_norm).to(flat.device)
+                for g in grads:
+                    g.mul_(coef)
+        else:
+            grads = [dense_range(g, 0, g.numel()).view(g.shape) for g in (unit.slots[k].param.grad for k in train)]
         self._step(params, grads, [unit.layout.state_views(flats, k) for k in train])
         if self.spill:
             self.mem.release(unit.index, GRADS, dirty=False)
@@ -168,7 +184,7 @@ class UnitUpdater:
                     g = dense_range(unit.slots[k].param.grad, lo, hi)
                 at += hi - lo
                 if coef is not None:
-                    g.mul_(coef)  # clip_grads_with_norm_'s arithmetic, on this segment
+                    g.mul_(coef.to(g.device))  # clip_grads_with_norm_'s arithmetic, on this segment
                 grads.append(g)
                 states.append(layout.segment_state(i, k, lo, hi, whole, parts))
             self._step(params, grads, states, offsets=[lo for _, lo, _ in piece.segments])
@@ -189,7 +205,7 @@ class UnitUpdater:
         # a pieced unit's spill leaves the total in the gradient itself (flat is None)
         totals = list(grads.values()) if flat is None else [unit.view(flat, unit.slots[k]) for k in grads]
         if last and self.max_grad_norm > 0:
-            unit.step.norms = _norms(totals)
+            unit.step.norms = self._where_clipped(_norms(totals))
         if flat is not None:
             self.mem.release(unit.index, GRADS, dirty=True)  # written home and evicted, asynchronously
         for k in grads:
@@ -203,9 +219,14 @@ class UnitUpdater:
         self.mem.spill_pieces(unit.index, lambda k, lo, hi: reduced[shard.at(k, lo):shard.at(k, hi)],
                               reduced.dtype, first)
         if last and self.max_grad_norm > 0:
-            unit.step.norms = _norms([reduced])  # the range's total (the padding is zeros)
+            unit.step.norms = self._where_clipped(_norms([reduced]))  # the range's total (the padding is zeros)
         for k in grads:
             unit.slots[k].param.grad = None
+
+    def _where_clipped(self, norms: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The norms where the spilled gradients are clipped: updated in HOST, a pieced unit's
+        (taken on the device, where its totals are) come down beside the others'."""
+        return [n.to(HOST_DEVICE) for n in norms] if self.on_host else norms
 
     def clip(self, params: list[torch.nn.Parameter], units: list[Unit]) -> torch.Tensor | None:
         """Clip by the global norm (same arithmetic as ``clip_grad_norm_``); returns the norm."""

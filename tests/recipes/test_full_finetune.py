@@ -217,6 +217,29 @@ def test_offloaded_resume_is_bit_identical(tiny_run_inputs, tmp_path, dtype, com
     assert ("master" in a) == (dtype == "bfloat16") and a["w"].dtype == getattr(torch, dtype)
 
 
+def test_update_on_host_equals_the_cpu_run_and_resumes(tiny_run_inputs, tmp_path):
+    """``update_on=host`` on the simulated accelerator (forward and backward there, the state
+    updated in RAM by the CPU's kernels) gives the CPU run's losses and checkpoints, bit for
+    bit, and an interrupted run resumes to the same bits (bf16 compute, fp32 masters in RAM)."""
+    from tests.conftest import require_sim
+
+    require_sim()
+    kw = dict(offload="nvme", max_steps=5, eval_every=0, dtype="bfloat16", max_grad_norm=1.0, save_every=2)
+    cpu = finetune(_cfg(tiny_run_inputs, tmp_path / "cpu", device="cpu", **kw), sink=RecordingSink())
+    host = finetune(_cfg(tiny_run_inputs, tmp_path / "host", device="sim", update_on="host", **kw),
+                    sink=RecordingSink())
+    with pytest.raises(KeyboardInterrupt):
+        finetune(_cfg(tiny_run_inputs, tmp_path / "cut", device="sim", update_on="host", **kw),
+                 sink=RecordingSink(interrupt_at=3))
+    resumed = finetune(load_config(overrides={"resume": str(tmp_path / "cut"), "ui": "none"}), sink=RecordingSink())
+    assert cpu.losses == host.losses and host.losses[-2:] == resumed.losses[-2:]
+    unit = Path("checkpoints") / "step_000005" / "units" / "block.1.safetensors"
+    a, b, c = (load_file(str(r.output_dir / unit)) for r in (cpu, host, resumed))
+    assert "master" in a and a.keys() == b.keys() == c.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]), k
+
+
 def test_export_command_and_its_errors(tiny_run_inputs, tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
