@@ -57,6 +57,12 @@ class Workload:
     #: parameters it covers per second (a rank of ``world`` updates 1/world of them); 0: the
     #: update is costed by the bytes it moves (a GPU's, adapters', ZO's)
     update_params_per_s: float = 0.0
+    #: on a GPU, the update runs on the CPU where the state lives (``update_on=host``)
+    update_on_host: bool = False
+
+    @property
+    def update_on_device(self) -> bool:  # the update runs on the GPU, its state streamed there
+        return self.budgets.device_kind != "cpu" and not self.update_on_host
 
     def tiled(self, batch: int) -> bool:  # a micro-batch of ``batch`` sequences runs its MLPs tiled
         return self.spec.tileable_mlp and 0 < self.seq_tile < batch * self.seq_len
@@ -308,7 +314,7 @@ def account(w: Workload, lay: Layout, batch: int) -> Accounting:
             acc.add(Tier.HOST, "NVMe staging", 2 * max(nvme_g))
             acc.add(Tier.HOST, "alignment", 2 * slack)
         state = [us[i].state_piece or us[i].state for i in streamed if us[i].state]
-        if w.budgets.device_kind != "cpu" and state:  # the update runs on the GPU: its state streams there
+        if w.update_on_device and state:  # the update runs on the GPU: its state streams there
             acc.add(Tier.DEVICE, "state window", window_bytes(state, k + 1))
             acc.add(Tier.DEVICE, "alignment", (k + 2) * kinds * slack)
     dev, host, nvme = activation_bytes(w, lay.activations, batch, lay.prefetch)
@@ -342,7 +348,10 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
     (:func:`weight_reads`). Dirty state goes back once per step; frozen (LoRA) weights
     are never written. On a GPU the update runs there (``StoreUnitMemory.tier``): a streamed
     unit's state crosses to the device and back, its updated weights go back to their home,
-    and gradients never leave the device unless they are spilled.
+    and gradients never leave the device unless they are spilled. Updated on the host
+    (``update_on_host``), the state stays put: the gradients come down once, the updated
+    weights go up (and, without masters, come down first), and the CPU's update, timed, stalls
+    the GPU (``UnitUpdater._step`` copies and updates in the engine's thread).
     """
     b, us = w.budgets, w.units
     io = dict.fromkeys(LINKS, 0)
@@ -361,14 +370,19 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
                 io["nvme_write"] += u.weights  # the updated weights (compute dtype) go back once
         if cuda and trains_weights:
             io["d2h"] += u.weights  # the updated weights, to their home
+        if cuda and trains_weights and w.update_on_host and u.grads:
+            io["h2d"] += u.weights  # the update's new weights, up
+            io["d2h"] += u.weights if not _has_masters(w) else 0  # the weights the update steps, down
         if w.has_backward and u.grads:
-            if w.grads_kept and lay.grads[i] != Tier.DEVICE:  # spilled home, read back by the update
+            if cuda and w.update_on_host:
+                io["d2h"] += u.grads  # spilled or not, down once to the update
+            elif w.grads_kept and lay.grads[i] != Tier.DEVICE:  # spilled home, read back by the update
                 io["d2h"] += u.grads if cuda else 0
                 io["h2d"] += u.grads if cuda else 0
             if w.grads_kept and lay.grads[i] == Tier.NVME:
                 io["nvme_write"] += u.grads
                 io["nvme_read"] += u.grads
-        if cuda and u.state:  # the update's state, to the GPU and back
+        if cuda and u.state and not w.update_on_host:  # the update's state, to the GPU and back
             io["h2d"] += u.state
             io["d2h"] += u.state
         if lay.state[i] == Tier.NVME and u.state:
@@ -386,7 +400,7 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
             "h2d": io["h2d"] / (b.h2d_gbps * gb), "d2h": io["d2h"] / (b.d2h_gbps * gb)}
 
     compute_s = sum(w.compute_s(u, batch * w.seq_len, lay.activations) for u in us)
-    mem = (b.host_mem_gbps if b.device_kind == "cpu" else b.device_mem_gbps) * gb
+    mem = (b.device_mem_gbps if w.update_on_device else b.host_mem_gbps) * gb
     update_s = _update_bytes(w) / mem
     if w.update_params_per_s > 0:  # the optimizer timed; a master's widening and rounding moved bytes
         trained = sum(u.trainable for u in us if u.grads)
@@ -400,7 +414,7 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
         # thread taken from the compute's parallel regions stalls all of them, so these add up.
         lanes = [compute_s + update_s + copy + hashing, disk]
         busy = compute_s + update_s
-    else:  # every update runs on the GPU, between the backward's kernels
+    else:  # every update runs on the GPU between the backward's kernels, or on the CPU while it waits
         lanes = [compute_s + update_s, disk, copy, hashing]
         busy = compute_s + update_s
     # Write-behind runs on into the next step (nothing waits for it at the turn), and the
@@ -434,16 +448,20 @@ def _update_bytes(w: Workload) -> int:
             + sum(2 * u.adapter_bytes for u in us))
 
 
+def _has_masters(w: Workload) -> bool:
+    """Does the update step fp32 masters of 16-bit weights (precision exact)?"""
+    return w.has_backward and DTYPE_BYTES[w.dtype] != 4 and w.method.trains_weights and w.masters
+
+
 def _master_pass_bytes(w: Workload) -> int:
     """Mixed precision with fp32 masters (update.py) widens each gradient to fp32 (read it, write
     4 bytes, which the update then reads instead) and rounds the fp32 master into the 16-bit
     weight (read 4 bytes, write the weight). bf16-lean widens and rounds in cache-sized chunks
     (or block by block in the 8-bit kernel): no more RAM traffic than the weights' and
     gradients' own."""
-    c = DTYPE_BYTES[w.dtype]
-    if not (w.has_backward and c != 4 and w.method.trains_weights and w.masters):
+    if not _has_masters(w):
         return 0
-    return sum((12 + c) * u.trainable for u in w.units if u.grads)
+    return sum((12 + DTYPE_BYTES[w.dtype]) * u.trainable for u in w.units if u.grads)
 
 
 def _read_in_forward(w: Workload, lay: Layout, i: int) -> bool:

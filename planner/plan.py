@@ -35,7 +35,7 @@ from ..bytesize import format_bytes
 from ..dtypes import DTYPE_BYTES, EXACT, torch_dtype
 from ..errors import BudgetError, ConfigError
 from ..methods import SFT, method_traits, objective
-from ..offload.modes import CPU, NONE, NVME, OFFLOAD_MODES
+from ..offload.modes import CPU, NONE, NVME, OFFLOAD_MODES, UPDATE_ON
 from ..offload.modes import AUTO as AUTO_OFFLOAD
 from ..offload.store import Tier
 from ..optim import ZO_OPTIMIZERS, optimizer_names
@@ -303,7 +303,7 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
               max_grad_norm: float = 0.0, optim_args: Mapping[str, Any] | None = None, lora_r: int = 8,
               lora_targets: tuple[str, ...] | list[str] = ("q_proj", "k_proj", "v_proj", "o_proj"),
               activations_compress: str = "none", world: int = 1, seq_tile: "int | str" = SEQ_TILE_AUTO,
-              padding_free: bool = False) -> MemoryPlan:
+              padding_free: bool = False, update_on: str = "device") -> MemoryPlan:
     """Decide where every tensor of a fine-tuning run lives.
 
     Args:
@@ -329,6 +329,8 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
             positions (``activations/tiled_block.py``).
         padding_free: packed documents kept apart: attention takes a ``[batch, 1, seq, seq]``
             mask, which every block saves in the compute dtype, and no block is tiled whole.
+        update_on: on a GPU, where an out-of-core update runs (``offload.modes.UPDATE_ON``): ``device``,
+            the state streamed to it, or ``host``, the CPU updating it in RAM (its rate timed here).
 
     Returns:
         The :class:`MemoryPlan`.
@@ -338,6 +340,8 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
         BudgetError: no layout fits; the message names the tier, its budget, the need and what to try.
     """
     _check_inputs(method, optim, dtype, seq_len, batch_size, activations, offload, grad_accum)
+    if update_on not in UPDATE_ON:
+        raise ConfigError(f"update_on={update_on!r} is not one of: {', '.join(UPDATE_ON)}")
     if budgets is None:
         if probe is None:
             raise ConfigError("make_plan needs budgets= or probe= (outcore.offload.store.probe.probe_hardware())")
@@ -353,14 +357,15 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
     budgets = budgets.with_flops(dtype)
     rates = measure_compute_rates(spec, torch_dtype(dtype), seq_len, budgets.device_kind,
                                   budgets.flops) if measure else None
-    # a CPU full fine-tune's update timed too (each of ``world`` ranks updates 1/world of it)
-    timed_update = measure and budgets.device_kind == "cpu" and method == "full"
+    # a full fine-tune's update on the CPU timed too (each of ``world`` ranks updates 1/world of it)
+    on_host = update_on == "host" and budgets.device_kind != "cpu"
+    timed_update = measure and (budgets.device_kind == "cpu" or on_host) and method == "full"
     update_rate = measure_update_rate(spec, optim, optim_args, precision) * world if timed_update else 0.0
     from ..activations.tiling import resolve_tile
 
     tile = resolve_tile(seq_tile, spec.intermediate, DTYPE_BYTES[dtype])
     w = Workload(spec, ub, traits, dtype, seq_len, grads_kept, budgets, activations_compress, rates, tile,
-                 padding_free, masters=precision == EXACT, update_params_per_s=update_rate)
+                 padding_free, masters=precision == EXACT, update_params_per_s=update_rate, update_on_host=on_host)
     policies = list(_AUTO_ACTIVATIONS) if activations == AUTO else [activations]
     if not traits.backward:
         policies = [ActivationPolicy.KEEP.value]  # nothing is saved for a backward
@@ -419,6 +424,9 @@ def _build(w: Workload, lay: Layout, st: StepTime, batch: int, offload: str, met
                      "and updates run after the backward")
     if w.budgets.device_kind == "cpu" and lay.streamed:
         notes.append("CPU-only: DEVICE is a RAM arena; copy and I/O threads share the cores with compute")
+    elif lay.streamed and w.has_backward and any(u.state for u in w.units) and w.update_on_host:
+        notes.append("each update runs on the CPU where its optimizer state lives (update_on=host): "
+                     "gradients come down and updated weights go up, the state never crosses the link")
     elif lay.streamed and w.has_backward and any(u.state for u in w.units):
         notes.append("each update runs on the GPU, its optimizer state streamed there and back: the copy "
                      "link carries no more than the disk, and a GPU updates faster than a consumer CPU")
@@ -469,6 +477,7 @@ def plan_for_config(cfg: Any, model_or_hf_config: Any, probe: Any = None,
                      lora_r=cfg.lora_r, lora_targets=tuple(cfg.lora_targets),
                      activations_compress=cfg.activations_compress, seq_tile=cfg.seq_tile,
                      padding_free=bool(getattr(cfg, "padding_free", False)),
+                     update_on=getattr(cfg, "update_on", "device"),
                      world=world if cfg.offload != NONE else 1)  # (in memory, every rank a replica)
 
 

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--precision", default="exact", help="exact | bf16-lean")
     ap.add_argument("--offload", default="cpu", choices=("cpu", "nvme"), help="where weights and state live")
     ap.add_argument("--update-on", default="device", choices=("device", "host"),
-                    help="where the update runs (host: the CPU updates the state in RAM; the plan models device)")
+                    help="where the update runs (host: the CPU updates the state in RAM, at the rate the plan times)")
     ap.add_argument("--seq", default="1024", help="tokens per sequence, or max: the longest the plan finds")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3, help="timed steps (after one warm-up)")

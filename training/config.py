@@ -100,7 +100,7 @@ class FinetuneConfig:
     offload: str = NVME  # one of OFFLOAD_MODES: where weights and optimizer state live (none = in memory)
     device: str = "auto"  # one of DEVICE_CHOICES: where the model computes (auto: the GPU when there is one)
     # one of UPDATE_ON: on a GPU, where the out-of-core update runs (host: the state stays in RAM and
-    # the CPU updates it; only gradients and weights cross the link; the plan models device only)
+    # the CPU updates it, at the rate the plan times; only gradients and weights cross the link)
     update_on: str = "device"
     device_mem: str | None = None  # DEVICE tier budget, e.g. "2GiB" (None = plan decides)
     host_mem: str | None = None  # HOST tier budget

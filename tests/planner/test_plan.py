@@ -255,6 +255,28 @@ def test_nvme_mode_streams_everything_and_counts_the_traffic(tiny):
     assert cuda.tier_bytes["DEVICE"]["state window"] > 0
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_update_on_host_keeps_the_state_off_the_link(tiny, dtype):
+    """On a GPU with ``update_on=host`` the state never crosses the link and needs no DEVICE
+    window; each trained weight's gradient comes down once and its update goes up (fp32: the
+    weights come down first, having no master). A bad value is one line."""
+    gpu = dataclasses.replace(BIG, device_kind="cuda")
+    device, host = (make_plan(tiny, offload="nvme", budgets=gpu, seq_len=32, dtype=dtype, update_on=where)
+                    for where in ("device", "host"))
+    c = 2 if dtype == "bfloat16" else 4  # bytes of a weight and of its gradient
+    n = _total(tiny)
+    state = sum(u.state_bytes for u in host.units)  # (bytes the device path moves each way)
+    up, down = (host.time.io_bytes[k] - device.time.io_bytes[k] for k in ("h2d", "d2h"))
+    assert state > c * n
+    assert up == c * n - state  # the new weights go up instead of the state
+    assert down == c * n + (c * n if dtype == "float32" else 0) - state  # the gradients (and fp32 weights)
+    assert "state window" in device.tier_bytes["DEVICE"] and "state window" not in host.tier_bytes["DEVICE"]
+    assert host.time.io_bytes["nvme_read"] == device.time.io_bytes["nvme_read"]
+    assert any("update_on=host" in note for note in host.notes)
+    with pytest.raises(ConfigError, match="update_on='gpu'"):
+        make_plan(tiny, offload="nvme", budgets=gpu, seq_len=32, update_on="gpu")
+
+
 def test_clipping_keeps_gradients_in_ram_while_it_holds_them(tiny):
     plan = make_plan(tiny, offload="nvme", budgets=BIG, seq_len=32, max_grad_norm=1.0)
     n = _total(tiny)
