@@ -110,8 +110,7 @@ run_step_bench() {  # the lead's scripts/bench_gpu_step.py, where it exists (BUD
   local name=$1 file=$2; shift 2
   if [ -f scripts/bench_gpu_step.py ]; then
     run_stage "$name" "$file" "${BUDGET:-$B_STEP}" python3 scripts/bench_gpu_step.py --device "$DEV" "$@" \
-      --seq "${STAGE_SEQ:-$SEQ}" --batch "${STAGE_BATCH:-$BATCH}" --update-on "${PROOF_UPDATE_ON:-device}" \
-      "${DRYFLAG[@]}" --json
+      --seq "${STAGE_SEQ:-$SEQ}" --batch "${STAGE_BATCH:-$BATCH}" "${DRYFLAG[@]}" --json
   else
     echo '{"status": "missing", "reason": "scripts/bench_gpu_step.py is not in this tree"}' > "$WORK/$file"
     finish "$name" "$file" 0 0
@@ -202,6 +201,9 @@ finish ds_ops ds_ops.json "$DS_RC" $((DS_END - DS_START))
 rm -f "$WORK/ds_ops.rc"
 
 run_step_bench step_1.7b step_1.7b.json --shape 1.7b
+# the same step with the optimizer state updated by the CPU where it lives (HOST RAM): only
+# gradients and weights cross the link (torchao's CPU offload moves as little)
+run_step_bench step_1.7b_host step_1.7b_host.json --shape 1.7b --update-on host
 run_step_bench step_8b step_8b.json --shape 8b --blocks 4
 # long context: the 8B shape (2 of its 32 blocks: the length hardly depends on the depth, the
 # checkpoints of the others are off the GPU) at the longest context the plan finds under the 24 GiB

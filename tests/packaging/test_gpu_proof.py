@@ -21,10 +21,10 @@ import pytest
 from tests._helpers import ROOT
 
 SCRIPTS = ROOT / "scripts"
-STAGES = ("setup", "env", "tests", "kernels", "ds_ops", "step_1.7b", "step_8b", "long_8b", "peers_1.7b", "peers_8b",
-          "race")
-FILES = ("setup.json", "env.json", "tests.json", "kernels.json", "ds_ops.json", "step_1.7b.json", "step_8b.json",
-         "long_8b.json", "peers_1.7b.json", "peers_8b.json", "peers.json", "race.json", "summary.json")
+STAGES = ("setup", "env", "tests", "kernels", "ds_ops", "step_1.7b", "step_1.7b_host", "step_8b", "long_8b",
+          "peers_1.7b", "peers_8b", "race")
+FILES = ("setup.json", "env.json", "tests.json", "kernels.json", "ds_ops.json", "step_1.7b.json", "step_1.7b_host.json",
+         "step_8b.json", "long_8b.json", "peers_1.7b.json", "peers_8b.json", "peers.json", "race.json", "summary.json")
 
 
 def _scripts_on_path(monkeypatch):
@@ -86,7 +86,7 @@ def test_dry_run_writes_every_stage(tmp_path):
     if importlib.util.find_spec("deepspeed") is None:
         assert data["ds_ops.json"]["status"] == "skipped" and data["ds_ops.json"]["reason"]
     if not (ROOT / "scripts" / "bench_gpu_step.py").exists():
-        for name in ("step_1.7b.json", "step_8b.json", "long_8b.json", "race.json"):
+        for name in ("step_1.7b.json", "step_1.7b_host.json", "step_8b.json", "long_8b.json", "race.json"):
             assert data[name]["status"] == "missing" and data[name]["reason"]
     else:  # the long-context stage planned its length, then (a dry run) trained 64 tokens of it
         long = data["long_8b.json"]
