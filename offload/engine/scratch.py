@@ -1,4 +1,6 @@
-"""A reusable buffer for the fp32 copies of 16-bit gradients a mixed-precision update reads.
+"""Reusable buffers of the update: the fp32 copies of 16-bit gradients a mixed-precision update
+reads (:class:`WidenedGrads`), and the pinned HOST copies an update on the host moves through
+(:class:`HostStaging`).
 
 The update of a unit in bf16 / fp16 runs on its fp32 master weights with its gradients
 widened to fp32 (``update.py``). ``g.to(float32)`` would allocate a fresh tensor the size
@@ -11,6 +13,8 @@ The widening is exact, so the update's bits are the same either way.
 from __future__ import annotations
 
 import torch
+
+from ..device import pinned_empty
 
 #: each gradient's copy starts at a multiple of this many elements (64 bytes of fp32), as a
 #: fresh allocation would: vector kernels see the alignment they would otherwise get
@@ -47,3 +51,29 @@ class WidenedGrads:
             wide.copy_(g)
             out.append(wide)
         return out
+
+
+class HostStaging:
+    """Pinned HOST buffers, one per use (``slot``), that an update on the host copies a unit's
+    gradients down and its new weights up through: a copy from pageable memory crosses PCIe at
+    about half the rate (CUDA stages it through its own pinned buffer), and pinning a fresh
+    buffer per unit costs more than the copy. Grown to the largest unit seen, reused after.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def views(self, slot: str, like: list[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """One HOST tensor per tensor of ``like`` (its shape; ``dtype``, else its dtype), views of
+        ``slot``'s pinned buffer, each 64-byte aligned (valid until ``slot``'s next call)."""
+        sizes = [t.numel() * (dtype or t.dtype).itemsize for t in like]
+        starts, at = [], 0
+        for n in sizes:
+            starts.append(at)
+            at += -(-n // 64) * 64
+        buf = self._buffers.get(slot)
+        if buf is None or buf.numel() < at:
+            self._buffers[slot] = None  # (the old buffer's pages go before the new one is pinned)
+            buf = self._buffers[slot] = pinned_empty(self.device, max(at, 64))
+        return [buf[s:s + n].view(dtype or t.dtype).view(t.shape) for t, s, n in zip(like, starts, sizes)]

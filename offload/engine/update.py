@@ -21,7 +21,7 @@ import torch
 from ...optim._base import PIECE_OFFSETS
 from ..distributed import global_norm
 from ..store import Tier
-from .scratch import WidenedGrads
+from .scratch import HostStaging, WidenedGrads
 from .sharding import gather_weights, reduce_grads
 from .tied_embedding import dense_range
 from .unit_memory import StoreUnitMemory
@@ -78,6 +78,7 @@ class UnitUpdater:
         self.widen = WidenedGrads()  # mixed precision: the fp32 gradients, one buffer for every unit
         # weights computed on an accelerator, state updated in HOST by the CPU (update_on="host")
         self.on_host = mem.state_tier is Tier.HOST and mem.store.device.is_accelerator
+        self.staging = HostStaging(mem.store.device.torch_device) if self.on_host else None
 
     def prefetch_state(self, unit: Unit) -> None:
         """Start fetching what the unit's update reads first: its state (the first piece of a
@@ -95,9 +96,9 @@ class UnitUpdater:
         group = {**self.group, "lr": self.lr, PIECE_OFFSETS: offsets}
         with torch.no_grad():
             if self.on_host:
-                # Updated in HOST: the gradients come down (a blocking copy: it waits for the
-                # backward that made them); spilled ones are there already.
-                grads = [g.to(HOST_DEVICE) for g in grads]
+                # Updated in HOST: the gradients come down through pinned memory (blocking
+                # copies: they wait for the backward that made them); spilled ones are there.
+                grads = self._down("grads", grads)
             if states and "master" in states[0]:
                 # Mixed precision: the update runs on the fp32 master with the gradient
                 # made fp32 (exact: a widening cast), then the master is rounded into
@@ -105,10 +106,13 @@ class UnitUpdater:
                 # updated there: 2 bytes per weight go up instead of 4; the same rounding).
                 masters = [st.pop("master") for st in states]
                 self.optimizer.update(masters, self.widen(grads, masters[0].dtype), states, group)
-                for p, m in zip(params, masters):
-                    p.copy_(m.to(p.dtype) if self.on_host else m)
+                rounded = self.staging.views("weights", params) if self.on_host else masters
+                for p, m, r in zip(params, masters, rounded):
+                    if self.on_host:
+                        r.copy_(m)  # rounded in HOST, into pinned memory
+                    p.copy_(r)
             elif self.on_host:  # the weights are their own masters: down, updated, up
-                local = [p.to(HOST_DEVICE) for p in params]
+                local = self._down("weights", params)
                 self.optimizer.update(local, grads, states, group)
                 for p, w in zip(params, local):
                     p.copy_(w)
@@ -222,6 +226,15 @@ class UnitUpdater:
             unit.step.norms = self._where_clipped(_norms([reduced]))  # the range's total (the padding is zeros)
         for k in grads:
             unit.slots[k].param.grad = None
+
+    def _down(self, slot: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` in HOST: those on the device copied into ``slot``'s pinned views."""
+        if all(t.device == HOST_DEVICE for t in tensors):
+            return tensors
+        views = self.staging.views(slot, tensors)
+        for v, t in zip(views, tensors):
+            v.copy_(t)
+        return views
 
     def _where_clipped(self, norms: list[torch.Tensor]) -> list[torch.Tensor]:
         """The norms where the spilled gradients are clipped: updated in HOST, a pieced unit's
