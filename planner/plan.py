@@ -175,9 +175,11 @@ class MemoryPlan:
 # Planning
 # ---------------------------------------------------------------------------------
 def _check_inputs(method: str, optim: str, dtype: str, seq_len: int, batch_size: int, activations: str,
-                  offload: str, grad_accum: int) -> None:
+                  offload: str, grad_accum: int, update_on: str) -> None:
     if offload not in OFFLOAD_MODES:
         raise ConfigError(f"offload={offload!r} is not one of: {', '.join(OFFLOAD_MODES)}")
+    if update_on not in UPDATE_ON:
+        raise ConfigError(f"update_on={update_on!r} is not one of: {', '.join(UPDATE_ON)}")
     if activations not in ACTIVATION_POLICIES:
         raise ConfigError(f"activations={activations!r} is not one of: {', '.join(ACTIVATION_POLICIES)}")
     if optim not in optimizer_names():
@@ -339,9 +341,7 @@ def make_plan(model: Any, *, method: str = "full", optim: str = "adamw", dtype: 
         ConfigError: a bad argument (named).
         BudgetError: no layout fits; the message names the tier, its budget, the need and what to try.
     """
-    _check_inputs(method, optim, dtype, seq_len, batch_size, activations, offload, grad_accum)
-    if update_on not in UPDATE_ON:
-        raise ConfigError(f"update_on={update_on!r} is not one of: {', '.join(UPDATE_ON)}")
+    _check_inputs(method, optim, dtype, seq_len, batch_size, activations, offload, grad_accum, update_on)
     if budgets is None:
         if probe is None:
             raise ConfigError("make_plan needs budgets= or probe= (outcore.offload.store.probe.probe_hardware())")
@@ -424,11 +424,11 @@ def _build(w: Workload, lay: Layout, st: StepTime, batch: int, offload: str, met
                      "and updates run after the backward")
     if w.budgets.device_kind == "cpu" and lay.streamed:
         notes.append("CPU-only: DEVICE is a RAM arena; copy and I/O threads share the cores with compute")
-    elif lay.streamed and w.has_backward and any(u.state for u in w.units) and w.update_on_host:
-        notes.append("each update runs on the CPU where its optimizer state lives (update_on=host): "
-                     "gradients come down and updated weights go up, the state never crosses the link")
     elif lay.streamed and w.has_backward and any(u.state for u in w.units):
-        notes.append("each update runs on the GPU, its optimizer state streamed there and back: the copy "
+        notes.append("each update runs on the CPU where its optimizer state lives (update_on=host): "
+                     "gradients come down and updated weights go up, the state never crosses the link"
+                     if w.update_on_host else
+                     "each update runs on the GPU, its optimizer state streamed there and back: the copy "
                      "link carries no more than the disk, and a GPU updates faster than a consumer CPU")
     if w.rates:
         r = w.rates

@@ -106,18 +106,15 @@ class UnitUpdater:
                 # updated there: 2 bytes per weight go up instead of 4; the same rounding).
                 masters = [st.pop("master") for st in states]
                 self.optimizer.update(masters, self.widen(grads, masters[0].dtype), states, group)
-                rounded = self.staging.views("weights", params) if self.on_host else masters
-                for p, m, r in zip(params, masters, rounded):
-                    if self.on_host:
-                        r.copy_(m)  # rounded in HOST, into pinned memory
-                    p.copy_(r)
+                new = self._stage("weights", masters, like=params) if self.on_host else masters
             elif self.on_host:  # the weights are their own masters: down, updated, up
-                local = self._down("weights", params)
-                self.optimizer.update(local, grads, states, group)
-                for p, w in zip(params, local):
-                    p.copy_(w)
+                new = self._down("weights", params)
+                self.optimizer.update(new, grads, states, group)
             else:
                 self.optimizer.update(params, grads, states, group)
+                return
+            for p, w in zip(params, new):
+                p.copy_(w)
 
     # -- one unit -------------------------------------------------------------------------
     def update(self, unit: Unit) -> None:
@@ -227,14 +224,19 @@ class UnitUpdater:
         for k in grads:
             unit.slots[k].param.grad = None
 
-    def _down(self, slot: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``tensors`` in HOST: those on the device copied into ``slot``'s pinned views."""
-        if all(t.device == HOST_DEVICE for t in tensors):
-            return tensors
-        views = self.staging.views(slot, tensors)
+    def _stage(self, slot: str, tensors: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` copied into ``slot``'s pinned HOST views shaped and typed as ``like`` (a
+        device tensor comes down; a HOST one is cast there, as fp32 masters to 16-bit weights)."""
+        views = self.staging.views(slot, like)
         for v, t in zip(views, tensors):
             v.copy_(t)
         return views
+
+    def _down(self, slot: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``tensors`` in HOST: as they are if they are there already, else staged."""
+        if all(t.device == HOST_DEVICE for t in tensors):
+            return tensors
+        return self._stage(slot, tensors, like=tensors)
 
     def _where_clipped(self, norms: list[torch.Tensor]) -> list[torch.Tensor]:
         """The norms where the spilled gradients are clipped: updated in HOST, a pieced unit's
