@@ -19,7 +19,7 @@
 // mutex: autograd runs backward on its own device thread, I/O threads copy on side streams.
 //
 // Torch internals used, all through installed headers and exported symbols, present from
-// 2.6 through 2.13: the boxed fallback and redispatchBoxed, Dispatcher::getAllOpNames,
+// 2.6 through 2.13 (c10::DeviceAllocator from 2.9, used where present): the boxed fallback and redispatchBoxed, Dispatcher::getAllOpNames,
 // at::detail::empty_generic, at::native::{view, _reshape_alias, as_strided_tensorimpl,
 // resize_, set_, set_tensor_, set_storage_cpu_} (backend-neutral: they reallocate through
 // the storage's own allocator), StorageImpl::set_data_ptr, DeviceGuardImplInterface,
@@ -40,6 +40,10 @@
 #include <ATen/ops/set_native.h>
 #include <ATen/ops/view_native.h>
 #include <c10/core/CPUAllocator.h>
+#if __has_include(<c10/core/CachingDeviceAllocator.h>)
+#include <c10/core/CachingDeviceAllocator.h>  // c10::DeviceAllocator (torch 2.9+)
+#define SIM_DEVICE_ALLOCATOR 1
+#endif
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/SmallVector.h>
 #include <torch/library.h>
@@ -352,7 +356,19 @@ void count_alloc(State& s, size_t n) {
   s.peak = std::max(s.peak, s.allocated);
 }
 
-struct DeviceAllocator final : c10::Allocator {
+int stream_index(const c10::Stream& s);
+void record_use(const c10::DataPtr& p, int stream);
+
+// A c10::DeviceAllocator where torch has one (2.9+): torch.accelerator's memory calls
+// (empty_cache, memory_stats …), which accelerate and transformers make on whatever
+// accelerator is current, reach it as they reach CUDA's caching allocator.
+#ifdef SIM_DEVICE_ALLOCATOR
+using AllocatorBase = c10::DeviceAllocator;
+#else
+using AllocatorBase = c10::Allocator;
+#endif
+
+struct SimAllocator final : AllocatorBase {
   c10::DataPtr allocate(size_t nbytes) override {
     if (nbytes == 0) return {nullptr, kSim};
     const size_t size = round_up(nbytes);
@@ -384,8 +400,36 @@ struct DeviceAllocator final : c10::Allocator {
   }
   c10::DeleterFnPtr raw_deleter() const override { return nullptr; }  // contexts are Blocks
   void copy_data(void* dst, const void* src, size_t n) const override { std::memcpy(dst, src, n); }
+#ifdef SIM_DEVICE_ALLOCATOR
+  bool initialized() override { return true; }
+  void emptyCache(c10::MempoolId_t) override {
+    Lock g(st().mu);
+    release_finished(st());
+    trim(st());
+  }
+  void recordStream(const c10::DataPtr& p, c10::Stream s) override { record_use(p, stream_index(s)); }
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex) override {
+    State& s = st();
+    Lock g(s.mu);
+    c10::CachingDeviceAllocator::DeviceStats d;
+    auto& a = d.allocated_bytes[static_cast<size_t>(c10::CachingDeviceAllocator::StatType::AGGREGATE)];
+    a.current = s.allocated;
+    a.peak = s.peak;
+    auto& r = d.reserved_bytes[static_cast<size_t>(c10::CachingDeviceAllocator::StatType::AGGREGATE)];
+    r.current = r.peak = s.allocated + static_cast<int64_t>(s.pooled);
+    return d;
+  }
+  void resetAccumulatedStats(c10::DeviceIndex) override {}
+  // pure in torch's newer DeviceAllocator (no `override`: absent from 2.9-2.13's); unused by outcore
+  void* raw_alloc(size_t) { TORCH_CHECK(false, "sim: raw_alloc is not supported"); }
+  void raw_delete(void*) { TORCH_CHECK(false, "sim: raw_delete is not supported"); }
+  void resetPeakStats(c10::DeviceIndex) override {
+    Lock g(st().mu);
+    st().peak = st().allocated;
+  }
+#endif
 };
-DeviceAllocator g_device;
+SimAllocator g_device;
 
 c10::DataPtr adopt(c10::DataPtr cpu, size_t n, int t, uint64_t seq) {
   if (!cpu.get() || n == 0) return {nullptr, kSim};

@@ -332,6 +332,25 @@ def test_report_counts_copies_and_memory(dev):
     assert simdevice.report()["peak_bytes"] >= base + 4096
 
 
+def test_torch_accelerator_memory_calls_reach_the_allocator(dev):
+    """accelerate's Trainer and friends call torch.accelerator's memory API on whatever accelerator
+    is current; on CUDA it reaches the caching allocator, so here it must reach sim's."""
+    if not hasattr(torch.accelerator, "memory_stats"):
+        pytest.skip(f"torch {torch.__version__} has no torch.accelerator memory API")
+    torch.accelerator.empty_cache()
+    base = torch.accelerator.memory_allocated()
+    assert base == simdevice.report()["allocated_bytes"]
+    x = torch.empty(1 << 20, device=dev)  # 4 MiB
+    assert torch.accelerator.memory_allocated() == base + (4 << 20)
+    assert torch.accelerator.memory_reserved() >= base + (4 << 20)
+    del x
+    assert torch.accelerator.max_memory_allocated() >= base + (4 << 20)
+    torch.accelerator.reset_peak_memory_stats()
+    assert torch.accelerator.max_memory_allocated() == torch.accelerator.memory_allocated() == base
+    torch.accelerator.empty_cache()  # the freed block goes back to the OS: reserved no longer counts it
+    assert torch.accelerator.memory_reserved() == base
+
+
 def test_threads_issue_copies_while_compute_runs(dev):
     """The engine's I/O threads copy on side streams while the main thread computes."""
     side = _side()
