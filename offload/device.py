@@ -123,6 +123,13 @@ def compute_event(device: torch.device | None) -> Any:
     return event
 
 
+def host_wait(event: Any) -> None:
+    """Block this thread until the work before ``event`` (from :func:`compute_event`) is done;
+    None (off accelerators) has nothing to wait for. Another thread may queue work meanwhile."""
+    if event is not None:
+        event.synchronize()
+
+
 def hand_to_compute(tensor: torch.Tensor, event: Any) -> None:
     """Let the compute stream of ``tensor``'s device use ``tensor``, made on a side stream
     whose copy ``event`` marks: compute waits for the event (on the device, not the host)

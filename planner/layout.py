@@ -350,8 +350,9 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
     unit's state crosses to the device and back, its updated weights go back to their home,
     and gradients never leave the device unless they are spilled. Updated on the host
     (``update_on_host``), the state stays put: the gradients come down once, the updated
-    weights go up (and, without masters, come down first), and the CPU's update, timed, stalls
-    the GPU (``UnitUpdater._step`` copies and updates in the engine's thread).
+    weights go up (and, without masters, come down first), and the CPU's update, timed, runs
+    beside the backward: a unit's while the GPU computes the one before it (``UnitUpdater._start``;
+    after the backward, with gradients kept for clipping or accumulation, it stalls the GPU).
     """
     b, us = w.budgets, w.units
     io = dict.fromkeys(LINKS, 0)
@@ -414,6 +415,10 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
         # thread taken from the compute's parallel regions stalls all of them, so these add up.
         lanes = [compute_s + update_s + copy + hashing, disk]
         busy = compute_s + update_s
+    elif w.update_on_host and not w.grads_kept:  # the CPU updates a unit while the GPU computes the next
+        computing = _overlapped_backward(w, lay, batch, update_s)
+        lanes = [computing, disk, copy, hashing]
+        busy = computing
     else:  # every update runs on the GPU between the backward's kernels, or on the CPU while it waits
         lanes = [compute_s + update_s, disk, copy, hashing]
         busy = compute_s + update_s
@@ -429,6 +434,21 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
     step = prologue + max(lanes)
     return StepTime(io_bytes=io, io_s=io_s, compute_s=compute_s, update_s=update_s, step_s=step,
                     exposed_io_s=max(0.0, step - busy))
+
+
+def _overlapped_backward(w: Workload, lay: Layout, batch: int, update_s: float) -> float:
+    """Seconds of the step's compute with each unit's CPU update beside the next unit's backward:
+    the forwards, the last unit's backward alone, then per unit the longer of its update and the
+    backward of the unit before it, and the first unit's update alone (``update_s`` shared out by
+    trained parameters)."""
+    us, tokens = w.units, batch * w.seq_len
+    trained = sum(u.trainable for u in us if u.grads) or 1
+    total = [w.compute_s(u, tokens, lay.activations) for u in us]
+    fwd = [t / max(w.compute_passes(u, lay.activations, batch), 1.0) for t, u in zip(total, us)]
+    bwd = [t - f for t, f in zip(total, fwd)]
+    upd = [update_s * u.trainable / trained if u.grads else 0.0 for u in us]
+    return (sum(fwd) + bwd[-1] + sum(max(upd[i], bwd[i - 1]) for i in range(len(us) - 1, 0, -1))
+            + upd[0])
 
 
 def _streamed_state(u: UnitBytes, nbytes: int) -> int:

@@ -426,7 +426,8 @@ def _build(w: Workload, lay: Layout, st: StepTime, batch: int, offload: str, met
         notes.append("CPU-only: DEVICE is a RAM arena; copy and I/O threads share the cores with compute")
     elif lay.streamed and w.has_backward and any(u.state for u in w.units):
         notes.append("each update runs on the CPU where its optimizer state lives (update_on=host): "
-                     "gradients come down and updated weights go up, the state never crosses the link"
+                     "gradients come down and updated weights go up, the state never crosses the link; "
+                     "a unit updates while the GPU computes the next unit's backward"
                      if w.update_on_host else
                      "each update runs on the GPU, its optimizer state streamed there and back: the copy "
                      "link carries no more than the disk, and a GPU updates faster than a consumer CPU")

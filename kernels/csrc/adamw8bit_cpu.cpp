@@ -581,14 +581,18 @@ void frugal_update(torch::Tensor param, torch::Tensor grad, torch::Tensor cols, 
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("adamw8bit_update", &adamw8bit_update, "fused block-wise 8-bit AdamW update (in place)");
+  // The GIL is let go while a kernel runs: an update on a worker thread (the host update beside
+  // an accelerator's backward) must not stall the Python hooks of the thread computing.
+  using nogil = py::call_guard<py::gil_scoped_release>;
+  m.def("adamw8bit_update", &adamw8bit_update, "fused block-wise 8-bit AdamW update (in place)", nogil());
   m.def("adamw8bit_update_many", &adamw8bit_update_many,
         "fused block-wise 8-bit AdamW update of many tensors (in place, one parallel region; "
-        "bf16-lean weights too)");
-  m.def("quantize_blockwise", &quantize_blockwise, "block-wise 8-bit quantization (the update's path)");
-  m.def("fp8_quantize_blockwise", &fp8_quantize_blockwise, "block-wise FP8 quantization (the update's path)");
-  m.def("stochastic_round", &stochastic_round, "fp32 -> bf16 stochastic rounding (in place)");
-  m.def("frugal_update", &frugal_update, "FRUGAL's step of one fp32 matrix (in place, one pass)");
-  m.def("nf4_quantize", &nf4_quantize, "block-wise NF4 quantization (QLoRA's, bitsandbytes' bits)");
+        "bf16-lean weights too)", nogil());
+  m.def("quantize_blockwise", &quantize_blockwise, "block-wise 8-bit quantization (the update's path)", nogil());
+  m.def("fp8_quantize_blockwise", &fp8_quantize_blockwise, "block-wise FP8 quantization (the update's path)",
+        nogil());
+  m.def("stochastic_round", &stochastic_round, "fp32 -> bf16 stochastic rounding (in place)", nogil());
+  m.def("frugal_update", &frugal_update, "FRUGAL's step of one fp32 matrix (in place, one pass)", nogil());
+  m.def("nf4_quantize", &nf4_quantize, "block-wise NF4 quantization (QLoRA's, bitsandbytes' bits)", nogil());
 }
 #endif  // OUTCORE_KERNEL_ONLY

@@ -290,8 +290,7 @@ class OutOfCoreEngine:
             self._unbind(i)  # a borrowed (tied) weight was needed for this unit's backward only
         if self.step_in_backward:
             self._bind(index)  # (bound by its backward already: this hold ends with the update)
-            self.updater.update(unit)
-            self._unbind(index, dirty=True)
+            self.updater.update(unit, then=lambda: self._unbind(index, dirty=True))
             return
         if self.spill:
             self.updater.spill_grads(unit, first=self._micro == 0, last=self._micro == self._n_micro - 1)
@@ -385,6 +384,8 @@ class OutOfCoreEngine:
         """Run one micro-batch's forward and backward inside (saved weights kept by reference)."""
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
+        if self.updater is not None:
+            self.updater.finish()  # the backward's last update, if the CPU is still on it
         self._release_frozen()  # the first units' backward has no later one to end it
         self._micro += 1
 
@@ -415,8 +416,8 @@ class OutOfCoreEngine:
                 if self.spill:
                     self.mem.prefetch(ahead.index, GRADS)
             self._bind(unit.index)
-            self.updater.update(unit)
-            self._unbind(unit.index, dirty=True)
+            self.updater.update(unit, then=lambda i=unit.index: self._unbind(i, dirty=True))
+        self.updater.finish()
 
     # ------------------------------------------------------------- the run's view
     @property
@@ -444,6 +445,8 @@ class OutOfCoreEngine:
     def close(self) -> None:
         """Finish every write, take the hooks off, free the arenas and remove the swap directory."""
         try:
+            if self.updater is not None:
+                self.updater.close()  # (before the arenas it updates in go)
             self.mem.flush()
         finally:
             self.remove()

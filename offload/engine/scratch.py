@@ -12,6 +12,8 @@ The widening is exact, so the update's bits are the same either way.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..device import pinned_empty
@@ -64,9 +66,12 @@ class HostStaging:
         self.device = device
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def views(self, slot: str, like: list[torch.Tensor], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    def views(self, slot: str, like: list[torch.Tensor], dtype: torch.dtype | None = None,
+              before_growing: Callable[[], None] | None = None) -> list[torch.Tensor]:
         """One HOST tensor per tensor of ``like`` (its shape; ``dtype``, else its dtype), views of
-        ``slot``'s pinned buffer, each 64-byte aligned (valid until ``slot``'s next call)."""
+        ``slot``'s pinned buffer, each 64-byte aligned (valid until ``slot``'s next call).
+        ``before_growing()`` runs before a buffer too small is freed: a queued copy may still
+        read it."""
         sizes = [t.numel() * (dtype or t.dtype).itemsize for t in like]
         starts, at = [], 0
         for n in sizes:
@@ -74,6 +79,8 @@ class HostStaging:
             at += -(-n // 64) * 64
         buf = self._buffers.get(slot)
         if buf is None or buf.numel() < at:
+            if buf is not None and before_growing is not None:
+                before_growing()
             self._buffers[slot] = None  # (the old buffer's pages go before the new one is pinned)
             buf = self._buffers[slot] = pinned_empty(self.device, max(at, 64))
         return [buf[s:s + n].view(dtype or t.dtype).view(t.shape) for t, s, n in zip(like, starts, sizes)]

@@ -14,11 +14,13 @@ unit's spilled gradients, kept for the clip (``UnitStep.norms``), are written he
 """
 from __future__ import annotations
 
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
 
 import torch
 
 from ...optim._base import PIECE_OFFSETS
+from ..device import compute_event, host_wait
 from ..distributed import global_norm
 from ..store import Tier
 from .scratch import HostStaging, WidenedGrads
@@ -79,6 +81,11 @@ class UnitUpdater:
         # weights computed on an accelerator, state updated in HOST by the CPU (update_on="host")
         self.on_host = mem.state_tier is Tier.HOST and mem.store.device.is_accelerator
         self.staging = HostStaging(mem.store.device.torch_device) if self.on_host else None
+        # Updated on the host in the backward, a unit's CPU update runs on this thread while the
+        # accelerator computes the backward of the units before it (``_start`` / ``finish``).
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="outcore-host-update") if self.on_host else None
+        self._in_flight: tuple[Unit, Callable[[], None], Future, list[torch.Tensor]] | None = None
+        self._up_done: Any = None  # the last copy up of new weights: their HOST buffer is free after it
 
     def prefetch_state(self, unit: Unit) -> None:
         """Start fetching what the unit's update reads first: its state (the first piece of a
@@ -117,9 +124,16 @@ class UnitUpdater:
                 p.copy_(w)
 
     # -- one unit -------------------------------------------------------------------------
-    def update(self, unit: Unit) -> None:
+    def update(self, unit: Unit, then: Callable[[], None]) -> None:
         """Update ``unit`` (its weights bound: ``unit.step.bound``) in place and free its gradients.
-        Its state is released dirty (written back asynchronously); the caller releases the weights."""
+        Its state is released dirty (written back asynchronously); ``then()`` runs once its new
+        weights are in place (the caller releases them there): at once, or — updated on the host
+        in the backward — at the next unit's update or :meth:`finish`, the CPU's update having
+        run meanwhile beside the accelerator's backward."""
+        self.finish()
+        if self.on_host and not (self.spill or unit.layout.pieces or unit.shard):
+            self._start(unit, then)
+            return
         train = unit.train_slots
         self.mem.before_update(unit.index, WEIGHTS)
         # data parallel, in the backward: sum the ranks' gradients, keep this rank's range
@@ -137,6 +151,70 @@ class UnitUpdater:
             self.mem.drop_grads(unit.index)
         for kind in unit.layout.whole_kinds:
             self.mem.release(unit.index, kind, dirty=True)
+        then()
+
+    # -- one unit updated by the CPU while the accelerator computes ---------------------------
+    def _start(self, unit: Unit, then: Callable[[], None]) -> None:
+        """Bring the unit's gradients (and weights without masters) down and hand its update to
+        the worker thread. The copies are queued on the compute stream, behind the backward that
+        made the gradients: the gradients are freed at once (the allocator reuses their memory
+        behind the copy) and the worker waits for the copies' event, not the caller."""
+        train = unit.train_slots
+        self.mem.before_update(unit.index, WEIGHTS)
+        flats = {kind: self.mem.acquire(unit.index, kind) for kind in unit.layout.whole_kinds}
+        states = [unit.layout.state_views(flats, k) for k in train]
+        params = [unit.view(unit.step.bound, unit.slots[k]) for k in train]
+        grads = self._stage("grads", [dense_range(g, 0, g.numel()).view(g.shape)
+                                      for g in (unit.slots[k].param.grad for k in train)], non_blocking=True)
+        masters = "master" in states[0]
+        weights = None if masters else self._stage("weights", params, non_blocking=True)
+        landed = compute_event(params[0].device)
+        for k in train:
+            unit.slots[k].param.grad = None
+        job = self._worker.submit(self._host_step, landed, params, grads, weights, states)
+        self._in_flight = (unit, then, job, params)
+
+    def _host_step(self, landed: Any, params: list[torch.Tensor], grads: list[torch.Tensor],
+                   weights: list[torch.Tensor] | None, states: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """The worker's part: the update in HOST once the copies down have landed; returns the new
+        weights in pinned HOST memory (the rounded masters, or the weights updated in place).
+        ``landed`` is behind the unit before's copy up on the compute stream: its HOST buffer is
+        free once ``landed`` is."""
+        host_wait(landed)
+        group = {**self.group, "lr": self.lr, PIECE_OFFSETS: None}
+        with torch.no_grad():
+            if weights is not None:
+                self.optimizer.update(weights, grads, states, group)
+                return weights
+            masters = [st.pop("master") for st in states]
+            self.optimizer.update(masters, self.widen(grads, masters[0].dtype), states, group)
+            return self._stage("weights", masters, like=params)
+
+    def finish(self) -> None:
+        """Complete the unit updating on the worker, if any: its new weights are copied up (queued
+        on the compute stream, from pinned memory: the caller does not wait), its state released
+        dirty, then its ``then()``. A failed update raises here."""
+        if self._in_flight is None:
+            return
+        unit, then, job, params = self._in_flight
+        self._in_flight = None
+        new = job.result()
+        with torch.no_grad():
+            for p, w in zip(params, new):
+                p.copy_(w, non_blocking=True)
+        self._up_done = compute_event(params[0].device)
+        for kind in unit.layout.whole_kinds:
+            self.mem.release(unit.index, kind, dirty=True)
+        then()
+
+    def close(self) -> None:
+        """Wait for an update still on the worker (its error dropped: the caller is failing or
+        done) and stop the worker."""
+        if self._in_flight is not None:
+            self._in_flight[2].exception()
+            self._in_flight = None
+        if self._worker is not None:
+            self._worker.shutdown()
 
     def _update_whole(self, unit: Unit, train: list[int]) -> None:
         flats = {kind: self.mem.acquire(unit.index, kind) for kind in unit.layout.whole_kinds}
@@ -224,19 +302,23 @@ class UnitUpdater:
         for k in grads:
             unit.slots[k].param.grad = None
 
-    def _stage(self, slot: str, tensors: list[torch.Tensor], like: list[torch.Tensor]) -> list[torch.Tensor]:
-        """``tensors`` copied into ``slot``'s pinned HOST views shaped and typed as ``like`` (a
-        device tensor comes down; a HOST one is cast there, as fp32 masters to 16-bit weights)."""
-        views = self.staging.views(slot, like)
+    def _stage(self, slot: str, tensors: list[torch.Tensor], like: list[torch.Tensor] | None = None,
+               non_blocking: bool = False) -> list[torch.Tensor]:
+        """``tensors`` copied into ``slot``'s pinned HOST views shaped and typed as ``like`` (default:
+        themselves; a device tensor comes down, ``non_blocking``: queued on the compute stream; a
+        HOST one is cast there, as fp32 masters to 16-bit weights)."""
+        # a buffer outgrown goes once the last copy up from it is done
+        views = self.staging.views(slot, tensors if like is None else like,
+                                   before_growing=lambda: host_wait(self._up_done))
         for v, t in zip(views, tensors):
-            v.copy_(t)
+            v.copy_(t, non_blocking=non_blocking)
         return views
 
     def _down(self, slot: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """``tensors`` in HOST: as they are if they are there already, else staged."""
         if all(t.device == HOST_DEVICE for t in tensors):
             return tensors
-        return self._stage(slot, tensors, like=tensors)
+        return self._stage(slot, tensors)
 
     def _where_clipped(self, norms: list[torch.Tensor]) -> list[torch.Tensor]:
         """The norms where the spilled gradients are clipped: updated in HOST, a pieced unit's

@@ -277,6 +277,20 @@ def test_update_on_host_keeps_the_state_off_the_link(tiny, dtype):
         make_plan(tiny, offload="nvme", budgets=gpu, seq_len=32, update_on="gpu")
 
 
+def test_update_on_host_runs_beside_the_backward(tiny):
+    """Updated on the host in the backward, a unit's CPU update overlaps the GPU's backward of the
+    next: the step is at least the longer of the two and less than their sum. With gradients kept
+    for clipping the updates run after the backward: the sum."""
+    fast = dataclasses.replace(BIG, device_kind="cuda", disk_read_gbps=1e6, disk_write_gbps=1e6, h2d_gbps=1e6,
+                               d2h_gbps=1e6, checksum_gbps=1e6, host_mem_gbps=0.5)
+    beside, after = (make_plan(tiny, offload="nvme", budgets=fast, seq_len=32, update_on="host", max_grad_norm=clip)
+                     for clip in (0.0, 1.0))
+    t = beside.time
+    assert t.compute_s > 0 and t.update_s > 0
+    assert max(t.compute_s, t.update_s) <= t.step_s < t.compute_s + t.update_s
+    assert after.time.step_s == pytest.approx(after.time.compute_s + after.time.update_s, rel=1e-3)
+
+
 def test_clipping_keeps_gradients_in_ram_while_it_holds_them(tiny):
     plan = make_plan(tiny, offload="nvme", budgets=BIG, seq_len=32, max_grad_norm=1.0)
     n = _total(tiny)
