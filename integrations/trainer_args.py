@@ -33,6 +33,10 @@ def _refusals(args: Any, adapters: bool) -> list[tuple[bool, str]]:
     """(is it set, the one-line reason and fix) for every argument the engine cannot honour."""
     optim = str(getattr(args.optim, "value", args.optim))
     streamed = not adapters  # the engine updates the weights (else the Trainer's optimizer, the adapters)
+    # transformers 5.24 renamed gradient_checkpointing (a mirrored alias until v6, absent before 5.24)
+    checkpointing = getattr(args, "activation_checkpointing", None)
+    if checkpointing is None:
+        checkpointing = getattr(args, "gradient_checkpointing", False)
     return [
         (args.fp16 or args.bf16, f"fp16={args.fp16}, bf16={args.bf16}: the out-of-core engine computes in the "
                                  "model's own dtype; load the model in bfloat16 instead (outcore keeps fp32 "
@@ -48,7 +52,7 @@ def _refusals(args: Any, adapters: bool) -> list[tuple[bool, str]]:
         (streamed and args.weight_decay > 0,
          f"weight_decay={args.weight_decay}: the Trainer exempts biases and norms from "
          "decay and the out-of-core updates take one decay for all; set weight_decay=0"),
-        (args.gradient_checkpointing, "activation_checkpointing (gradient_checkpointing)=True: the engine streams "
+        (bool(checkpointing), "activation_checkpointing (gradient_checkpointing)=True: the engine streams "
                                       "each block's weights for one forward; drop it"),
         (args.torch_compile, "torch_compile=True: the engine's module hooks stream the weights; drop torch_compile"),
         (args.load_best_model_at_end, "load_best_model_at_end=True: not supported out of core; pick the "

@@ -120,6 +120,9 @@ def test_out_of_core_wraps_a_trainer_subclass():
     (dict(optim="sgd"), "optim='sgd'"),
     (dict(weight_decay=0.01), "weight_decay=0.01"),
     (dict(gradient_checkpointing=True), "gradient_checkpointing"),
+    pytest.param(dict(activation_checkpointing=True), "activation_checkpointing", marks=pytest.mark.skipif(
+        "activation_checkpointing" not in TrainingArguments.__dataclass_fields__,
+        reason="transformers before 5.24 names it gradient_checkpointing only")),
 ])
 def test_refused_arguments_are_one_line_errors(tmp_path, kw, match):
     with pytest.raises(ConfigError, match=match) as err:
