@@ -102,26 +102,45 @@ class UnitUpdater:
         them); ``offsets``: where each of a piece's segments starts in its tensor."""
         group = {**self.group, "lr": self.lr, PIECE_OFFSETS: offsets}
         with torch.no_grad():
-            if self.on_host:
-                # Updated in HOST: the gradients come down through pinned memory (blocking
-                # copies: they wait for the backward that made them); spilled ones are there.
-                grads = self._down("grads", grads)
-            if states and "master" in states[0]:
-                # Mixed precision: the update runs on the fp32 master with the gradient
-                # made fp32 (exact: a widening cast), then the master is rounded into
-                # the 16-bit weights the next forward computes with (in HOST first when
-                # updated there: 2 bytes per weight go up instead of 4; the same rounding).
-                masters = [st.pop("master") for st in states]
-                self.optimizer.update(masters, self.widen(grads, masters[0].dtype), states, group)
-                new = self._stage("weights", masters, like=params) if self.on_host else masters
-            elif self.on_host:  # the weights are their own masters: down, updated, up
-                new = self._down("weights", params)
-                self.optimizer.update(new, grads, states, group)
+            if self.on_host:  # blocking copies down: they wait for the backward that made the gradients
+                new = self._host_update(*self._host_inputs(params, grads, states), states, group, like=params)
+            elif states and "master" in states[0]:
+                new = self._update_masters(grads, states, group)
             else:
                 self.optimizer.update(params, grads, states, group)
                 return
             for p, w in zip(params, new):
                 p.copy_(w)
+
+    def _update_masters(self, grads: list[torch.Tensor], states: list[dict[str, torch.Tensor]],
+                        group: dict[str, Any]) -> list[torch.Tensor]:
+        """Mixed precision: the update runs on the fp32 masters (popped from ``states``) with the
+        gradients made fp32 (exact: a widening cast); returns the masters, for the caller to round
+        into the 16-bit weights the next forward computes with."""
+        masters = [st.pop("master") for st in states]
+        self.optimizer.update(masters, self.widen(grads, masters[0].dtype), states, group)
+        return masters
+
+    # -- updated in HOST, on an accelerator ------------------------------------------------
+    def _host_inputs(self, params: list[torch.Tensor], grads: list[torch.Tensor],
+                     states: list[dict[str, torch.Tensor]], non_blocking: bool = False
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """The gradients in HOST (spilled ones are there; others come down through pinned memory)
+        and, without masters, the weights, which are their own masters (None with masters)."""
+        masters = bool(states) and "master" in states[0]
+        return (self._down("grads", grads, non_blocking),
+                None if masters else self._down("weights", params, non_blocking))
+
+    def _host_update(self, grads: list[torch.Tensor], weights: list[torch.Tensor] | None,
+                     states: list[dict[str, torch.Tensor]], group: dict[str, Any],
+                     like: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The update in HOST; returns the new weights there, pinned, typed as ``like``: the weights
+        updated in place, or the masters rounded to the 16-bit dtype in HOST (2 bytes per weight
+        go up instead of 4; the same rounding)."""
+        if weights is not None:
+            self.optimizer.update(weights, grads, states, group)
+            return weights
+        return self._stage("weights", self._update_masters(grads, states, group), like=like)
 
     # -- one unit -------------------------------------------------------------------------
     def update(self, unit: Unit, then: Callable[[], None]) -> None:
@@ -164,10 +183,7 @@ class UnitUpdater:
         flats = {kind: self.mem.acquire(unit.index, kind) for kind in unit.layout.whole_kinds}
         states = [unit.layout.state_views(flats, k) for k in train]
         params = [unit.view(unit.step.bound, unit.slots[k]) for k in train]
-        grads = self._stage("grads", [dense_range(g, 0, g.numel()).view(g.shape)
-                                      for g in (unit.slots[k].param.grad for k in train)], non_blocking=True)
-        masters = "master" in states[0]
-        weights = None if masters else self._stage("weights", params, non_blocking=True)
+        grads, weights = self._host_inputs(params, self._dense_grads(unit, train), states, non_blocking=True)
         landed = compute_event(params[0].device)
         for k in train:
             unit.slots[k].param.grad = None
@@ -176,19 +192,13 @@ class UnitUpdater:
 
     def _host_step(self, landed: Any, params: list[torch.Tensor], grads: list[torch.Tensor],
                    weights: list[torch.Tensor] | None, states: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """The worker's part: the update in HOST once the copies down have landed; returns the new
-        weights in pinned HOST memory (the rounded masters, or the weights updated in place).
-        ``landed`` is behind the unit before's copy up on the compute stream: its HOST buffer is
-        free once ``landed`` is."""
+        """The worker's part: :meth:`_host_update` once the copies down have landed. ``landed`` is
+        behind the unit before's copy up on the compute stream: its HOST buffer is free once
+        ``landed`` is."""
         host_wait(landed)
-        group = {**self.group, "lr": self.lr, PIECE_OFFSETS: None}
         with torch.no_grad():
-            if weights is not None:
-                self.optimizer.update(weights, grads, states, group)
-                return weights
-            masters = [st.pop("master") for st in states]
-            self.optimizer.update(masters, self.widen(grads, masters[0].dtype), states, group)
-            return self._stage("weights", masters, like=params)
+            return self._host_update(grads, weights, states, {**self.group, "lr": self.lr, PIECE_OFFSETS: None},
+                                     like=params)
 
     def finish(self) -> None:
         """Complete the unit updating on the worker, if any: its new weights are copied up (queued
@@ -227,10 +237,15 @@ class UnitUpdater:
                 for g in grads:
                     g.mul_(coef)
         else:
-            grads = [dense_range(g, 0, g.numel()).view(g.shape) for g in (unit.slots[k].param.grad for k in train)]
+            grads = self._dense_grads(unit, train)
         self._step(params, grads, [unit.layout.state_views(flats, k) for k in train])
         if self.spill:
             self.mem.release(unit.index, GRADS, dirty=False)
+
+    @staticmethod
+    def _dense_grads(unit: Unit, train: list[int]) -> list[torch.Tensor]:
+        """The gradients of ``unit``'s slots ``train``, dense (a row-gradient embedding's made whole)."""
+        return [dense_range(g, 0, g.numel()).view(g.shape) for g in (unit.slots[k].param.grad for k in train)]
 
     def _update_pieces(self, unit: Unit, reduced: torch.Tensor | None = None) -> None:
         """Update a pieced unit a piece at a time, each piece's state fetched while the one
@@ -314,11 +329,11 @@ class UnitUpdater:
             v.copy_(t, non_blocking=non_blocking)
         return views
 
-    def _down(self, slot: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _down(self, slot: str, tensors: list[torch.Tensor], non_blocking: bool = False) -> list[torch.Tensor]:
         """``tensors`` in HOST: as they are if they are there already, else staged."""
         if all(t.device == HOST_DEVICE for t in tensors):
             return tensors
-        return self._stage(slot, tensors)
+        return self._stage(slot, tensors, non_blocking=non_blocking)
 
     def _where_clipped(self, norms: list[torch.Tensor]) -> list[torch.Tensor]:
         """The norms where the spilled gradients are clipped: updated in HOST, a pieced unit's
