@@ -400,7 +400,8 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
             "nvme_write": io["nvme_write"] / (b.disk_write_gbps * gb),
             "h2d": io["h2d"] / (b.h2d_gbps * gb), "d2h": io["d2h"] / (b.d2h_gbps * gb)}
 
-    compute_s = sum(w.compute_s(u, batch * w.seq_len, lay.activations) for u in us)
+    unit_compute_s = [w.compute_s(u, batch * w.seq_len, lay.activations) for u in us]
+    compute_s = sum(unit_compute_s)
     mem = (b.device_mem_gbps if w.update_on_device else b.host_mem_gbps) * gb
     update_s = _update_bytes(w) / mem
     if w.update_params_per_s > 0:  # the optimizer timed; a master's widening and rounding moved bytes
@@ -416,7 +417,7 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
         lanes = [compute_s + update_s + copy + hashing, disk]
         busy = compute_s + update_s
     elif w.update_on_host and not w.grads_kept:  # the CPU updates a unit while the GPU computes the next
-        computing = _overlapped_backward(w, lay, batch, update_s)
+        computing = _overlapped_backward(w, lay, batch, unit_compute_s, update_s)
         lanes = [computing, disk, copy, hashing]
         busy = computing
     else:  # every update runs on the GPU between the backward's kernels, or on the CPU while it waits
@@ -436,14 +437,13 @@ def step_time(w: Workload, lay: Layout, batch: int) -> StepTime:
                     exposed_io_s=max(0.0, step - busy))
 
 
-def _overlapped_backward(w: Workload, lay: Layout, batch: int, update_s: float) -> float:
-    """Seconds of the step's compute with each unit's CPU update beside the next unit's backward:
-    the forwards, the last unit's backward alone, then per unit the longer of its update and the
-    backward of the unit before it, and the first unit's update alone (``update_s`` shared out by
-    trained parameters)."""
-    us, tokens = w.units, batch * w.seq_len
+def _overlapped_backward(w: Workload, lay: Layout, batch: int, total: list[float], update_s: float) -> float:
+    """Seconds of the step's compute (``total``: each unit's) with each unit's CPU update beside
+    the next unit's backward: the forwards, the last unit's backward alone, then per unit the longer
+    of its update and the backward of the unit before it, and the first unit's update alone
+    (``update_s`` shared out by trained parameters)."""
+    us = w.units
     trained = sum(u.trainable for u in us if u.grads) or 1
-    total = [w.compute_s(u, tokens, lay.activations) for u in us]
     fwd = [t / max(w.compute_passes(u, lay.activations, batch), 1.0) for t, u in zip(total, us)]
     bwd = [t - f for t, f in zip(total, fwd)]
     upd = [update_s * u.trainable / trained if u.grads else 0.0 for u in us]

@@ -19,12 +19,13 @@
 // mutex: autograd runs backward on its own device thread, I/O threads copy on side streams.
 //
 // Torch internals used, all through installed headers and exported symbols, present from
-// 2.6 through 2.13 (c10::DeviceAllocator from 2.9, used where present): the boxed fallback and redispatchBoxed, Dispatcher::getAllOpNames,
-// at::detail::empty_generic, at::native::{view, _reshape_alias, as_strided_tensorimpl,
-// resize_, set_, set_tensor_, set_storage_cpu_} (backend-neutral: they reallocate through
-// the storage's own allocator), StorageImpl::set_data_ptr, DeviceGuardImplInterface,
-// PrivateUse1HooksInterface, and the DispatchStub behind scaled_dot_product_attention
-// (REGISTER_PRIVATEUSE1_DISPATCH; private to ATen's native/ headers, the one unstable part).
+// 2.6 through 2.13 (c10::DeviceAllocator from 2.9, used where present): the boxed fallback
+// and redispatchBoxed, Dispatcher::getAllOpNames, at::detail::empty_generic,
+// at::native::{view, _reshape_alias, as_strided_tensorimpl, resize_, set_, set_tensor_,
+// set_storage_cpu_} (backend-neutral: they reallocate through the storage's own allocator),
+// StorageImpl::set_data_ptr, DeviceGuardImplInterface, PrivateUse1HooksInterface, and the
+// DispatchStub behind scaled_dot_product_attention (REGISTER_PRIVATEUSE1_DISPATCH; private to
+// ATen's native/ headers, the one unstable part).
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>
@@ -359,6 +360,13 @@ void count_alloc(State& s, size_t n) {
 int stream_index(const c10::Stream& s);
 void record_use(const c10::DataPtr& p, int stream);
 
+// The pool's blocks whose streams are done go back to the OS (torch.sim.empty_cache).
+void empty_cache() {
+  Lock g(st().mu);
+  release_finished(st());
+  trim(st());
+}
+
 // A c10::DeviceAllocator where torch has one (2.9+): torch.accelerator's memory calls
 // (empty_cache, memory_stats …), which accelerate and transformers make on whatever
 // accelerator is current, reach it as they reach CUDA's caching allocator.
@@ -402,11 +410,7 @@ struct SimAllocator final : AllocatorBase {
   void copy_data(void* dst, const void* src, size_t n) const override { std::memcpy(dst, src, n); }
 #ifdef SIM_DEVICE_ALLOCATOR
   bool initialized() override { return true; }
-  void emptyCache(c10::MempoolId_t) override {
-    Lock g(st().mu);
-    release_finished(st());
-    trim(st());
-  }
+  void emptyCache(c10::MempoolId_t) override { empty_cache(); }
   void recordStream(const c10::DataPtr& p, c10::Stream s) override { record_use(p, stream_index(s)); }
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex) override {
     State& s = st();
@@ -420,13 +424,13 @@ struct SimAllocator final : AllocatorBase {
     return d;
   }
   void resetAccumulatedStats(c10::DeviceIndex) override {}
-  // pure in torch's newer DeviceAllocator (no `override`: absent from 2.9-2.13's); unused by outcore
-  void* raw_alloc(size_t) { TORCH_CHECK(false, "sim: raw_alloc is not supported"); }
-  void raw_delete(void*) { TORCH_CHECK(false, "sim: raw_delete is not supported"); }
   void resetPeakStats(c10::DeviceIndex) override {
     Lock g(st().mu);
     st().peak = st().allocated;
   }
+  // pure in torch's newer DeviceAllocator (no `override`: absent from 2.9-2.13's); unused by outcore
+  void* raw_alloc(size_t) { TORCH_CHECK(false, "sim: raw_alloc is not supported"); }
+  void raw_delete(void*) { TORCH_CHECK(false, "sim: raw_delete is not supported"); }
 #endif
 };
 SimAllocator g_device;
@@ -1073,12 +1077,6 @@ void reset_report() {
   Lock g(s.mu);
   s.kernels = s.pageable_non_blocking = s.deferred_copies = s.bytes_h2d = s.bytes_d2h = 0;
   s.peak = s.allocated;
-}
-
-void empty_cache() {
-  Lock g(st().mu);
-  release_finished(st());
-  trim(st());
 }
 
 // Registered when the library loads: the guard must be, before the autograd engine counts devices.

@@ -100,7 +100,7 @@ class UnitUpdater:
               states: list[dict[str, torch.Tensor]], offsets: list[int] | None = None) -> None:
         """The optimizer's update of ``params`` in place (through fp32 masters when the state has
         them); ``offsets``: where each of a piece's segments starts in its tensor."""
-        group = {**self.group, "lr": self.lr, PIECE_OFFSETS: offsets}
+        group = self._group(offsets)
         with torch.no_grad():
             if self.on_host:  # blocking copies down: they wait for the backward that made the gradients
                 new = self._host_update(*self._host_inputs(params, grads, states), states, group, like=params)
@@ -111,6 +111,10 @@ class UnitUpdater:
                 return
             for p, w in zip(params, new):
                 p.copy_(w)
+
+    def _group(self, offsets: list[int] | None) -> dict[str, Any]:
+        """The optimizer's group for an update now: this step's lr, a piece's segment offsets."""
+        return {**self.group, "lr": self.lr, PIECE_OFFSETS: offsets}
 
     def _update_masters(self, grads: list[torch.Tensor], states: list[dict[str, torch.Tensor]],
                         group: dict[str, Any]) -> list[torch.Tensor]:
@@ -197,8 +201,7 @@ class UnitUpdater:
         ``landed`` is."""
         host_wait(landed)
         with torch.no_grad():
-            return self._host_update(grads, weights, states, {**self.group, "lr": self.lr, PIECE_OFFSETS: None},
-                                     like=params)
+            return self._host_update(grads, weights, states, self._group(None), like=params)
 
     def finish(self) -> None:
         """Complete the unit updating on the worker, if any: its new weights are copied up (queued

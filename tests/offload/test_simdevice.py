@@ -332,11 +332,11 @@ def test_report_counts_copies_and_memory(dev):
     assert simdevice.report()["peak_bytes"] >= base + 4096
 
 
+@pytest.mark.skipif(not hasattr(torch.accelerator, "memory_stats"),
+                    reason=f"torch {torch.__version__} has no torch.accelerator memory API")
 def test_torch_accelerator_memory_calls_reach_the_allocator(dev):
     """accelerate's Trainer and friends call torch.accelerator's memory API on whatever accelerator
     is current; on CUDA it reaches the caching allocator, so here it must reach sim's."""
-    if not hasattr(torch.accelerator, "memory_stats"):
-        pytest.skip(f"torch {torch.__version__} has no torch.accelerator memory API")
     torch.accelerator.empty_cache()
     base = torch.accelerator.memory_allocated()
     assert base == simdevice.report()["allocated_bytes"]
